@@ -1,0 +1,5 @@
+import sys
+
+from services.api.main import main
+
+sys.exit(main())

@@ -1,0 +1,61 @@
+"""``create_app(settings, bus)`` -> the Starlette app: OpenAI routes + control routes."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from services.api import control, openai
+from services.api.deps import Deps
+from shared.bus import Bus, new_request_id
+from shared.settings import Settings
+
+
+def create_app(settings: Settings, bus: Bus | None = None) -> Starlette:
+    """The app; connects its own bus at startup when none is given."""
+    deps = Deps(settings, bus)
+
+    async def health(request: Request) -> Response:
+        reply = await deps.control("health", b"{}", new_request_id(), timeout=2.0)
+        body = reply.result or {}
+        if reply.ok and body.get("ready") and body.get("ranks_alive"):
+            return JSONResponse({"status": "ok", **body})
+        return JSONResponse(
+            {"status": "unavailable", "error": reply.error_message or "ranks not ready", **body},
+            status_code=503,
+        )
+
+    async def metrics(request: Request) -> Response:
+        reply = await deps.control("health", b"{}", new_request_id(), timeout=2.0)
+        assert deps.bus is not None
+        deps.metrics.refresh(reply.result if reply.ok else None, deps.bus.dropped_replies)
+        return Response(deps.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        owned = deps.bus is None
+        if owned:
+            deps.bus = await Bus.connect(settings.nats_url, "rollbus-api")
+        try:
+            yield
+        finally:
+            if owned and deps.bus is not None:
+                await deps.bus.close()
+
+    app = Starlette(
+        routes=[
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+            *control.routes(deps),
+            *openai.routes(deps),
+        ],
+        lifespan=lifespan,
+    )
+    app.state.deps = deps
+    return app

@@ -1,0 +1,117 @@
+"""Control routes: parse the HTTP request, call ``rollbus.<i>.ctl.<method>``, map the reply.
+
+Thin on purpose: every decision is the engine's. The HTTP status is the reply's
+``error_code``; the body is the control reply itself.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from services.api.deps import Deps
+from shared import messages as m
+from shared.bus import new_request_id
+from shared.errors import BAD_REQUEST, NOT_FOUND, UNAUTHORIZED, ControlError
+
+
+def admin_check(deps: Deps, request: Request) -> None:
+    token = deps.settings.admin_token
+    if not token:
+        return
+    got = request.headers.get("authorization", "")
+    if got != f"Bearer {token}":
+        what = "missing" if not got else "wrong"
+        raise ControlError(UNAUTHORIZED, f"control routes need 'Authorization: Bearer <admin token>' ({what})")
+
+
+def reply_response(reply: m.ControlReply) -> JSONResponse:
+    return JSONResponse(m.to_builtins(reply), status_code=reply.error_code)
+
+
+async def call(deps: Deps, request: Request, method: str, args: dict[str, Any] | bytes) -> Response:
+    rid = request.headers.get("x-request-id") or new_request_id()
+    try:
+        admin_check(deps, request)
+        data = args if isinstance(args, bytes) else json.dumps(args).encode()
+        reply = await deps.control(method, data, rid, actor=f"http:{_client(request)}")
+    except ControlError as e:
+        reply = m.ControlReply(rid, e.code, e.message, None)
+    deps.metrics.control(method, reply.error_code)
+    return reply_response(reply)
+
+
+def _client(request: Request) -> str:
+    return f"{request.client.host}:{request.client.port}" if request.client else "?"
+
+
+def _query_args(request: Request, *names: str) -> dict[str, Any]:
+    return {n: request.query_params[n] for n in names if n in request.query_params}
+
+
+async def _body(request: Request) -> bytes:
+    body = await request.body()
+    if body.strip():
+        try:
+            json.loads(body)
+        except ValueError as e:
+            raise ControlError(BAD_REQUEST, f"body is not valid JSON: {e}") from None
+    return body
+
+
+def routes(deps: Deps) -> list[Route]:
+    async def pause(request: Request) -> Response:
+        return await call(deps, request, "pause", _query_args(request, "mode"))
+
+    async def resume(request: Request) -> Response:
+        return await call(deps, request, "resume", {})
+
+    async def is_paused(request: Request) -> Response:
+        resp = await call(deps, request, "is_paused", {})
+        if resp.status_code == 200:
+            body = json.loads(bytes(resp.body))
+            return JSONResponse({"is_paused": body["result"]["is_paused"]})
+        return resp
+
+    async def sleep(request: Request) -> Response:
+        return await call(deps, request, "sleep", _query_args(request, "tags"))
+
+    async def wakeup(request: Request) -> Response:
+        return await call(deps, request, "wakeup", _query_args(request, "tags"))
+
+    async def update_weights(request: Request) -> Response:
+        try:
+            body = await _body(request)
+        except ControlError as e:
+            return reply_response(m.ControlReply(new_request_id(), e.code, e.message))
+        return await call(deps, request, "update_weights", body or b"{}")
+
+    async def status(request: Request) -> Response:
+        resp = await call(deps, request, "status", {})
+        if resp.status_code == 200:
+            return JSONResponse(json.loads(bytes(resp.body))["result"])
+        return resp
+
+    def legacy(method: str):  # noqa: ANN202 - route factory
+        async def route(request: Request) -> Response:
+            if not deps.settings.dynamic_load_weight:
+                return JSONResponse({"error": "Dynamic Load Weight Disabled."}, status_code=NOT_FOUND)
+            return await call(deps, request, method, {})
+
+        return route
+
+    return [
+        Route("/v1/pause", pause, methods=["POST"]),
+        Route("/v1/resume", resume, methods=["POST"]),
+        Route("/v1/is_paused", is_paused, methods=["GET"]),
+        Route("/v1/sleep", sleep, methods=["POST"]),
+        Route("/v1/wakeup", wakeup, methods=["POST"]),
+        Route("/v1/update_weights", update_weights, methods=["POST"]),
+        Route("/v1/status", status, methods=["GET"]),
+        Route("/clear_load_weight", legacy("sleep"), methods=["GET"]),
+        Route("/update_model_weight", legacy("wakeup"), methods=["GET"]),
+    ]

@@ -1,0 +1,39 @@
+"""What every route needs: settings, the bus, metrics, and the one control call."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.api.metrics import Metrics
+from shared import messages as m
+from shared.bus import Bus
+from shared.errors import ControlError
+from shared.settings import Settings
+from shared.subjects import Subjects
+
+
+@dataclass
+class Deps:
+    settings: Settings
+    bus: Bus | None = None
+    metrics: Metrics = field(default_factory=Metrics)
+
+    @property
+    def subjects(self) -> Subjects:
+        return Subjects(self.settings.instance)
+
+    async def control(
+        self, method: str, data: bytes, rid: str, actor: str = "", timeout: float | None = None
+    ) -> m.ControlReply:
+        """Request ``ctl.<method>`` from the engine. Bus failures become a 503 reply."""
+        assert self.bus is not None, "bus not connected"
+        t = timeout or self.settings.control_timeout_s + 5.0
+        try:
+            with self.metrics.control_latency.labels(method).time():
+                reply = await self.bus.request(
+                    self.subjects.ctl(method), data, timeout=t, request_id=rid,
+                    headers={"Rollbus-Actor": actor} if actor else None,
+                )
+        except ControlError as e:
+            return m.ControlReply(rid, e.code, f"engine: {e.message}")
+        return m.json_decode(reply.data, type=m.ControlReply)

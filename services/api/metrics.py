@@ -1,0 +1,62 @@
+"""Prometheus metrics of the API process (``GET /metrics``).
+
+A registry of our own (not the global one) so several apps in one test process do not
+collide; engine-side numbers are refreshed from the engine's ``health`` at scrape time.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.control_requests = Counter(
+            "rollbus_control_requests", "Control calls by method and status code",
+            ["method", "code"], registry=r,
+        )
+        self.control_latency = Histogram(
+            "rollbus_control_latency_seconds", "Control call latency through the bus",
+            ["method"], registry=r,
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 0.5, 2.5, 10, 60),
+        )
+        self.gen_requests = Counter(
+            "rollbus_generation_requests", "Generation requests by route and outcome",
+            ["route", "finish_reason"], registry=r,
+        )
+        self.gen_tokens = Counter(
+            "rollbus_generation_tokens", "Tokens generated", registry=r,
+        )
+        self.ttft = Histogram(
+            "rollbus_time_to_first_token_seconds", "Time to first token", registry=r,
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10, 60),
+        )
+        self.is_paused = Gauge("rollbus_is_paused", "1 when generation is paused", registry=r)
+        self.ranks_alive = Gauge("rollbus_ranks_alive", "1 when every rank answers", registry=r)
+        self.weight_version = Gauge(
+            "rollbus_weight_version_info", "The serving weight version", ["version"], registry=r
+        )
+        self.dropped_replies = Gauge(
+            "rollbus_bus_dropped_replies", "Late or unknown replies dropped by the API's bus",
+            registry=r,
+        )
+
+    def control(self, method: str, code: int) -> None:
+        self.control_requests.labels(method, str(code)).inc()
+
+    def refresh(self, health: dict[str, Any] | None, dropped: int) -> None:
+        self.dropped_replies.set(dropped)
+        if not health:
+            self.ranks_alive.set(0)
+            return
+        self.is_paused.set(0 if health.get("state") == "running" else 1)
+        self.ranks_alive.set(1 if health.get("ranks_alive") else 0)
+        self.weight_version.clear()
+        self.weight_version.labels(str(health.get("weight_version", ""))).set(1)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,62 @@
+"""The ``rollbus`` command: ``serve``, ``publish``, ``versions``.
+
+Every setting is also a flag of ``serve`` (``--tp 4`` = ``ROLLBUS_TP=4``); flags win over
+the environment. A bad setting is one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pydantic import ValidationError
+
+from shared.settings import Settings, describe_error
+
+
+def _settings_flags(p: argparse.ArgumentParser) -> None:
+    for name, field in Settings.model_fields.items():
+        p.add_argument(
+            "--" + name.replace("_", "-"), dest=name, default=None, metavar="VALUE",
+            help=f"{field.description or ''} (env ROLLBUS_{name.upper()})".strip(),
+        )
+
+
+def settings_from(ns: argparse.Namespace) -> Settings:
+    overrides = {k: v for k, v in vars(ns).items() if k in Settings.model_fields and v is not None}
+    return Settings(**overrides)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="rollbus", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    serve_p = sub.add_parser("serve", help="start nats-server (embedded), engine, ranks and API")
+    _settings_flags(serve_p)
+
+    pub = sub.add_parser("publish", help="publish a checkpoint version to the object store")
+    pub.add_argument("dir", help="HF-format model dir (config.json + *.safetensors)")
+    pub.add_argument("--model", required=True, help="served model id")
+    pub.add_argument("--version", required=True)
+    pub.add_argument("--tp", type=int, default=None, help="ranks to shard for (default ROLLBUS_TP)")
+    pub.add_argument("--nats-url", default=None)
+
+    ver = sub.add_parser("versions", help="list published versions of a model")
+    ver.add_argument("--model", required=True)
+    ver.add_argument("--nats-url", default=None)
+
+    args = ap.parse_args(argv)
+    try:
+        if args.cmd == "serve":
+            from services.launcher import serve
+
+            return serve(settings_from(args))
+        from services.trainer import cli as trainer_cli
+
+        return trainer_cli.run(args, Settings())
+    except ValidationError as e:
+        print(f"rollbus: {describe_error(e)}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from services.engine.main import main
+
+sys.exit(main())

@@ -1,0 +1,163 @@
+"""One small function per control method (``rollbus.<i>.ctl.<method>``).
+
+Each takes the engine and its decoded arguments and returns the reply's ``result`` or
+raises ``ControlError``. Mutating methods run under the engine's control lock: a
+second one arriving meanwhile gets 409 at once instead of queueing behind it.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from services.engine.ranks import RankError
+from services.engine.state import State
+from shared import messages as m
+from shared.errors import NOT_FOUND, ControlError
+
+if TYPE_CHECKING:
+    from services.engine.main import Engine
+
+
+async def pause(eng: Engine, args: m.PauseArgs) -> dict[str, Any]:
+    changed = eng.state.pause(args.mode)
+    aborted = await eng.scheduler.pause(args.mode) if changed else 0
+    if changed:
+        await eng.state_changed("paused", {"mode": args.mode, "aborted": aborted})
+    return {"is_paused": True, "mode": eng.state.pause_mode or args.mode, "aborted": aborted}
+
+
+async def resume(eng: Engine, _: m.NoArgs) -> dict[str, Any]:
+    if eng.state.resume():
+        eng.scheduler.resume()
+        await eng.state_changed("running", {})
+    return {"is_paused": eng.state.is_paused}
+
+
+def is_paused(eng: Engine, _: object = None) -> dict[str, Any]:
+    return {"is_paused": eng.state.is_paused}
+
+
+async def sleep(eng: Engine, args: m.TagArgs) -> dict[str, Any]:
+    tags = args.tag_set()
+    aborted = 0
+    if eng.state.state is State.RUNNING:
+        eng.state.pause("abort")
+        aborted = await eng.scheduler.pause("abort")
+    eng.state.sleep(tags)  # recorded first: a half-failed sleep must not look awake
+    await eng.state_changed("sleeping", {"tags": list(tags)})
+    if "kv_cache" in tags:
+        eng.scheduler.drop_kv()
+    replies = await eng.ranks.call(
+        "sleep",
+        m.SleepWorkerArgs(list(tags), eng.settings.shutdown_comm_group_if_worker_idle),
+    )
+    return {
+        "is_paused": True,
+        "tags": list(tags),
+        "aborted": aborted,
+        "ranks": [replies[r].result for r in sorted(replies)],
+    }
+
+
+async def wakeup(eng: Engine, args: m.TagArgs) -> dict[str, Any]:
+    tags = args.tag_set()
+    eng.state.check_wakeup(tags, eng.settings.use_cudagraph)
+    t0 = time.perf_counter()
+    replies = await eng.ranks.call(
+        "wakeup",
+        m.WakeupWorkerArgs(list(tags), eng.state.weight_version, eng.settings.load_strategy),
+    )
+    if "kv_cache" in tags:
+        eng.scheduler.restore_kv()
+    resumed = eng.state.woke(tags)
+    if resumed:
+        eng.scheduler.resume()
+        await eng.state_changed("running", {"woke": list(tags)})
+    return {
+        "is_paused": eng.state.is_paused,
+        "tags": list(tags),
+        "still_asleep": sorted(eng.state.asleep),
+        "weight_version": eng.state.weight_version,
+        "seconds": time.perf_counter() - t0,
+        "ranks": [replies[r].result for r in sorted(replies)],
+    }
+
+
+def default_version(eng: Engine) -> str:
+    """``<model>/version.txt``, else the newest published version, else 404."""
+    p = Path(eng.settings.model_dir) / "version.txt"
+    if p.is_file() and p.read_text().strip():
+        return p.read_text().strip()
+    if eng.latest_published:
+        return eng.latest_published
+    raise ControlError(NOT_FOUND, "no version given, no version.txt and nothing published")
+
+
+async def update_weights(eng: Engine, args: m.UpdateWeightsArgs, actor: str = "") -> dict[str, Any]:
+    eng.state.begin_update()
+    version = args.version or default_version(eng)
+    previous = eng.state.weight_version
+    t0 = time.perf_counter()
+    await eng.state_changed("updating", {"version": version, "from": previous})
+    committed: str | None = None
+    try:
+        staged = await eng.ranks.call(
+            "stage", m.StageArgs(version, args.verify_checksum, eng.settings.load_strategy)
+        )
+        t_staged = time.perf_counter()
+        await eng.ranks.call("commit", m.CommitArgs(version))
+        committed = version
+    except RankError:
+        # all-or-nothing: ranks that staged drop it; none switched
+        try:
+            await eng.ranks.call("abort", timeout=min(5.0, eng.settings.control_timeout_s))
+        except RankError:
+            pass
+        raise
+    finally:
+        eng.state.end_update(committed)
+        await eng.state_changed("paused", {"version": eng.state.weight_version})
+    eng.scheduler.weights_changed(version)
+    await eng.event("version", {"version": version, "previous": previous, "actor": actor})
+    ranks = [staged[r].result for r in sorted(staged)]
+    return {
+        "version": version,
+        "previous_version": previous,
+        "bytes": sum(int(r.get("bytes", 0)) for r in ranks),
+        "stage_s": t_staged - t0,
+        "commit_s": time.perf_counter() - t_staged,
+        "seconds": time.perf_counter() - t0,
+        "ranks": ranks,
+    }
+
+
+async def status(eng: Engine, _: object = None) -> dict[str, Any]:
+    ranks = await eng.ranks.statuses(timeout=min(2.0, eng.settings.control_timeout_s))
+    return {
+        "state": eng.state.state.value,
+        "is_paused": eng.state.is_paused,
+        "weight_version": eng.state.weight_version,
+        "model": eng.settings.served_model_name,
+        "instance": eng.settings.instance,
+        "tp": eng.settings.tp,
+        "load_strategy": eng.settings.load_strategy,
+        "asleep": sorted(eng.state.asleep),
+        "pause_mode": eng.state.pause_mode,
+        "ranks": ranks,
+        "ranks_ready": all(r.get("alive") for r in ranks),
+        "nats_url": eng.bus.url,
+        **eng.scheduler.counts(),
+    }
+
+
+def health(eng: Engine, _: object = None) -> dict[str, Any]:
+    return {
+        "ready": eng.ready,
+        "ranks_alive": eng.ranks_alive,
+        "state": eng.state.state.value,
+        "weight_version": eng.state.weight_version,
+        "model": eng.settings.served_model_name,
+        "max_model_len": eng.max_model_len,
+    }

@@ -1,0 +1,210 @@
+"""The engine process: ``python -m services.engine``.
+
+Owns the state machine, the control lock, the scheduler and step loop, and the fan-out
+to the ranks. Serves ``rollbus.<i>.ctl.<method>`` (plain JSON in, control reply out)
+as the NATS micro service ``rollbus-engine``, and records every control operation and
+state change on ``rollbus.<i>.events.<kind>`` (JetStream stream ``ROLLBUS_EVENTS``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from nats.js.api import StreamConfig
+from nats.js.errors import BadRequestError
+
+from services.engine import control
+from services.engine.generation import Generation
+from services.engine.ranks import Ranks
+from services.engine.state import EngineState
+from shared import messages as m
+from shared.bus import REQUEST_ID, Bus, new_request_id
+from shared.errors import CONFLICT, INTERNAL, ControlError
+from shared.settings import Settings
+from shared.subjects import EVENTS_STREAM, Subjects
+
+log = logging.getLogger("rollbus.engine")
+
+ACTOR = "Rollbus-Actor"
+Method = Callable[..., Any]
+
+# method -> (handler, argument type, takes the control lock)
+METHODS: dict[str, tuple[Method, type, bool]] = {
+    "pause": (control.pause, m.PauseArgs, True),
+    "resume": (control.resume, m.NoArgs, True),
+    "is_paused": (control.is_paused, m.NoArgs, False),
+    "sleep": (control.sleep, m.TagArgs, True),
+    "wakeup": (control.wakeup, m.TagArgs, True),
+    "update_weights": (control.update_weights, m.UpdateWeightsArgs, True),
+    "status": (control.status, m.NoArgs, False),
+    "health": (control.health, m.NoArgs, False),
+}
+
+
+async def ensure_events_stream(bus: Bus) -> None:
+    cfg = StreamConfig(
+        name=EVENTS_STREAM, subjects=["rollbus.*.events.>"], max_age=7 * 24 * 3600.0,
+        max_msgs=1_000_000,
+    )
+    try:
+        await bus.nc.jetstream().add_stream(cfg)
+    except BadRequestError:
+        await bus.nc.jetstream().update_stream(cfg)
+
+
+class Engine:
+    def __init__(self, settings: Settings, bus: Bus) -> None:
+        self.settings = settings
+        self.bus = bus
+        self.subjects = Subjects(settings.instance)
+        self.state = EngineState()
+        self.ranks = Ranks(bus, self.subjects, settings.tp, settings.control_timeout_s)
+        self.lock = asyncio.Lock()
+        self.ready = False
+        self.ranks_alive = False
+        self.latest_published = ""
+        self.max_model_len = 0
+        self.scheduler = Generation(self)
+
+    # ------------------------------------------------------------------ events
+
+    async def event(self, kind: str, data: dict[str, Any], request_id: str = "") -> None:
+        """Append to the audit log. A core publish: JetStream stores it without a
+        round-trip ack on the control path."""
+        ev = m.Event(kind=kind, instance=self.settings.instance, request_id=request_id,
+                     actor="engine", data=data)
+        try:
+            await self.bus.publish(self.subjects.event(kind), m.json_encode(ev))
+        except Exception:  # the audit log must never fail a control op
+            log.exception("could not publish event %s", kind)
+
+    async def state_changed(self, to: str, data: dict[str, Any]) -> None:
+        await self.event("state", {"state": to, **data})
+
+    # ------------------------------------------------------------------ control
+
+    async def dispatch(self, method: str, data: bytes, headers: dict[str, str]) -> bytes:
+        rid = headers.get(REQUEST_ID) or new_request_id()
+        actor = headers.get(ACTOR, "nats")
+        fn, argtype, exclusive = METHODS[method]
+        t0 = time.perf_counter()
+        args: Any = None
+        try:
+            args = m.decode_args(data, argtype)
+            if exclusive:
+                if self.lock.locked():
+                    raise ControlError(CONFLICT, f"{method}: another control operation is in progress")
+                async with self.lock:
+                    result = await self._call(fn, args, actor)
+            else:
+                result = await self._call(fn, args, actor)
+            reply = m.ControlReply(rid, result=result)
+        except ControlError as e:
+            reply = m.ControlReply(rid, e.code, e.message, _jsonable(e.result))
+        except Exception as e:  # a bug must answer, not leave the caller to time out
+            log.exception("%s failed", method)
+            reply = m.ControlReply(rid, INTERNAL, f"{method}: internal error: {e!r}")
+        if exclusive:
+            await self.event(
+                "control",
+                {"method": method, "args": m.to_builtins(args), "error_code": reply.error_code,
+                 "error_message": reply.error_message, "actor": actor,
+                 "seconds": time.perf_counter() - t0},
+                rid,
+            )
+        return m.json_encode(reply)
+
+    async def _call(self, fn: Method, args: Any, actor: str) -> dict[str, Any]:
+        if "actor" in inspect.signature(fn).parameters:
+            out = fn(self, args, actor=actor)
+        else:
+            out = fn(self, args)
+        if isinstance(out, Awaitable):
+            out = await out
+        return out
+
+    async def start(self) -> None:
+        await ensure_events_stream(self.bus)
+        svc = await self.bus.add_service(
+            "rollbus-engine", "0.1.0", f"rollbus engine ({self.settings.instance})"
+        )
+        for method in METHODS:
+            await self.bus.serve(
+                svc, method, self.subjects.ctl(method),
+                lambda d, h, _m=method: self.dispatch(_m, d, h),
+                queue="engine", concurrent=True,
+            )
+        await self.scheduler.start(svc)
+        await self.bus.flush()
+
+    async def wait_ranks(self) -> None:
+        """Ping until every rank answers once; learn the serving version from them."""
+        while True:
+            try:
+                replies = await self.ranks.call("ping", timeout=1.0)
+            except ControlError:
+                await asyncio.sleep(0.2)
+                continue
+            versions = {rep.result.get("version") for rep in replies.values()}
+            if len(versions) != 1:
+                raise ControlError(INTERNAL, f"ranks serve different versions: {versions}")
+            self.state.weight_version = versions.pop() or ""
+            self.ready = self.ranks_alive = True
+            await self.event("ready", {"version": self.state.weight_version, "tp": self.settings.tp})
+            return
+
+    async def watch_ranks(self, period: float = 2.0) -> None:
+        """Keep ``ranks_alive`` true only while every rank answers a ping."""
+        while True:
+            await asyncio.sleep(period)
+            try:
+                await self.ranks.call("ping", timeout=period)
+                alive = True
+            except ControlError as e:
+                alive = False
+                if self.ranks_alive:
+                    log.warning("ranks lost: %s", e.message)
+                    await self.event("ranks", {"alive": False, "error": e.message})
+            self.ranks_alive = alive
+
+
+def _jsonable(result: dict[str, Any] | None) -> dict[str, Any] | None:
+    if not result:
+        return None
+    return {k: v for k, v in result.items() if k != "replies"}
+
+
+async def amain(settings: Settings) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    bus = await Bus.connect(settings.nats_url, "rollbus-engine")
+    engine = Engine(settings, bus)
+    await engine.start()
+    await engine.wait_ranks()
+    log.info("engine ready: %d ranks, version %s", settings.tp, engine.state.weight_version)
+    tasks = [asyncio.create_task(engine.watch_ranks()), *engine.scheduler.background()]
+    await stop.wait()
+    for t in tasks:
+        t.cancel()
+    await bus.close()
+    return 0
+
+
+def main() -> int:
+    settings = Settings()
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s engine %(levelname)s %(name)s: %(message)s")
+    try:
+        return asyncio.run(amain(settings))
+    except ControlError as e:
+        print(f"rollbus-engine: {e.message}", file=sys.stderr)
+        return 1

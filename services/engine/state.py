@@ -1,0 +1,109 @@
+"""The engine's state machine, as pure transitions (no I/O, unit-tested alone).
+
+::
+
+    running --pause--> paused --update_weights--> updating --(done/failed)--> paused
+       ^                 |  \\--resume--> running
+       |               sleep
+       |                 v
+       +----wakeup--- sleeping   (sleep from running pauses first)
+
+``is_paused`` is true in every state but ``running``: nothing is scheduled then.
+Each check raises ``ControlError`` with the contract's status code (409 wrong state).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from shared.errors import BAD_REQUEST, CONFLICT, ControlError
+from shared.messages import SLEEP_TAGS
+
+
+class State(StrEnum):
+    RUNNING = "running"
+    PAUSED = "paused"
+    SLEEPING = "sleeping"
+    UPDATING = "updating"
+
+
+@dataclass
+class EngineState:
+    state: State = State.RUNNING
+    asleep: set[str] = field(default_factory=set)  # tags freed on the ranks
+    weight_version: str = ""
+    pause_mode: str = ""
+
+    @property
+    def is_paused(self) -> bool:
+        return self.state is not State.RUNNING
+
+    def pause(self, mode: str) -> bool:
+        """Returns whether the state changed (pause is idempotent)."""
+        if self.state is State.UPDATING:
+            raise ControlError(CONFLICT, "cannot pause: update_weights is in progress")
+        if self.state is State.RUNNING:
+            self.state = State.PAUSED
+            self.pause_mode = mode
+            return True
+        return False
+
+    def resume(self) -> bool:
+        if self.state is State.SLEEPING:
+            raise ControlError(
+                CONFLICT, f"cannot resume while sleeping ({sorted(self.asleep)} freed): call wakeup"
+            )
+        if self.state is State.UPDATING:
+            raise ControlError(CONFLICT, "cannot resume: update_weights is in progress")
+        if self.state is State.PAUSED:
+            self.state = State.RUNNING
+            self.pause_mode = ""
+            return True
+        return False
+
+    def begin_update(self) -> None:
+        if self.state is State.RUNNING:
+            raise ControlError(CONFLICT, "update_weights requires a paused engine: call pause first")
+        if self.state is State.SLEEPING:
+            raise ControlError(
+                CONFLICT, f"cannot update weights while sleeping ({sorted(self.asleep)} freed)"
+            )
+        if self.state is State.UPDATING:
+            raise ControlError(CONFLICT, "another update_weights is in progress")
+        self.state = State.UPDATING
+
+    def end_update(self, version: str | None) -> None:
+        """Back to paused; ``version`` is the committed one, ``None`` after a failure."""
+        if version is not None:
+            self.weight_version = version
+        self.state = State.PAUSED
+
+    def sleep(self, tags: tuple[str, ...]) -> None:
+        if self.state is State.UPDATING:
+            raise ControlError(CONFLICT, "cannot sleep: update_weights is in progress")
+        self.state = State.SLEEPING
+        self.asleep |= set(tags)
+
+    def check_wakeup(self, tags: tuple[str, ...], use_cudagraph: bool) -> None:
+        if use_cudagraph and "weight" in tags and "kv_cache" not in tags:
+            raise ControlError(
+                BAD_REQUEST,
+                "with USE_CUDAGRAPH the KV cache must wake up with (or before) the weights: "
+                "use tags=weight,kv_cache",
+            )
+        if self.state is State.UPDATING:
+            raise ControlError(CONFLICT, "cannot wake up: update_weights is in progress")
+
+    def woke(self, tags: tuple[str, ...]) -> bool:
+        """Record restored tags; returns True when fully awake (and so resumed)."""
+        self.asleep -= set(tags)
+        if self.asleep:
+            return False
+        self.state = State.RUNNING
+        self.pause_mode = ""
+        return True
+
+
+def all_tags() -> tuple[str, ...]:
+    return SLEEP_TAGS

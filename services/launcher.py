@@ -1,0 +1,178 @@
+"""``rollbus serve``: the embedded nats-server, the engine, the worker ranks and the API.
+
+Children get the launcher's settings as ``ROLLBUS_*`` variables. Ctrl-C / SIGTERM stops
+every child; a child that dies is reported by name and the rest are stopped. Children
+also get ``PR_SET_PDEATHSIG``, so even a ``kill -9`` of the launcher leaves no orphans.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from services import natsd
+from services.tiny_model import ensure_tiny_model
+from shared.bus import Bus
+from shared.errors import BusUnreachable
+from shared.settings import Settings
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen[bytes]
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+def _say(msg: str) -> None:
+    print(f"rollbus: {msg}", file=sys.stderr, flush=True)
+
+
+def check_nats(url: str) -> None:
+    async def probe() -> None:
+        bus = await Bus.connect(url, "rollbus-launcher", timeout=5.0)
+        await bus.close()
+
+    try:
+        asyncio.run(probe())
+    except BusUnreachable as e:
+        raise LaunchError(e.message) from None
+
+
+class Launcher:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.children: list[Child] = []
+        self.nats: natsd.NatsServer | None = None
+        self._stopping = False
+
+    def prepare(self) -> Settings:
+        s = self.settings
+        if not s.model:
+            ensure_tiny_model(s.model_dir, seed=s.seed)
+        elif not (s.model_dir / "config.json").is_file():
+            raise LaunchError(f"ROLLBUS_MODEL={s.model}: no config.json there")
+        if s.embedded_nats:
+            try:
+                self.nats = natsd.start(
+                    s.data_dir / "nats", port=s.nats_port, log_file=s.data_dir / "nats.log"
+                )
+            except natsd.NatsServerError as e:
+                raise LaunchError(str(e)) from None
+            s = s.model_copy(update={"nats_url": self.nats.url})
+            _say(f"embedded nats-server at {self.nats.url} (store {s.data_dir / 'nats'})")
+        else:
+            check_nats(s.nats_url)
+        # children must resolve relative paths the same way whatever their cwd
+        s = s.model_copy(update={"data_dir": s.data_dir.resolve(),
+                                 "model": str(s.model_dir.resolve())})
+        self.settings = s
+        return s
+
+    def spawn(self, name: str, args: list[str]) -> None:
+        env = {**os.environ, **self.settings.to_env()}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", *args], env=env, preexec_fn=_die_with_parent
+        )
+        self.children.append(Child(name, proc))
+
+    def start(self) -> None:
+        s = self.prepare()
+        endpoints = ",".join(f"127.0.0.1:{free_port()}" for _ in range(s.tp))
+        self.spawn("engine", ["services.engine"])
+        for r in range(s.tp):
+            self.spawn(f"worker rank {r}", ["services.worker", "--rank", str(r),
+                                            "--endpoints", endpoints])
+        self.spawn("api", ["services.api"])
+
+    def _health(self) -> bool:
+        url = f"http://{self.settings.api_host}:{self.settings.api_port}/health"
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                return bool(r.status == 200)
+        except OSError:
+            return False
+
+    def monitor(self) -> int:
+        """Wait until a signal (exit 0) or a child's death (exit 1)."""
+        ready = False
+        next_probe = 0.0
+        while not self._stopping:
+            for c in self.children:
+                code = c.proc.poll()
+                if code is not None:
+                    _say(f"{c.name} exited with code {code}; stopping the others")
+                    return 1
+            if self.nats is not None and self.nats.proc.poll() is not None:
+                _say("embedded nats-server exited; stopping the others")
+                return 1
+            if not ready and time.monotonic() >= next_probe:
+                ready = self._health()
+                next_probe = time.monotonic() + 0.5
+                if ready:
+                    s = self.settings
+                    _say(f"ready: http://{s.api_host}:{s.api_port} (model "
+                         f"{s.served_model_name}, tp={s.tp}, nats {s.nats_url})")
+            time.sleep(0.1)
+        return 0
+
+    def stop(self) -> None:
+        for c in self.children:
+            if c.proc.poll() is None:
+                c.proc.terminate()
+        deadline = time.monotonic() + 10
+        for c in self.children:
+            try:
+                c.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait()
+        if self.nats is not None:
+            self.nats.stop()
+
+    def run(self) -> int:
+        def on_signal(signum: int, _frame: object) -> None:
+            self._stopping = True
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        try:
+            self.start()
+            return self.monitor()
+        except LaunchError as e:
+            _say(str(e))
+            return 2
+        finally:
+            self.stop()
+
+
+def serve(settings: Settings) -> int:
+    Path(settings.data_dir).mkdir(parents=True, exist_ok=True)
+    return Launcher(settings).run()

@@ -1,0 +1,74 @@
+"""The tensor-parallel communication group of the worker ranks (``paddle.distributed``).
+
+We start the ranks ourselves (no ``paddle.distributed.launch``): the launcher hands each
+rank its endpoint list, ``init_parallel_env`` joins the global gloo (CPU) or NCCL (GPU)
+group once, and tensor parallelism runs on a sub-group created with ``new_group`` so it
+can be destroyed on sleep (``SHUTDOWN_COMM_GROUP_IF_WORKER_IDLE``) and rebuilt on
+wakeup without restarting the process. Creating or destroying a group is collective:
+every rank must call it, which the engine's scatter guarantees.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def configure_env(rank: int, tp: int, endpoints: list[str], backend: str = "gloo") -> None:
+    os.environ.update(
+        PADDLE_TRAINER_ID=str(rank),
+        PADDLE_TRAINERS_NUM=str(tp),
+        PADDLE_TRAINER_ENDPOINTS=",".join(endpoints),
+        PADDLE_CURRENT_ENDPOINT=endpoints[rank],
+        PADDLE_DISTRI_BACKEND=backend,
+    )
+
+
+class CommGroup:
+    def __init__(self, rank: int, tp: int) -> None:
+        self.rank, self.tp = rank, tp
+        self.group: Any = None
+        self._initialized = False
+
+    @property
+    def alive(self) -> bool:
+        return self.tp == 1 or self.group is not None
+
+    def init(self) -> None:
+        """Join the global group (once per process), then build the TP group."""
+        if self.tp == 1:
+            return
+        import paddle.distributed as dist
+
+        if not self._initialized:
+            dist.init_parallel_env()
+            self._initialized = True
+        self.build()
+
+    def build(self) -> None:
+        if self.tp == 1 or self.group is not None:
+            return
+        import paddle.distributed as dist
+
+        self.group = dist.new_group(list(range(self.tp)))
+
+    def destroy(self) -> None:
+        if self.tp == 1 or self.group is None:
+            return
+        import paddle.distributed as dist
+
+        dist.destroy_process_group(self.group)
+        self.group = None
+
+    def check(self) -> float:
+        """All-reduce a 1 from every rank: returns ``tp`` when the group works."""
+        if self.tp == 1:
+            return 1.0
+        if self.group is None:
+            raise RuntimeError("communication group is shut down")
+        import paddle
+        import paddle.distributed as dist
+
+        x = paddle.ones([1], dtype="float32")
+        dist.all_reduce(x, group=self.group)
+        return float(x.numpy()[0])

@@ -1,0 +1,122 @@
+"""Control methods of one rank, as plain functions of the rank's state.
+
+Each takes the :class:`Rank` and the decoded arguments and returns a result dict or
+raises ``ControlError``. They run on the rank's single paddle thread (see
+``services.worker.main``), so they never race a model step or each other.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.worker import model as mdl
+from services.worker.comm import CommGroup
+from services.worker.weights import WeightStore, digest
+from shared.errors import CONFLICT, ControlError
+from shared.messages import CommitArgs, SleepWorkerArgs, StageArgs, WakeupWorkerArgs
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process (Linux ``/proc``)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclass
+class Rank:
+    rank: int
+    tp: int
+    cfg: mdl.ModelConfig
+    weights: WeightStore
+    kv: mdl.KVCache
+    comm: CommGroup
+    strategy: str
+    model: mdl.TPModel | None = None
+    started: float = field(default_factory=time.time)
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "version": self.weights.version,
+            "weights_loaded": self.weights.current is not None,
+            "weight_bytes": self.weights.nbytes,
+            "kv_allocated": self.kv.allocated,
+            "kv_bytes": self.kv.nbytes,
+            "comm_group": self.comm.alive,
+            "rss_bytes": rss_bytes(),
+            "strategy": self.strategy,
+        }
+
+
+def ping(r: Rank, _: object = None) -> dict[str, Any]:
+    return {"rank": r.rank, "version": r.weights.version}
+
+
+def status(r: Rank, _: object = None) -> dict[str, Any]:
+    return r.status()
+
+
+def stage(r: Rank, args: StageArgs) -> dict[str, Any]:
+    if r.weights.current is None:
+        raise ControlError(CONFLICT, f"rank {r.rank}: weights are asleep; wake up first")
+    return {"rank": r.rank, **r.weights.stage(args.version, args.verify_checksum)}
+
+
+def commit(r: Rank, args: CommitArgs) -> dict[str, Any]:
+    r.weights.commit(args.version)
+    return {"rank": r.rank, "version": r.weights.version}
+
+
+def abort(r: Rank, _: object = None) -> dict[str, Any]:
+    r.weights.abort()
+    return {"rank": r.rank, "version": r.weights.version}
+
+
+def sleep(r: Rank, args: SleepWorkerArgs) -> dict[str, Any]:
+    before = rss_bytes()
+    freed = 0
+    if "weight" in args.tags and r.weights.current is not None:
+        freed += r.weights.nbytes
+        r.weights.free()
+    if "kv_cache" in args.tags and r.kv.allocated:
+        freed += r.kv.nbytes
+        r.kv.free()
+    if args.shutdown_comm_group and "weight" in args.tags:
+        r.comm.destroy()
+    return {"rank": r.rank, "freed_bytes": freed, "rss_before": before, "rss_after": rss_bytes()}
+
+
+def wakeup(r: Rank, args: WakeupWorkerArgs) -> dict[str, Any]:
+    """Rebuild what sleep freed: comm group, KV cache, then the *current* version."""
+    before = rss_bytes()
+    t0 = time.perf_counter()
+    r.comm.build()
+    if "kv_cache" in args.tags and not r.kv.allocated:
+        r.kv.allocate()
+    if "weight" in args.tags and r.weights.current is None:
+        r.weights.reload()
+    return {
+        "rank": r.rank,
+        "version": r.weights.version,
+        "rss_before": before,
+        "rss_after": rss_bytes(),
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def weights_digest(r: Rank, _: object = None) -> dict[str, Any]:
+    if r.weights.current is None:
+        raise ControlError(CONFLICT, f"rank {r.rank}: weights are asleep")
+    return {"rank": r.rank, "version": r.weights.version, "sha256": digest(r.weights.current)}
+
+
+def comm_check(r: Rank, _: object = None) -> dict[str, Any]:
+    try:
+        total = r.comm.check()
+    except RuntimeError as e:
+        raise ControlError(CONFLICT, f"rank {r.rank}: {e}") from None
+    return {"rank": r.rank, "all_reduce": total}

@@ -1,0 +1,157 @@
+"""A worker rank process: ``python -m services.worker --rank R --endpoints h:p,h:p``.
+
+Holds one tensor-parallel shard of the model and its KV cache, answers
+``rollbus.<i>.worker.ctl.<method>`` (queue group ``rank<R>``, so a publish reaches every
+rank once) and executes ``rollbus.<i>.worker.step``. All paddle work runs on one
+thread, in arrival order, so control methods and model steps never interleave and the
+event loop stays free to answer ``ping``/``status`` during a long load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from services.worker import control
+from services.worker import model as mdl
+from services.worker.comm import CommGroup, configure_env
+from services.worker.sources import make_source
+from services.worker.weights import WeightStore, load_config, read_version_txt
+from shared import messages as m
+from shared.bus import RANK, Bus
+from shared.errors import INTERNAL, ControlError
+from shared.settings import Settings
+from shared.subjects import Subjects
+
+log = logging.getLogger("rollbus.worker")
+
+# method -> (handler, argument type)
+METHODS: dict[str, tuple[Callable[[control.Rank, Any], dict[str, Any]], type | None]] = {
+    "ping": (control.ping, None),
+    "status": (control.status, None),
+    "stage": (control.stage, m.StageArgs),
+    "commit": (control.commit, m.CommitArgs),
+    "abort": (control.abort, None),
+    "sleep": (control.sleep, m.SleepWorkerArgs),
+    "wakeup": (control.wakeup, m.WakeupWorkerArgs),
+    "digest": (control.weights_digest, None),
+    "comm_check": (control.comm_check, None),
+}
+# answered on the event loop, not queued behind paddle work
+INLINE = {"ping", "status"}
+
+
+def build_rank(settings: Settings, rank: int) -> control.Rank:
+    model_dir = settings.model_dir
+    cfg = load_config(model_dir)
+    cfg.validate_tp(settings.tp)
+    comm = CommGroup(rank, settings.tp)
+    comm.init()
+    source = make_source(settings, cfg, rank)
+    weights = WeightStore(rank, source)
+    weights.load_initial(read_version_txt(model_dir) or "v0")
+    kv = mdl.KVCache(cfg, settings.kv_cache_blocks, settings.kv_block_size, settings.tp)
+    model = mdl.TPModel(cfg, rank, settings.tp, comm.group)
+    return control.Rank(rank, settings.tp, cfg, weights, kv, comm, settings.load_strategy, model)
+
+
+class WorkerServer:
+    def __init__(self, settings: Settings, rank: int, state: control.Rank, bus: Bus) -> None:
+        self.settings, self.rank, self.state, self.bus = settings, rank, state, bus
+        self.subjects = Subjects(settings.instance)
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"paddle-rank{rank}")
+
+    def reply(self, result: dict[str, Any] | None = None, err: ControlError | None = None) -> bytes:
+        if err is not None:
+            return m.json_encode(
+                m.WorkerReply(self.rank, err.code, err.message, err.result or {})
+            )
+        return m.json_encode(m.WorkerReply(self.rank, result=result or {}))
+
+    def _handler(self, method: str) -> Callable[[bytes, dict[str, str]], Any]:
+        fn, argtype = METHODS[method]
+
+        async def handle(data: bytes, headers: dict[str, str]) -> bytes:
+            try:
+                args = m.decode_args(data, argtype) if argtype else None
+                if method in INLINE:
+                    return self.reply(fn(self.state, args))
+                loop = asyncio.get_running_loop()
+                result = await loop.run_in_executor(self.pool, fn, self.state, args)
+                return self.reply(result)
+            except ControlError as e:
+                return self.reply(err=e)
+            except Exception as e:  # a bug must reach the caller, not vanish
+                log.exception("rank %d: %s failed", self.rank, method)
+                return self.reply(err=ControlError(INTERNAL, f"rank {self.rank}: {method}: {e!r}"))
+
+        return handle
+
+    async def start(self) -> None:
+        svc = await self.bus.add_service(
+            "rollbus-worker", "0.1.0", f"rollbus worker rank {self.rank} ({self.settings.instance})"
+        )
+        hdr = {RANK: str(self.rank)}
+        for method in METHODS:
+            await self.bus.serve(
+                svc,
+                method,
+                self.subjects.worker_ctl(method),
+                self._handler(method),
+                queue=f"rank{self.rank}",
+                reply_headers=hdr,
+                concurrent=method in INLINE,
+            )
+        from services.worker.stepper import Stepper
+
+        self.stepper = Stepper(self.state, self.bus, self.pool, self.rank)
+        await self.bus.subscribe(
+            self.subjects.worker_step, self.stepper.on_step, queue=f"rank{self.rank}"
+        )
+        await self.bus.flush()
+
+
+async def amain(settings: Settings, rank: int) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    bus = await Bus.connect(settings.nats_url, f"rollbus-worker-{rank}")
+    # paddle init (gloo rendezvous, weight load) blocks: keep the bus connection alive
+    state = await loop.run_in_executor(None, build_rank, settings, rank)
+    server = WorkerServer(settings, rank, state, bus)
+    await server.start()
+    log.info("rank %d ready: version %s", rank, state.weights.version)
+    await stop.wait()
+    await bus.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="rollbus-worker")
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--endpoints", default="", help="comma-separated host:port per rank")
+    args = ap.parse_args(argv)
+    settings = Settings()
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format=f"%(asctime)s rank{args.rank} %(levelname)s %(name)s: %(message)s",
+    )
+    if settings.tp > 1:
+        eps = [e for e in args.endpoints.split(",") if e]
+        if len(eps) != settings.tp:
+            print(f"rollbus-worker: need {settings.tp} endpoints, got {eps}", file=sys.stderr)
+            return 2
+        configure_env(args.rank, settings.tp, eps)
+    try:
+        return asyncio.run(amain(settings, args.rank))
+    except ControlError as e:
+        print(f"rollbus-worker rank {args.rank}: {e.message}", file=sys.stderr)
+        return 1

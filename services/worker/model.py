@@ -1,0 +1,451 @@
+"""Llama-family decoder (llama, qwen2) with tensor parallelism and a paged KV cache.
+
+Pure compute: the caller owns the weights (a dict of this rank's shards, HF names and
+HF layout ``[out, in]``, float32 paddle tensors) and the :class:`KVCache`; the model
+holds no parameters, so swapping the dict is a weight update and dropping it is sleep.
+
+Sharding over ``tp`` ranks (Megatron style):
+
+- column-parallel (dim 0 split): q/k/v/gate/up weights and the q/k/v biases, so each
+  rank owns whole attention heads and a slice of the MLP;
+- row-parallel (dim 1 split): o_proj and down_proj; their partial outputs are summed
+  with one ``all_reduce`` each per layer;
+- replicated: the norms, ``embed_tokens`` and ``lm_head``. The vocabulary is replicated
+  rather than vocab-parallel so every rank returns full logits with no extra
+  all-gather; the price is ``vocab * hidden * 4`` bytes per rank.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import paddle
+import paddle.distributed as dist
+import paddle.nn.functional as F
+
+_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_ROW = ("o_proj", "down_proj")
+_REPLICATED = ("input_layernorm", "post_attention_layernorm", "norm", "embed_tokens", "lm_head")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    attention_bias: bool = False  # qwen2-style bias on q/k/v only
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError("hidden_size must be divisible by num_attention_heads")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be divisible by num_key_value_heads")
+        if self.head_dim % 2:
+            raise ValueError("head_dim must be even for rotary embeddings")
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any]) -> ModelConfig:
+        model_type = config.get("model_type", "llama")
+        if model_type not in ("llama", "qwen2"):
+            raise ValueError(f"model_type {model_type!r} is not supported (llama, qwen2)")
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported (silu)")
+        scaling = config.get("rope_scaling") or {}
+        if scaling.get("rope_type", scaling.get("type", "default")) != "default":
+            raise ValueError(f"rope_scaling {scaling!r} is not supported")
+        if config.get("use_sliding_window"):
+            raise ValueError("use_sliding_window is not supported")
+        if model_type == "llama" and (config.get("attention_bias") or config.get("mlp_bias")):
+            # HF llama's attention_bias also adds an o_proj bias, which we do not model.
+            raise ValueError("llama attention_bias/mlp_bias is not supported")
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
+                               "num_hidden_layers", "num_attention_heads") if k not in config]
+        if missing:
+            raise ValueError(f"config lacks {', '.join(missing)}")
+        heads = config["num_attention_heads"]
+        head_dim = config.get("head_dim")
+        if head_dim is not None and head_dim * heads != config["hidden_size"]:
+            raise ValueError("head_dim != hidden_size / num_attention_heads is not supported")
+        return cls(
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_hidden_layers=config["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=config.get("num_key_value_heads") or heads,
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(config.get("rope_theta", 10000.0)),
+            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+            attention_bias=model_type == "qwen2",
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            bos_token_id=_first(config.get("bos_token_id")),
+            eos_token_id=_first(config.get("eos_token_id")),
+        )
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def validate_tp(self, tp: int) -> None:
+        if tp < 1:
+            raise ValueError(f"tp must be >= 1, got {tp}")
+        for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+            if getattr(self, name) % tp:
+                raise ValueError(f"{name}={getattr(self, name)} is not divisible by tp={tp}")
+
+
+def _first(value: int | list[int] | None) -> int | None:
+    # HF configs may list several eos ids; the first is the canonical one.
+    if isinstance(value, list):
+        return value[0] if value else None
+    return value
+
+
+def full_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Unsharded HF shape of every parameter the model needs, in a stable order."""
+    d, kv = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, d)}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        for proj, out in (("q_proj", d), ("k_proj", kv), ("v_proj", kv)):
+            shapes[f"{p}self_attn.{proj}.weight"] = (out, d)
+            if cfg.attention_bias:
+                shapes[f"{p}self_attn.{proj}.bias"] = (out,)
+        shapes[f"{p}self_attn.o_proj.weight"] = (d, d)
+        shapes[f"{p}mlp.gate_proj.weight"] = (cfg.intermediate_size, d)
+        shapes[f"{p}mlp.up_proj.weight"] = (cfg.intermediate_size, d)
+        shapes[f"{p}mlp.down_proj.weight"] = (d, cfg.intermediate_size)
+        shapes[f"{p}input_layernorm.weight"] = (d,)
+        shapes[f"{p}post_attention_layernorm.weight"] = (d,)
+    shapes["model.norm.weight"] = (d,)
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, d)
+    return shapes
+
+
+def shard_names(cfg: ModelConfig) -> list[str]:
+    return list(full_shapes(cfg))
+
+
+def _split_axis(name: str) -> int | None:
+    """The axis `name` is split along under TP, or None when it is replicated."""
+    parts = name.split(".")
+    module = parts[-2] if len(parts) >= 2 else ""
+    if module in _COLUMN:
+        return 0
+    if module in _ROW and parts[-1] == "weight":
+        return 1
+    if module in _REPLICATED:
+        return None
+    raise ValueError(f"unknown parameter {name!r}")
+
+
+def shard_shape(
+    cfg: ModelConfig, name: str, full_shape: tuple[int, ...], rank: int, tp: int
+) -> tuple[int, ...]:
+    cfg.validate_tp(tp)
+    if not 0 <= rank < tp:
+        raise ValueError(f"rank {rank} out of range for tp={tp}")
+    axis = _split_axis(name)
+    if axis is None:
+        return tuple(full_shape)
+    if axis >= len(full_shape) or full_shape[axis] % tp:
+        raise ValueError(f"{name}: shape {tuple(full_shape)} cannot be split {tp} ways")
+    shape = list(full_shape)
+    shape[axis] //= tp
+    return tuple(shape)
+
+
+def shard_tensor(
+    cfg: ModelConfig, name: str, full: np.ndarray, rank: int, tp: int
+) -> np.ndarray:
+    local = shard_shape(cfg, name, full.shape, rank, tp)
+    axis = _split_axis(name)
+    if axis is None:
+        return np.ascontiguousarray(full)
+    size = local[axis]
+    index = [slice(None)] * full.ndim
+    index[axis] = slice(rank * size, (rank + 1) * size)
+    return np.ascontiguousarray(full[tuple(index)])
+
+
+def init_weights(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    weights: dict[str, np.ndarray] = {}
+    for name, shape in full_shapes(cfg).items():
+        if name.endswith("norm.weight"):
+            weights[name] = np.ones(shape, dtype=np.float32)
+        else:
+            weights[name] = rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
+    return weights
+
+
+class KVCache:
+    """Paged KV cache for one rank: per layer a key and a value paddle tensor of shape
+    [num_blocks, block_size, local_kv_heads, head_dim] (float32).
+
+    ``nbytes`` is the footprint when allocated; it does not drop to 0 after ``free``."""
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, tp: int) -> None:
+        cfg.validate_tp(tp)
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be >= 1")
+        self.num_layers = cfg.num_hidden_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.shape = (num_blocks, block_size, cfg.num_key_value_heads // tp, cfg.head_dim)
+        self.keys: list[paddle.Tensor] = []
+        self.values: list[paddle.Tensor] = []
+        self.allocate()
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.num_layers * math.prod(self.shape) * 4
+
+    @property
+    def allocated(self) -> bool:
+        return bool(self.keys)
+
+    def allocate(self) -> None:
+        self.free()
+        self.keys = [paddle.zeros(self.shape, "float32") for _ in range(self.num_layers)]
+        self.values = [paddle.zeros(self.shape, "float32") for _ in range(self.num_layers)]
+
+    def free(self) -> None:
+        # _clear_data releases the storage even if someone still holds a reference.
+        for t in self.keys + self.values:
+            t._clear_data()
+        self.keys, self.values = [], []
+
+
+@dataclass
+class Batch:
+    """One engine step. Each sequence contributes `len(token_ids)` new tokens (prefill: the whole
+    prompt or a chunk of it; decode: 1 token). positions start at `start_pos` (= number of tokens
+    of this sequence already in the KV cache). block_table lists the physical KV blocks of the
+    sequence in order; token at position p is stored in block block_table[p // block_size] at
+    slot p % block_size."""
+
+    token_ids: list[list[int]]
+    start_pos: list[int]
+    block_tables: list[list[int]]
+
+
+@dataclass
+class _Group:
+    """Sequences whose attention runs as one batched matmul (same number of new tokens)."""
+
+    rows: paddle.Tensor  # [S * n] rows of the flat token batch, sequence-major
+    key_block: paddle.Tensor  # [S, L] cache block of each key position (padding -> any valid)
+    key_slot: paddle.Tensor  # [S, L]
+    mask: paddle.Tensor  # [S, 1, 1, n, L] additive: 0 where visible, -inf elsewhere
+    num_seqs: int
+    new_tokens: int
+
+
+@dataclass
+class _Plan:
+    token_ids: paddle.Tensor  # [T]
+    cos: paddle.Tensor  # [T, 1, head_dim]
+    sin: paddle.Tensor
+    write_block: paddle.Tensor  # [T]
+    write_slot: paddle.Tensor
+    last_rows: paddle.Tensor  # [num_seqs]
+    groups: list[_Group] = field(default_factory=list)
+    restore: paddle.Tensor | None = None  # inverse of the grouped row order, None if identity
+
+
+class TPModel:
+    def __init__(self, cfg: ModelConfig, rank: int, tp: int, group: Any = None) -> None:
+        cfg.validate_tp(tp)
+        if not 0 <= rank < tp:
+            raise ValueError(f"rank {rank} out of range for tp={tp}")
+        self.cfg, self.rank, self.tp, self.group = cfg, rank, tp, group
+        self.heads = cfg.num_attention_heads // tp
+        self.kv_heads = cfg.num_key_value_heads // tp
+        self._names = shard_names(cfg)
+        self._cos = self._sin = np.zeros((0, cfg.head_dim), np.float32)
+        self._grow_rope(cfg.max_position_embeddings)
+
+    def _grow_rope(self, length: int) -> None:
+        # HF "rotate_half" layout: the frequency vector is repeated, not interleaved.
+        d = self.cfg.head_dim
+        inv_freq = 1.0 / (self.cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+        freqs = np.outer(np.arange(length, dtype=np.float64), inv_freq)
+        emb = np.concatenate([freqs, freqs], axis=-1)
+        self._cos, self._sin = np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
+
+    def _plan(self, kv: KVCache, batch: Batch) -> _Plan:
+        n_seqs = len(batch.token_ids)
+        if not n_seqs or not len(batch.start_pos) == len(batch.block_tables) == n_seqs:
+            raise ValueError("batch needs token_ids, start_pos and block_tables for >= 1 seqs")
+        bs = kv.block_size
+        ids, pos, wblk, wslot, last, firsts = [], [], [], [], [], []
+        tables: list[np.ndarray] = []
+        for s, (toks, start, table) in enumerate(
+            zip(batch.token_ids, batch.start_pos, batch.block_tables, strict=True)
+        ):
+            end = start + len(toks)
+            tbl = np.asarray(table, dtype=np.int64)
+            if not toks or start < 0:
+                raise ValueError(f"sequence {s}: needs >= 1 new token and start_pos >= 0")
+            if len(tbl) * bs < end or (tbl < 0).any() or (tbl >= kv.num_blocks).any():
+                raise ValueError(f"sequence {s}: block table {table} cannot hold {end} tokens")
+            p = np.arange(start, end)
+            firsts.append(len(ids))
+            ids.extend(toks)
+            pos.append(p)
+            wblk.append(tbl[p // bs])
+            wslot.append(p % bs)
+            last.append(len(ids) - 1)
+            tables.append(tbl)
+        token_ids = np.asarray(ids, dtype=np.int64)
+        if token_ids.min() < 0 or token_ids.max() >= self.cfg.vocab_size:
+            raise ValueError("token id out of range for vocab_size")
+        positions = np.concatenate(pos)
+        if positions.max() >= len(self._cos):
+            self._grow_rope(2 * int(positions.max()) + 1)
+        plan = _Plan(
+            token_ids=paddle.to_tensor(token_ids),
+            cos=paddle.to_tensor(self._cos[positions][:, None, :]),
+            sin=paddle.to_tensor(self._sin[positions][:, None, :]),
+            write_block=paddle.to_tensor(np.concatenate(wblk)),
+            write_slot=paddle.to_tensor(np.concatenate(wslot)),
+            last_rows=paddle.to_tensor(np.asarray(last, dtype=np.int64)),
+        )
+        # Decode sequences (1 new token) share one padded matmul; longer chunks run alone
+        # so that padding never multiplies a prompt length by the number of sequences.
+        lengths = [len(t) for t in batch.token_ids]
+        decode = [s for s in range(n_seqs) if lengths[s] == 1]
+        grouping = ([decode] if decode else []) + [[s] for s in range(n_seqs) if lengths[s] > 1]
+        order: list[int] = []
+        for seqs in grouping:
+            n = lengths[seqs[0]]
+            total = max(batch.start_pos[s] + n for s in seqs)
+            kpos = np.arange(total)
+            key_block = np.empty((len(seqs), total), np.int64)
+            mask = np.empty((len(seqs), 1, 1, n, total), np.float32)
+            for i, s in enumerate(seqs):
+                seen = batch.start_pos[s] + n
+                key_block[i, :seen] = tables[s][kpos[:seen] // bs]
+                key_block[i, seen:] = tables[s][0]  # padding: any valid block, masked out
+                qpos = batch.start_pos[s] + np.arange(n)
+                mask[i, 0, 0] = np.where(kpos[None, :] <= qpos[:, None], 0.0, -np.inf)
+                order.extend(range(firsts[s], firsts[s] + n))
+            plan.groups.append(_Group(
+                rows=paddle.to_tensor(np.asarray(order[-len(seqs) * n:], np.int64)),
+                key_block=paddle.to_tensor(key_block),
+                key_slot=paddle.to_tensor(np.broadcast_to(kpos % bs, key_block.shape).copy()),
+                mask=paddle.to_tensor(mask), num_seqs=len(seqs), new_tokens=n,
+            ))
+        if order != list(range(len(order))):
+            plan.restore = paddle.to_tensor(np.argsort(np.asarray(order)).astype(np.int64))
+        return plan
+
+    @paddle.no_grad()
+    def forward(
+        self, weights: dict[str, paddle.Tensor], kv: KVCache, batch: Batch
+    ) -> paddle.Tensor:
+        """Float32 logits [num_seqs, vocab_size] at the last new position of each sequence,
+        identical on every rank."""
+        missing = [n for n in self._names if n not in weights]
+        if missing:
+            raise KeyError(f"weights lack {len(missing)} tensors, e.g. {missing[:3]}")
+        if not kv.allocated:
+            raise RuntimeError("KV cache is not allocated")
+        plan = self._plan(kv, batch)
+        cfg = self.cfg
+        h = F.embedding(plan.token_ids, weights["model.embed_tokens.weight"])
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            x = _rms_norm(h, weights[p + "input_layernorm.weight"], cfg.rms_norm_eps)
+            attn = self._attention(weights, p + "self_attn.", x, kv, i, plan)
+            h = h + self._all_reduce(_linear(attn, weights[p + "self_attn.o_proj.weight"]))
+            x = _rms_norm(h, weights[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
+            gate = F.silu(_linear(x, weights[p + "mlp.gate_proj.weight"]))
+            up = _linear(x, weights[p + "mlp.up_proj.weight"])
+            h = h + self._all_reduce(_linear(gate * up, weights[p + "mlp.down_proj.weight"]))
+        # Only the last position of each sequence is sampled: norm and project just those.
+        h = _rms_norm(paddle.gather(h, plan.last_rows), weights["model.norm.weight"],
+                      cfg.rms_norm_eps)
+        head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+        return _linear(h, head)
+
+    def _all_reduce(self, t: paddle.Tensor) -> paddle.Tensor:
+        if self.tp > 1:
+            dist.all_reduce(t, group=self.group)
+        return t
+
+    def _attention(
+        self, weights: dict[str, paddle.Tensor], prefix: str, x: paddle.Tensor,
+        kv: KVCache, layer: int, plan: _Plan,
+    ) -> paddle.Tensor:
+        d = self.cfg.head_dim
+
+        def project(name: str, heads: int) -> paddle.Tensor:
+            bias = weights[f"{prefix}{name}.bias"] if self.cfg.attention_bias else None
+            return _linear(x, weights[f"{prefix}{name}.weight"], bias).reshape([-1, heads, d])
+
+        q, k = project("q_proj", self.heads), project("k_proj", self.kv_heads)
+        v = project("v_proj", self.kv_heads)
+        q, k = _rope(q, plan.cos, plan.sin), _rope(k, plan.cos, plan.sin)
+        k_cache, v_cache = kv.keys[layer], kv.values[layer]
+        # Write first, then read: new tokens see themselves and earlier chunks via the cache.
+        paddle.index_put_(k_cache, (plan.write_block, plan.write_slot), k)
+        paddle.index_put_(v_cache, (plan.write_block, plan.write_slot), v)
+        outs = []
+        for g in plan.groups:
+            qg = paddle.gather(q, g.rows).reshape([g.num_seqs, g.new_tokens, self.heads, d])
+            outs.append(_attend(qg * (d ** -0.5), k_cache[g.key_block, g.key_slot],
+                                v_cache[g.key_block, g.key_slot], g.mask))
+        out = outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0)
+        return out if plan.restore is None else paddle.gather(out, plan.restore)
+
+
+def _linear(x: paddle.Tensor, w: paddle.Tensor, b: paddle.Tensor | None = None) -> paddle.Tensor:
+    y = paddle.matmul(x, w, transpose_y=True)  # HF layout [out, in]
+    return y if b is None else y + b
+
+
+def _rms_norm(x: paddle.Tensor, w: paddle.Tensor, eps: float) -> paddle.Tensor:
+    return x * paddle.rsqrt(x.pow(2).mean(axis=-1, keepdim=True) + eps) * w
+
+
+def _rope(x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor) -> paddle.Tensor:
+    half = x.shape[-1] // 2
+    rotated = paddle.concat([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def _attend(
+    q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, mask: paddle.Tensor
+) -> paddle.Tensor:
+    """q [S, n, H, d] (pre-scaled), k/v [S, L, KV, d], mask [S, 1, 1, n, L] -> [S*n, H*d].
+
+    Query head h reads kv head h // (H / KV) (HF repeat_kv); folding the group into the
+    query rows avoids materialising repeated keys."""
+    s, n, h, d = q.shape
+    length, kvh = k.shape[1], k.shape[2]
+    g = h // kvh
+    q = q.reshape([s, n, kvh, g, d]).transpose([0, 2, 3, 1, 4]).reshape([s, kvh, g * n, d])
+    k, v = k.transpose([0, 2, 1, 3]), v.transpose([0, 2, 1, 3])
+    scores = paddle.matmul(q, k, transpose_y=True).reshape([s, kvh, g, n, length]) + mask
+    probs = F.softmax(scores, axis=-1).reshape([s, kvh, g * n, length])
+    out = paddle.matmul(probs, v).reshape([s, kvh, g, n, d])
+    return out.transpose([0, 3, 1, 2, 4]).reshape([s * n, h * d])

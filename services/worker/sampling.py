@@ -1,0 +1,107 @@
+"""Per-request token sampling over a step's logits (pure numpy, runs on rank 0).
+
+Order of operations per row: temperature, then top-k, then top-p (nucleus), then a draw
+from the renormalised survivors. ``temperature == 0`` means greedy (argmax, lowest id on
+ties, as are top_k=1 and a tiny top_p).
+
+Reported logprob: the log-probability of the sampled token under the *tempered* full
+distribution, ``log_softmax(logits / temperature)``, before top-k/top-p truncation
+(vLLM's "processed" logprobs minus the truncation). Greedy rows use temperature 1, i.e.
+``log_softmax(logits)``. With the RL defaults (top_p=1, top_k=0) this is exactly the
+behaviour policy's logprob of the token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+_SEED_MASK = (1 << 64) - 1
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+
+def make_generator(seed: int | None, request_salt: int) -> np.random.Generator:
+    """One generator per request (or per choice). With a seed the stream depends only on
+    (seed, request_salt), so a caller passing a stable salt (e.g. the choice index)
+    reproduces outputs across runs while n > 1 choices still differ. Without a seed the
+    generator is drawn from OS entropy."""
+    if seed is None:
+        return np.random.default_rng()
+    return np.random.default_rng([seed & _SEED_MASK, request_salt & _SEED_MASK])
+
+
+def sample(
+    logits: np.ndarray, params: list[SamplingParams], generators: list[np.random.Generator]
+) -> tuple[list[int], list[float]]:
+    """Sample one token per row of `logits` [n, vocab]; returns (token ids, logprobs)."""
+    if logits.ndim != 2 or not len(params) == len(generators) == logits.shape[0]:
+        raise ValueError("need one SamplingParams and one generator per logits row")
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    for row, p, gen in zip(logits, params, generators, strict=True):
+        token, logprob = _sample_row(row.astype(np.float64), p, gen)
+        tokens.append(token)
+        logprobs.append(logprob)
+    return tokens, logprobs
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    shifted = x - x.max()
+    return shifted - np.log(np.exp(shifted).sum())
+
+
+def _sample_row(
+    logits: np.ndarray, p: SamplingParams, gen: np.random.Generator
+) -> tuple[int, float]:
+    if p.temperature == 0:
+        token = int(np.argmax(logits))
+        return token, float(_log_softmax(logits)[token])
+    logp = _log_softmax(logits / p.temperature)
+    candidates = _truncate(logp, p.top_k, p.top_p)
+    if candidates is None:
+        probs, ids = np.exp(logp), None
+    else:
+        probs, ids = np.exp(logp[candidates]), candidates
+    cdf = np.cumsum(probs)
+    # Inverse-CDF draw: one uniform per token keeps seeded streams easy to reason about.
+    pick = min(int(np.searchsorted(cdf, gen.random() * cdf[-1], side="right")), len(cdf) - 1)
+    token = pick if ids is None else int(ids[pick])
+    return token, float(logp[token])
+
+
+def _truncate(logp: np.ndarray, top_k: int, top_p: float) -> np.ndarray | None:
+    """Ids surviving top-k then top-p, most probable first; None when nothing is cut."""
+    vocab = logp.shape[0]
+    if (top_k == 0 or top_k >= vocab) and top_p >= 1.0:
+        return None
+    if 0 < top_k < vocab:
+        # partition keeps this O(vocab); ties at the k-th value resolve to the lowest ids.
+        kth = -np.partition(-logp, top_k - 1)[top_k - 1]
+        part = np.flatnonzero(logp >= kth)
+        ids = part[np.lexsort((part, -logp[part]))][:top_k]
+    else:
+        ids = np.lexsort((np.arange(vocab), -logp))
+    if top_p < 1.0:
+        probs = np.exp(logp[ids])
+        cum = np.cumsum(probs / probs.sum())
+        # Smallest prefix whose mass reaches top_p; always at least the top token.
+        keep = int(np.searchsorted(cum, top_p, side="left")) + 1
+        ids = ids[: min(keep, len(ids))]
+    return ids

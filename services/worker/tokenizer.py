@@ -1,0 +1,229 @@
+"""Tokenizers: a byte-level one for the default tiny model and a wrapper over a HF
+``tokenizer.json``, behind one small protocol; plus streaming (incremental) decode.
+
+Special tokens: ``encode(text)`` adds them the way the tokenizer's own post-processor
+does (HF default ``add_special_tokens=True``; the byte tokenizer prepends ``<bos>``).
+Text produced by ``apply_chat_template`` already carries what the template puts in, so
+encode it with ``add_special_tokens=False``. ``decode`` always skips special tokens.
+
+Streaming: :class:`IncrementalDecoder` (built on :func:`decode_incremental`) re-decodes a
+short window of recent ids and withholds text while it ends in U+FFFD, so a multi-byte
+UTF-8 character split across tokens is emitted only once complete, and
+sentencepiece-style leading spaces survive because the window starts before the new ids.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import tokenizers
+
+DEFAULT_CHAT_TEMPLATE = "<|{role}|>\n{content}\n"
+"""Per-message format used when a model ships no chat template; the rendered chat ends
+with ``DEFAULT_GENERATION_PROMPT`` when a reply is wanted. Example for one user turn:
+``"<|user|>\\nhi\\n<|assistant|>\\n"``."""
+DEFAULT_GENERATION_PROMPT = "<|assistant|>\n"
+
+_REPLACEMENT = "\ufffd"
+_CONTEXT_IDS = 6  # prompt ids kept as decode context so the first output token's spacing is right
+
+
+class Tokenizer(Protocol):
+    eos_token_id: int
+    bos_token_id: int | None
+    stop_token_ids: list[int]  # every id that ends generation (eos first)
+    vocab_size: int
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str: ...
+
+
+def _content_text(message: dict[str, Any]) -> str:
+    content = message.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, list):  # OpenAI content parts: keep the text ones
+        return "".join(p.get("text", "") for p in content if p.get("type") == "text")
+    return str(content)
+
+
+def render_default_chat(messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    out = []
+    for m in messages:
+        if "role" not in m:
+            raise ValueError("every chat message needs a 'role'")
+        out.append(DEFAULT_CHAT_TEMPLATE.format(role=m["role"], content=_content_text(m)))
+    if add_generation_prompt:
+        out.append(DEFAULT_GENERATION_PROMPT)
+    return "".join(out)
+
+
+class ByteTokenizer:
+    """ids 0..255 are raw UTF-8 bytes; 256 <bos>, 257 <eos>, 258 <pad>."""
+
+    bos_token_id: int | None = 256
+    eos_token_id: int = 257
+    pad_token_id: int = 258
+    vocab_size: int = 259
+
+    def __init__(self) -> None:
+        self.stop_token_ids = [self.eos_token_id]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        return [256, *ids] if add_special_tokens else ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        return render_default_chat(messages, add_generation_prompt)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        return {}
+    with path.open(encoding="utf-8") as f:
+        data = json.load(f)
+    return data if isinstance(data, dict) else {}
+
+
+def _token_text(value: Any) -> str | None:
+    # tokenizer_config.json writes special tokens either as "<s>" or {"content": "<s>", ...}.
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+class HFTokenizer:
+    """A HF fast tokenizer (``tokenizer.json``) with ids and chat template read from
+    ``tokenizer_config.json``, ``generation_config.json`` and ``config.json``."""
+
+    def __init__(self, model_dir: Path) -> None:
+        model_dir = Path(model_dir)
+        self.model_dir = model_dir
+        self._tok = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        tcfg = _read_json(model_dir / "tokenizer_config.json")
+        mcfg = _read_json(model_dir / "config.json")
+        gcfg = _read_json(model_dir / "generation_config.json")
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.eos_token, self.bos_token = _token_text(tcfg.get("eos_token")), _token_text(
+            tcfg.get("bos_token"))
+        eos = [self._id_of(self.eos_token)] + _ids(gcfg.get("eos_token_id")) + _ids(
+            mcfg.get("eos_token_id"))
+        stops = list(dict.fromkeys(i for i in eos if i is not None))
+        if not stops:
+            raise ValueError(f"{model_dir}: no eos token in tokenizer_config.json or config.json")
+        self.eos_token_id: int = stops[0]
+        self.stop_token_ids: list[int] = stops
+        bos = [self._id_of(self.bos_token)] + _ids(mcfg.get("bos_token_id"))
+        self.bos_token_id: int | None = next((i for i in bos if i is not None), None)
+        self.chat_template = self._find_template(tcfg)
+
+    def _id_of(self, token: str | None) -> int | None:
+        return None if token is None else self._tok.token_to_id(token)
+
+    def _find_template(self, tcfg: dict[str, Any]) -> str | None:
+        template = tcfg.get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        jinja_file = self.model_dir / "chat_template.jinja"
+        if template is None and jinja_file.exists():
+            template = jinja_file.read_text(encoding="utf-8")
+        return template if isinstance(template, str) else None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        if self.chat_template is None:
+            return render_default_chat(messages, add_generation_prompt)
+        try:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+        except ImportError as e:
+            raise RuntimeError(
+                f"{self.model_dir} has a jinja chat template; install jinja2 to render it"
+            ) from e
+
+        def raise_exception(message: str) -> None:
+            raise ValueError(f"chat template: {message}")
+
+        # Same environment options as HF transformers so templates render identically.
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.filters["tojson"] = lambda x, indent=None: json.dumps(
+            x, ensure_ascii=False, indent=indent)
+        env.globals["raise_exception"] = raise_exception
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+        )
+
+
+def load_tokenizer(model_dir: Path) -> Tokenizer:
+    model_dir = Path(model_dir)
+    if (model_dir / "tokenizer.json").exists():
+        return HFTokenizer(model_dir)
+    return ByteTokenizer()
+
+
+def decode_incremental(
+    tokenizer: Tokenizer, ids: Sequence[int], prefix_offset: int, read_offset: int,
+    final: bool = False,
+) -> tuple[str, int, int]:
+    """New text for ``ids[read_offset:]`` given that everything before ``read_offset`` has
+    been emitted; returns ``(text, prefix_offset, read_offset)`` to pass next time.
+
+    ``ids[prefix_offset:read_offset]`` is decode context only. Text ending in U+FFFD is an
+    incomplete UTF-8 sequence and is held back until more ids arrive (or ``final``)."""
+    prefix_text = tokenizer.decode(ids[prefix_offset:read_offset])
+    new_text = tokenizer.decode(ids[prefix_offset:])
+    if len(new_text) > len(prefix_text) and (final or not new_text.endswith(_REPLACEMENT)):
+        return new_text[len(prefix_text):], read_offset, len(ids)
+    return "", prefix_offset, read_offset
+
+
+class IncrementalDecoder:
+    """Per-request streaming detokenizer: ``push`` new ids, get the text safe to emit."""
+
+    def __init__(self, tokenizer: Tokenizer, context_ids: Sequence[int] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = list(context_ids[-_CONTEXT_IDS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+        self.text = ""
+
+    def push(self, new_ids: Sequence[int]) -> str:
+        self.ids.extend(new_ids)
+        return self._step(final=False)
+
+    def flush(self) -> str:
+        """Emit whatever is still held back (an incomplete character becomes U+FFFD)."""
+        return self._step(final=True)
+
+    def _step(self, final: bool) -> str:
+        delta, self.prefix_offset, self.read_offset = decode_incremental(
+            self.tokenizer, self.ids, self.prefix_offset, self.read_offset, final)
+        self.text += delta
+        return delta

@@ -1,0 +1,261 @@
+"""One rank's weights: load a version's shard, stage and validate it, commit, free.
+
+A version is loaded by a *source* (the load strategy) into host arrays, checked against
+the tensor spec this rank started with (names, shapes, dtypes; SHA-256 against the
+version's manifest when asked), kept in staging, and only swapped in on ``commit`` —
+the engine commits every rank together or aborts every rank, so a failure anywhere
+leaves the previous weights serving everywhere.
+
+Sources:
+
+* ``snapshot`` — version ``V`` is the directory ``<model>/versions/V/``; the model dir
+  itself is the version named in its ``version.txt``. A directory holds either
+  pre-sharded ``rank<r>-of-<tp>.safetensors`` files (with ``manifest.json``: SHA-256
+  verifiable) or HF ``*.safetensors`` files, from which each rank reads only its slice.
+* ``object_store`` / ``ipc`` — see :mod:`services.worker.sources`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import paddle
+from safetensors import SafetensorError, safe_open
+
+from services.worker import model as mdl
+from shared import manifest as mf
+from shared.errors import BAD_REQUEST, NOT_FOUND, UNPROCESSABLE, ControlError
+from shared.subjects import rank_shard_file
+
+
+@dataclass
+class LoadedShard:
+    """A version's shard for one rank, in host memory, not yet validated."""
+
+    version: str
+    arrays: dict[str, np.ndarray]
+    files: list[str]
+    nbytes: int
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+Source = Callable[[str, bool], LoadedShard]  # (version, verify_checksum) -> shard
+
+
+def read_version_txt(model_dir: Path) -> str | None:
+    p = model_dir / "version.txt"
+    if p.is_file():
+        v = p.read_text().strip()
+        return v or None
+    return None
+
+
+def snapshot_dir(model_dir: Path, version: str) -> Path:
+    """Where version ``version`` lives, or a 404 naming what was looked for."""
+    if version == read_version_txt(model_dir):
+        return model_dir
+    if "/" in version or version in ("", ".", ".."):
+        raise ControlError(BAD_REQUEST, f"bad version name {version!r}")
+    d = model_dir / "versions" / version
+    if not d.is_dir():
+        raise ControlError(NOT_FOUND, f"unknown version {version!r}: no directory {d}")
+    return d
+
+
+def _spec_of(arr: np.ndarray) -> mf.TensorSpec:
+    return mf.TensorSpec(shape=list(arr.shape), dtype=str(arr.dtype))
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class SnapshotSource:
+    """Load versions from local directories (FastDeploy's ``ipc_snapshot``)."""
+
+    def __init__(self, cfg: mdl.ModelConfig, model_dir: Path, rank: int, tp: int) -> None:
+        self.cfg, self.model_dir, self.rank, self.tp = cfg, model_dir, rank, tp
+
+    def __call__(self, version: str, verify_checksum: bool) -> LoadedShard:
+        t0 = time.perf_counter()
+        d = snapshot_dir(self.model_dir, version)
+        shard_file = d / rank_shard_file(self.rank, self.tp)
+        manifest_file = d / "manifest.json"
+        if manifest_file.is_file() or shard_file.exists():
+            return self._load_sharded(version, d, shard_file, manifest_file, verify_checksum, t0)
+        if verify_checksum:
+            raise ControlError(
+                BAD_REQUEST,
+                f"version {version!r} ({d}) has no manifest.json: cannot verify checksums",
+            )
+        return self._load_hf(version, d, t0)
+
+    def _load_sharded(
+        self, version: str, d: Path, shard_file: Path, manifest_file: Path, verify: bool, t0: float
+    ) -> LoadedShard:
+        where = f"rank {self.rank}: {shard_file}"
+        spec: mf.ShardSpec | None = None
+        if manifest_file.is_file():
+            man = mf.decode(manifest_file.read_bytes(), str(manifest_file))
+            if man.tp != self.tp:
+                raise ControlError(
+                    UNPROCESSABLE, f"version {version!r} is sharded for tp={man.tp}, serving tp={self.tp}"
+                )
+            spec = man.shard(self.rank)
+        elif verify:
+            raise ControlError(BAD_REQUEST, f"version {version!r} has no manifest.json: cannot verify checksums")
+        if not shard_file.is_file():
+            raise ControlError(UNPROCESSABLE, f"{where}: shard file is missing")
+        size = shard_file.stat().st_size
+        if spec is not None and size != spec.size:
+            raise ControlError(UNPROCESSABLE, f"{where}: size {size} != manifest size {spec.size}")
+        timings: dict[str, float] = {}
+        if verify and spec is not None:
+            t1 = time.perf_counter()
+            digest = _sha256_file(shard_file)
+            timings["verify_s"] = time.perf_counter() - t1
+            if digest != spec.sha256:
+                raise ControlError(UNPROCESSABLE, f"{where}: SHA-256 mismatch with manifest")
+        arrays = _read_safetensors(shard_file, where)
+        if spec is not None:
+            mf.check_tensors(spec.tensors, {k: _spec_of(v) for k, v in arrays.items()}, where)
+        timings["load_s"] = time.perf_counter() - t0
+        return LoadedShard(version, arrays, [str(shard_file)], size, timings)
+
+    def _load_hf(self, version: str, d: Path, t0: float) -> LoadedShard:
+        files = sorted(d.glob("*.safetensors"))
+        if not files:
+            raise ControlError(UNPROCESSABLE, f"rank {self.rank}: no *.safetensors in {d}")
+        arrays: dict[str, np.ndarray] = {}
+        wanted = set(mdl.shard_names(self.cfg))
+        nbytes = 0
+        for f in files:
+            try:
+                with safe_open(str(f), framework="numpy") as st:
+                    for name in st.keys():
+                        if name not in wanted:
+                            continue
+                        full = st.get_tensor(name)
+                        part = mdl.shard_tensor(self.cfg, name, full, self.rank, self.tp)
+                        arrays[name] = np.ascontiguousarray(part)
+                        nbytes += part.nbytes
+            except (SafetensorError, OSError, ValueError) as e:
+                raise ControlError(UNPROCESSABLE, f"rank {self.rank}: cannot read {f}: {e}") from None
+        missing = sorted(wanted - set(arrays))
+        if missing:
+            raise ControlError(
+                UNPROCESSABLE, f"rank {self.rank}: version {version!r} lacks tensors {missing[:5]}"
+            )
+        return LoadedShard(
+            version, arrays, [str(f) for f in files], nbytes, {"load_s": time.perf_counter() - t0}
+        )
+
+
+def _read_safetensors(path: Path, where: str) -> dict[str, np.ndarray]:
+    try:
+        with safe_open(str(path), framework="numpy") as st:
+            return {k: st.get_tensor(k) for k in st.keys()}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ControlError(UNPROCESSABLE, f"{where}: cannot read safetensors: {e}") from None
+
+
+def to_paddle(arrays: dict[str, np.ndarray]) -> dict[str, paddle.Tensor]:
+    return {k: paddle.to_tensor(v) for k, v in arrays.items()}
+
+
+def free_tensors(tensors: dict[str, paddle.Tensor] | None) -> None:
+    """Release tensor memory now (to the OS on CPU), not whenever the GC runs."""
+    if not tensors:
+        return
+    for t in tensors.values():
+        t._clear_data()
+    tensors.clear()
+
+
+def digest(tensors: dict[str, paddle.Tensor]) -> str:
+    """SHA-256 over (name, bytes) of every tensor in name order: equal iff bit-identical."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        h.update(name.encode())
+        h.update(np.ascontiguousarray(tensors[name].numpy()).tobytes())
+    return h.hexdigest()
+
+
+class WeightStore:
+    """Current weights, staged weights and the tensor spec every version must match."""
+
+    def __init__(self, rank: int, source: Source) -> None:
+        self.rank = rank
+        self.source = source
+        self.current: dict[str, paddle.Tensor] | None = None
+        self.version = ""
+        self.spec: dict[str, mf.TensorSpec] = {}
+        self._staged: tuple[str, dict[str, paddle.Tensor]] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        if not self.current:
+            return 0
+        return sum(int(np.prod(t.shape)) * t.element_size() for t in self.current.values())
+
+    def load_initial(self, version: str) -> LoadedShard:
+        shard = self.source(version, False)
+        self.spec = {k: _spec_of(v) for k, v in shard.arrays.items()}
+        self.current = to_paddle(shard.arrays)
+        self.version = version
+        return shard
+
+    def stage(self, version: str, verify_checksum: bool) -> dict[str, object]:
+        """Load and validate ``version``; keep it staged. Raises ``ControlError``."""
+        self.abort()
+        shard = self.source(version, verify_checksum)
+        got = {k: _spec_of(v) for k, v in shard.arrays.items()}
+        mf.check_tensors(self.spec, got, f"rank {self.rank}: version {version!r}")
+        t0 = time.perf_counter()
+        self._staged = (version, to_paddle(shard.arrays))
+        shard.timings["to_device_s"] = time.perf_counter() - t0
+        return {"version": version, "bytes": shard.nbytes, "files": shard.files, **shard.timings}
+
+    def commit(self, version: str) -> None:
+        if self._staged is None or self._staged[0] != version:
+            raise ControlError(409, f"rank {self.rank}: nothing staged for version {version!r}")
+        old = self.current
+        self.current = self._staged[1]
+        self.version = version
+        self._staged = None
+        free_tensors(old)
+
+    def abort(self) -> None:
+        if self._staged is not None:
+            free_tensors(self._staged[1])
+            self._staged = None
+
+    def free(self) -> None:
+        self.abort()
+        free_tensors(self.current)
+        self.current = None
+
+    def reload(self) -> LoadedShard:
+        """Load the current version again (wakeup after sleep)."""
+        shard = self.source(self.version, False)
+        got = {k: _spec_of(v) for k, v in shard.arrays.items()}
+        mf.check_tensors(self.spec, got, f"rank {self.rank}: version {self.version!r}")
+        self.current = to_paddle(shard.arrays)
+        return shard
+
+
+def load_config(model_dir: Path) -> mdl.ModelConfig:
+    p = model_dir / "config.json"
+    if not p.is_file():
+        raise ControlError(NOT_FOUND, f"no config.json in model dir {model_dir}")
+    return mdl.ModelConfig.from_hf(json.loads(p.read_text()))

@@ -1,0 +1,268 @@
+"""The only module that touches nats-py.
+
+One :class:`Bus` per process. It owns:
+
+* a bounded ``connect`` that names the URL it could not reach (nats-py alone keeps
+  retrying for minutes);
+* one long-lived wildcard reply inbox, subscribed at connect, before any request. Each
+  request gets a correlation id (the last token of its reply subject, also sent as the
+  ``Rollbus-Request-Id`` header and echoed in replies); its future is registered
+  *before* the publish, so a fast reply can never arrive to nobody (FastDeploy's race);
+* ``request`` (one reply) and ``scatter`` (exactly ``expected`` replies, one per rank,
+  or a timeout naming the ranks that did not answer). No-responder markers
+  (``Status: 503``) fail a request at once and are ignored by a scatter;
+* late or unknown replies are dropped and counted (``dropped_replies``), never kept;
+* ``serve``: endpoints registered as a NATS micro service (``$SRV.PING/INFO/STATS``),
+  with a queue group per caller (a per-rank group makes a broadcast reach every rank).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.micro import add_service
+from nats.micro.request import Request
+from nats.micro.service import Service
+
+from shared.errors import BusUnreachable, NoResponders, Timeout
+
+log = logging.getLogger("rollbus.bus")
+
+REQUEST_ID = "Rollbus-Request-Id"
+RANK = "Rollbus-Rank"
+STATUS = "Status"
+
+Handler = Callable[[bytes, dict[str, str]], Awaitable[bytes | None]]
+
+
+@dataclass
+class Reply:
+    data: bytes
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+class _Gather:
+    """Replies collected for one scatter, keyed by rank."""
+
+    def __init__(self, expected: int) -> None:
+        self.expected = expected
+        self.replies: dict[int, Reply] = {}
+        self.done = asyncio.get_running_loop().create_future()
+
+    def add(self, rank: int, reply: Reply) -> None:
+        self.replies.setdefault(rank, reply)
+        if len(self.replies) >= self.expected and not self.done.done():
+            self.done.set_result(None)
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+class Bus:
+    def __init__(self, nc: Client, name: str) -> None:
+        self.nc = nc
+        self.name = name
+        self.url = ""
+        self._inbox_prefix = nc.new_inbox()
+        self._pending: dict[str, asyncio.Future[Reply] | _Gather] = {}
+        self._services: list[Service] = []
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.dropped_replies = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @classmethod
+    async def connect(cls, url: str, name: str, timeout: float = 5.0) -> Bus:
+        """Connect within ``timeout`` seconds or raise :class:`BusUnreachable` naming ``url``."""
+
+        async def _quiet(e: Exception) -> None:
+            log.debug("nats: %r", e)
+
+        servers = [u.strip() for u in url.split(",") if u.strip()]
+        try:
+            nc = await asyncio.wait_for(
+                nats.connect(
+                    servers=servers,
+                    name=name,
+                    connect_timeout=min(2.0, timeout),
+                    max_reconnect_attempts=-1,
+                    reconnect_time_wait=0.5,
+                    error_cb=_quiet,
+                    pending_size=256 * 1024 * 1024,
+                ),
+                timeout,
+            )
+        except (TimeoutError, OSError, nats.errors.Error) as e:
+            raise BusUnreachable(url, type(e).__name__) from None
+        bus = cls(nc, name)
+        bus.url = url
+        await bus._start()
+        return bus
+
+    async def _start(self) -> None:
+        # The one wildcard inbox, before any request can be made.
+        await self.nc.subscribe(self._inbox_prefix + ".*", cb=self._on_reply)
+        await self.nc.flush()
+
+    async def close(self) -> None:
+        for svc in self._services:
+            try:
+                await svc.stop()
+            except Exception:  # noqa: BLE001 - shutting down anyway
+                pass
+        for t in list(self._tasks):
+            t.cancel()
+        if not self.nc.is_closed:
+            await self.nc.drain()
+
+    # ------------------------------------------------------------------ replies
+
+    async def _on_reply(self, msg: Msg) -> None:
+        rid = msg.subject.rsplit(".", 1)[-1]
+        headers = dict(msg.headers or {})
+        waiter = self._pending.get(rid)
+        if waiter is None:
+            self.dropped_replies += 1
+            log.debug("dropped late/unknown reply %s", rid)
+            return
+        no_responders = headers.get(STATUS) == "503" and not msg.data
+        if isinstance(waiter, _Gather):
+            if no_responders:
+                return  # a scatter only ends on rank replies or its timeout
+            try:
+                rank = int(headers.get(RANK, "-1"))
+            except ValueError:
+                rank = -1
+            if rank < 0:
+                self.dropped_replies += 1
+                return
+            waiter.add(rank, Reply(msg.data, headers))
+        elif not waiter.done():
+            if no_responders:
+                waiter.set_exception(NoResponders(msg.subject))
+            else:
+                waiter.set_result(Reply(msg.data, headers))
+
+    def _headers(self, rid: str, extra: dict[str, str] | None) -> dict[str, str]:
+        h = {REQUEST_ID: rid}
+        if extra:
+            h.update(extra)
+        return h
+
+    async def request(
+        self,
+        subject: str,
+        data: bytes,
+        *,
+        timeout: float,
+        headers: dict[str, str] | None = None,
+        request_id: str | None = None,
+    ) -> Reply:
+        """Publish and wait for one reply; ``Timeout`` or ``NoResponders`` on failure."""
+        rid = request_id or new_request_id()
+        fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        self._pending[rid] = fut  # registered before the publish
+        try:
+            await self.nc.publish(
+                subject, data, reply=f"{self._inbox_prefix}.{rid}", headers=self._headers(rid, headers)
+            )
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            raise Timeout(subject, timeout) from None
+        finally:
+            self._pending.pop(rid, None)
+
+    async def scatter(
+        self,
+        subject: str,
+        data: bytes,
+        *,
+        expected: int,
+        timeout: float,
+        headers: dict[str, str] | None = None,
+        request_id: str | None = None,
+    ) -> dict[int, Reply]:
+        """Publish once; wait for one reply from each of ranks ``0..expected-1``.
+
+        Raises :class:`Timeout` naming the missing ranks; the replies that did arrive are
+        in its ``result["replies"]``.
+        """
+        rid = request_id or new_request_id()
+        gather = _Gather(expected)
+        self._pending[rid] = gather
+        try:
+            await self.nc.publish(
+                subject, data, reply=f"{self._inbox_prefix}.{rid}", headers=self._headers(rid, headers)
+            )
+            await asyncio.wait_for(asyncio.shield(gather.done), timeout)
+            return gather.replies
+        except TimeoutError:
+            missing = [r for r in range(expected) if r not in gather.replies]
+            err = Timeout(subject, timeout, missing)
+            err.result = {"missing_ranks": missing, "replies": gather.replies}
+            raise err from None
+        finally:
+            self._pending.pop(rid, None)
+
+    async def publish(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> None:
+        await self.nc.publish(subject, data, headers=headers)
+
+    async def flush(self, timeout: float = 5.0) -> None:
+        await self.nc.flush(timeout=int(max(1, timeout)))
+
+    # ------------------------------------------------------------------ serving
+
+    async def add_service(self, name: str, version: str, description: str = "") -> Service:
+        svc = await add_service(self.nc, name=name, version=version, description=description)
+        self._services.append(svc)
+        return svc
+
+    async def serve(
+        self,
+        service: Service,
+        endpoint: str,
+        subject: str,
+        handler: Handler,
+        *,
+        queue: str,
+        reply_headers: dict[str, str] | None = None,
+        concurrent: bool = False,
+    ) -> None:
+        """Answer requests on ``subject`` with ``handler(data, headers) -> reply bytes``.
+
+        The reply echoes ``Rollbus-Request-Id`` and adds ``reply_headers`` (e.g. the
+        rank). ``concurrent`` runs each request in its own task, so one slow call does
+        not hold back the next message of the same subject.
+        """
+
+        async def run(req: Request) -> None:
+            headers = dict(req.headers or {})
+            out = await handler(req.data, headers)
+            if out is None or not req._msg.reply:
+                return
+            h = dict(reply_headers or {})
+            if REQUEST_ID in headers:
+                h[REQUEST_ID] = headers[REQUEST_ID]
+            await req.respond(out, headers=h)
+
+        async def on_request(req: Request) -> None:
+            if concurrent:
+                task = asyncio.create_task(run(req))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+            else:
+                await run(req)
+
+        await service.add_endpoint(name=endpoint, subject=subject, handler=on_request, queue_group=queue)
+
+    async def subscribe(self, subject: str, cb: Callable[[Msg], Awaitable[None]], queue: str = "") -> Any:
+        return await self.nc.subscribe(subject, queue=queue, cb=cb)

@@ -1,0 +1,56 @@
+"""The one error type of rollbus: ``ControlError(code, message)``.
+
+``code`` is an HTTP status and travels unchanged from a worker rank to the engine, the
+API and the HTTP response (the control reply's ``error_code``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+OK = 200
+BAD_REQUEST = 400
+UNAUTHORIZED = 401
+FORBIDDEN = 403
+NOT_FOUND = 404
+CONFLICT = 409
+UNPROCESSABLE = 422
+INTERNAL = 500
+NOT_IMPLEMENTED = 501
+UNAVAILABLE = 503
+
+
+class ControlError(Exception):
+    """A control operation failed with an HTTP-like ``code`` and a message naming why."""
+
+    def __init__(self, code: int, message: str, result: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.result = result
+
+    def __repr__(self) -> str:
+        return f"ControlError({self.code}, {self.message!r})"
+
+
+class BusUnreachable(ControlError):
+    """The NATS server named by the URL could not be reached."""
+
+    def __init__(self, url: str, detail: str = "") -> None:
+        extra = f" ({detail})" if detail else ""
+        super().__init__(UNAVAILABLE, f"cannot reach NATS at {url}{extra}")
+        self.url = url
+
+
+class Timeout(ControlError):
+    def __init__(self, subject: str, timeout: float, missing: list[int] | None = None) -> None:
+        msg = f"no reply on {subject} within {timeout:g}s"
+        if missing:
+            msg = f"ranks {missing} did not answer on {subject} within {timeout:g}s"
+        super().__init__(UNAVAILABLE, msg, {"missing_ranks": missing} if missing else None)
+        self.missing = missing or []
+
+
+class NoResponders(ControlError):
+    def __init__(self, subject: str) -> None:
+        super().__init__(UNAVAILABLE, f"no responders on {subject}: is the service running?")

@@ -1,0 +1,99 @@
+"""All rollbus settings: one pydantic-settings class, environment prefix ``ROLLBUS_``.
+
+Every process (launcher, engine, worker ranks, api) builds the same ``Settings`` from
+its environment; the launcher passes its own (possibly CLI-overridden) values down to
+its children as ``ROLLBUS_*`` variables, so every process sees one configuration.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+LoadStrategy = Literal["object_store", "snapshot", "ipc"]
+
+# FastDeploy's names for the same strategies.
+LOAD_STRATEGY_ALIASES = {"rsync": "object_store", "ipc_snapshot": "snapshot"}
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="ROLLBUS_", extra="ignore")
+
+    # bus
+    nats_url: str = Field("", description="NATS server URL(s); empty = start an embedded server")
+    nats_port: int = Field(4222, ge=0, le=65535, description="port of the embedded nats-server")
+    instance: str = Field("default", min_length=1, description="namespace of the subjects")
+    data_dir: Path = Field(Path(".data"), description="embedded NATS store, default model")
+
+    # api
+    api_host: str = "127.0.0.1"
+    api_port: int = Field(8000, ge=0, le=65535)
+    admin_token: str = Field("", description="bearer token for control routes (empty = open)")
+    api_key: str = Field("", description="bearer token for generation routes (empty = open)")
+
+    # model
+    model: str = Field("", description="model dir; empty = tiny model under data_dir")
+    model_name: str = Field("", description="served model id; empty = the model dir's name")
+    tp: int = Field(2, ge=1, le=64, description="tensor-parallel worker ranks")
+    seed: int = 0
+    kv_cache_blocks: int = Field(256, ge=1, description="KV blocks per rank")
+    kv_block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
+    max_model_len: int = Field(0, ge=0, description="context length; 0 = from the model config")
+    max_batch_size: int = Field(64, ge=1, description="sequences per engine step")
+
+    # weights / control
+    load_strategy: LoadStrategy = "snapshot"
+    dynamic_load_weight: bool = True
+    use_cudagraph: bool = False
+    shutdown_comm_group_if_worker_idle: bool = False
+    control_timeout_s: float = Field(60.0, gt=0, description="timeout of every control call")
+    auto_update: bool = False
+    auto_update_pause_mode: Literal["abort", "wait", "keep"] = "keep"
+    ckpt_bucket: str = "rollbus_ckpt"
+
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("load_strategy", mode="before")
+    @classmethod
+    def _alias_strategy(cls, v: object) -> object:
+        if isinstance(v, str):
+            return LOAD_STRATEGY_ALIASES.get(v.strip().lower(), v.strip().lower())
+        return v
+
+    @property
+    def embedded_nats(self) -> bool:
+        return not self.nats_url.strip()
+
+    @property
+    def model_dir(self) -> Path:
+        return Path(self.model) if self.model else self.data_dir / "models" / "tiny"
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model_name or self.model_dir.resolve().name
+
+    def to_env(self) -> dict[str, str]:
+        """Settings as ``ROLLBUS_*`` variables, to hand to child processes."""
+        env: dict[str, str] = {}
+        for name, value in self.model_dump().items():
+            if isinstance(value, bool):
+                value = "true" if value else "false"
+            env[f"ROLLBUS_{name.upper()}"] = str(value)
+        return env
+
+
+def describe_error(err: ValidationError) -> str:
+    """One line naming each bad setting, for a clean exit instead of a traceback."""
+    parts = []
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "settings"
+        parts.append(f"ROLLBUS_{field.upper()}={e.get('input')!r}: {e['msg']}")
+    return "bad setting: " + "; ".join(parts)
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Settings from the environment, with explicit overrides (CLI flags) on top."""
+    return Settings(**{k: v for k, v in overrides.items() if v is not None})  # type: ignore[arg-type]

@@ -1,0 +1,273 @@
+"""services.worker.model: config, sharding, and the paged forward pass against a dense
+numpy reference of the same Llama math (no cache, no paging)."""
+
+from __future__ import annotations
+
+import numpy as np
+import paddle
+import pytest
+
+from services.worker.model import (
+    Batch,
+    KVCache,
+    ModelConfig,
+    TPModel,
+    init_weights,
+    shard_names,
+    shard_shape,
+    shard_tensor,
+)
+
+TOL = 1e-4
+
+
+def tiny(**overrides: object) -> ModelConfig:
+    base: dict[str, object] = dict(
+        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,
+    )
+    base.update(overrides)
+    return ModelConfig(**base)  # type: ignore[arg-type]
+
+
+def to_paddle(weights: dict[str, np.ndarray]) -> dict[str, paddle.Tensor]:
+    return {k: paddle.to_tensor(v) for k, v in weights.items()}
+
+
+def scaled(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
+    # std 0.02 makes every logit nearly equal; scale up so mistakes show in the logits.
+    w = init_weights(cfg, seed)
+    return {k: v if k.endswith("norm.weight") else v * 10 for k, v in w.items()}
+
+
+# ---------- dense numpy reference ----------
+
+def ref_logits(cfg: ModelConfig, w: dict[str, np.ndarray], tokens: list[int]) -> np.ndarray:
+    """Logits of every position of one sequence, float64, straight from the HF equations."""
+    f = {k: v.astype(np.float64) for k, v in w.items()}
+    n, d, hd = len(tokens), cfg.hidden_size, cfg.head_dim
+    nh, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+
+    def norm(x: np.ndarray, g: np.ndarray) -> np.ndarray:
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.rms_norm_eps) * g
+
+    def rope(x: np.ndarray) -> np.ndarray:  # x [n, heads, hd]
+        inv = 1.0 / cfg.rope_theta ** (np.arange(0, hd, 2) / hd)
+        ang = np.arange(n)[:, None] * inv[None, :]
+        ang = np.concatenate([ang, ang], -1)[:, None, :]
+        rot = np.concatenate([-x[..., hd // 2:], x[..., : hd // 2]], -1)
+        return x * np.cos(ang) + rot * np.sin(ang)
+
+    def lin(x: np.ndarray, name: str) -> np.ndarray:
+        y = x @ f[name + ".weight"].T
+        return y + f[name + ".bias"] if name + ".bias" in f else y
+
+    h = f["model.embed_tokens.weight"][tokens]
+    causal = np.tril(np.ones((n, n), bool))
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        x = norm(h, f[p + "input_layernorm.weight"])
+        q = rope(lin(x, p + "self_attn.q_proj").reshape(n, nh, hd))
+        k = rope(lin(x, p + "self_attn.k_proj").reshape(n, nkv, hd))
+        v = lin(x, p + "self_attn.v_proj").reshape(n, nkv, hd)
+        rep = nh // nkv
+        k, v = np.repeat(k, rep, axis=1), np.repeat(v, rep, axis=1)
+        s = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(hd)
+        s = np.where(causal[None], s, -np.inf)
+        pr = np.exp(s - s.max(-1, keepdims=True))
+        pr /= pr.sum(-1, keepdims=True)
+        o = np.einsum("hqk,khd->qhd", pr, v).reshape(n, d)
+        h = h + lin(o, p + "self_attn.o_proj")
+        x = norm(h, f[p + "post_attention_layernorm.weight"])
+        g = lin(x, p + "mlp.gate_proj")
+        h = h + lin(g / (1 + np.exp(-g)) * lin(x, p + "mlp.up_proj"), p + "mlp.down_proj")
+    h = norm(h, f["model.norm.weight"])
+    head = f.get("lm_head.weight", f["model.embed_tokens.weight"])
+    return h @ head.T
+
+
+def run(model: TPModel, w: dict[str, paddle.Tensor], kv: KVCache, batch: Batch) -> np.ndarray:
+    return model.forward(w, kv, batch).numpy()
+
+
+def blocks(first: int, count: int) -> list[int]:
+    return list(range(first, first + count))
+
+
+# ---------- config ----------
+
+def test_from_hf_qwen2_and_defaults() -> None:
+    cfg = ModelConfig.from_hf({
+        "model_type": "qwen2", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+        "num_hidden_layers": 1, "num_attention_heads": 2, "eos_token_id": [7, 8],
+        "rope_scaling": None, "torch_dtype": "bfloat16", "tie_word_embeddings": True,
+    })
+    assert cfg.attention_bias and cfg.tie_word_embeddings
+    assert cfg.num_key_value_heads == 2 and cfg.head_dim == 4 and cfg.eos_token_id == 7
+    assert "lm_head.weight" not in shard_names(cfg)
+    assert "model.layers.0.self_attn.k_proj.bias" in shard_names(cfg)
+
+
+@pytest.mark.parametrize("bad", [
+    {"model_type": "gpt2"}, {"hidden_act": "gelu"}, {"rope_scaling": {"rope_type": "llama3"}},
+])
+def test_from_hf_rejects_unsupported(bad: dict[str, object]) -> None:
+    base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+            "num_hidden_layers": 1, "num_attention_heads": 2}
+    with pytest.raises(ValueError):
+        ModelConfig.from_hf({**base, **bad})
+
+
+@pytest.mark.parametrize("field,heads,kv_heads,inter,tp", [
+    ("num_attention_heads", 4, 4, 96, 3),
+    ("num_key_value_heads", 8, 2, 96, 4),
+    ("intermediate_size", 4, 4, 90, 4),
+])
+def test_validate_tp_names_field(field: str, heads: int, kv_heads: int, inter: int,
+                                 tp: int) -> None:
+    cfg = tiny(num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=inter)
+    with pytest.raises(ValueError, match=field):
+        cfg.validate_tp(tp)
+    with pytest.raises(ValueError, match=field):
+        KVCache(cfg, 1, 1, tp)
+    cfg.validate_tp(1)
+
+
+def test_config_rejects_inconsistent_heads() -> None:
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        tiny(num_attention_heads=4, num_key_value_heads=3)
+
+
+# ---------- sharding ----------
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_shards_concatenate_back(tp: int) -> None:
+    cfg = tiny(attention_bias=True)
+    full = init_weights(cfg, 0)
+    assert list(full) == shard_names(cfg)
+    for name, tensor in full.items():
+        parts = [shard_tensor(cfg, name, tensor, r, tp) for r in range(tp)]
+        for r, part in enumerate(parts):
+            assert part.flags.c_contiguous
+            assert part.shape == shard_shape(cfg, name, tensor.shape, r, tp)
+        if tp == 1 or parts[0].shape == tensor.shape:
+            assert all(np.array_equal(p, tensor) for p in parts), name
+            continue
+        axis = 1 if ("o_proj" in name or "down_proj" in name) else 0
+        np.testing.assert_array_equal(np.concatenate(parts, axis=axis), tensor, err_msg=name)
+    assert shard_shape(cfg, "model.layers.0.self_attn.o_proj.weight", (64, 64), 1, 2) == (64, 32)
+    assert shard_shape(cfg, "model.layers.0.self_attn.q_proj.bias", (64,), 1, 2) == (32,)
+
+
+def test_shard_rejects_unknown_and_bad_rank() -> None:
+    cfg = tiny()
+    with pytest.raises(ValueError, match="unknown"):
+        shard_shape(cfg, "model.layers.0.mystery.weight", (4, 4), 0, 1)
+    with pytest.raises(ValueError, match="rank"):
+        shard_shape(cfg, "model.norm.weight", (64,), 2, 2)
+
+
+def test_init_weights_deterministic() -> None:
+    cfg = tiny()
+    a, b, c = init_weights(cfg, 1), init_weights(cfg, 1), init_weights(cfg, 2)
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert not np.array_equal(a["model.embed_tokens.weight"], c["model.embed_tokens.weight"])
+    assert a["model.norm.weight"].dtype == np.float32 and (a["model.norm.weight"] == 1).all()
+
+
+# ---------- forward ----------
+
+@pytest.mark.parametrize("overrides", [
+    {}, {"attention_bias": True, "tie_word_embeddings": True}, {"num_key_value_heads": 4},
+])
+def test_prefill_matches_dense_reference(overrides: dict[str, object]) -> None:
+    cfg = tiny(**overrides)
+    w = scaled(cfg, 3)
+    tokens = [5, 17, 250, 3, 99, 42, 7, 7, 128, 1, 0]
+    kv = KVCache(cfg, num_blocks=8, block_size=4, tp=1)
+    got = run(TPModel(cfg, 0, 1), to_paddle(w), kv, Batch([tokens], [0], [blocks(0, 3)]))
+    want = ref_logits(cfg, w, tokens)[-1]
+    assert np.abs(want).max() > 0.5  # the check must be able to see a wrong answer
+    np.testing.assert_allclose(got[0], want, atol=TOL, rtol=0)
+
+
+def test_prefill_then_decode_equals_full_prefill() -> None:
+    cfg = tiny(attention_bias=True)
+    w = scaled(cfg, 4)
+    pw, model = to_paddle(w), TPModel(cfg, 0, 1)
+    tokens = [11, 22, 33, 44, 55, 66, 77, 88, 99, 111]
+    ref = ref_logits(cfg, w, tokens)
+    kv = KVCache(cfg, num_blocks=6, block_size=3, tp=1)
+    table = [4, 1, 5, 0]  # non-contiguous, shuffled physical blocks
+    out = run(model, pw, kv, Batch([tokens[:5]], [0], [table]))
+    np.testing.assert_allclose(out[0], ref[4], atol=TOL, rtol=0)
+    for p in range(5, len(tokens)):
+        out = run(model, pw, kv, Batch([[tokens[p]]], [p], [table]))
+        np.testing.assert_allclose(out[0], ref[p], atol=TOL, rtol=0, err_msg=f"pos {p}")
+    fresh = KVCache(cfg, num_blocks=6, block_size=3, tp=1)
+    full = run(model, pw, fresh, Batch([tokens], [0], [[2, 3, 0, 5]]))
+    np.testing.assert_allclose(out[0], full[0], atol=TOL, rtol=0)
+
+
+def test_chunked_prefill_matches_reference() -> None:
+    cfg = tiny()
+    w = scaled(cfg, 5)
+    pw, model = to_paddle(w), TPModel(cfg, 0, 1)
+    tokens = list(range(40, 53))
+    kv = KVCache(cfg, num_blocks=5, block_size=4, tp=1)
+    table = [3, 0, 4, 1]
+    run(model, pw, kv, Batch([tokens[:6]], [0], [table]))
+    out = run(model, pw, kv, Batch([tokens[6:]], [6], [table]))
+    np.testing.assert_allclose(out[0], ref_logits(cfg, w, tokens)[-1], atol=TOL, rtol=0)
+
+
+def test_batched_sequences_equal_each_alone() -> None:
+    cfg = tiny()
+    w = scaled(cfg, 6)
+    pw, model = to_paddle(w), TPModel(cfg, 0, 1)
+    a, b, c = [1, 2, 3, 4, 5, 6, 7], [200, 100], [9, 8, 7, 6, 5]
+    tables = [[7, 2], [5], [0, 3]]
+    kv = KVCache(cfg, num_blocks=8, block_size=4, tp=1)
+    # step 1: three prefills of different lengths in one batch
+    out = run(model, pw, kv, Batch([a, b, c], [0, 0, 0], tables))
+    for row, seq in enumerate((a, b, c)):
+        np.testing.assert_allclose(out[row], ref_logits(cfg, w, seq)[-1], atol=TOL, rtol=0)
+    # step 2: mixed batch - two decodes of different history length and a prefill chunk
+    out = run(model, pw, kv, Batch([[11], [12, 13], [14]], [7, 2, 5], tables))
+    wants = [ref_logits(cfg, w, a + [11]), ref_logits(cfg, w, b + [12, 13]),
+             ref_logits(cfg, w, c + [14])]
+    for row, want in enumerate(wants):
+        np.testing.assert_allclose(out[row], want[-1], atol=TOL, rtol=0, err_msg=f"row {row}")
+    # alone, in a fresh cache, each sequence gives the same logits as when batched
+    for row, (seq, table) in enumerate(zip((a + [11], b + [12, 13], c + [14]), tables,
+                                           strict=True)):
+        alone = KVCache(cfg, num_blocks=8, block_size=4, tp=1)
+        single = run(model, pw, alone, Batch([seq], [0], [table]))
+        np.testing.assert_allclose(single[0], out[row], atol=TOL, rtol=0)
+
+
+def test_forward_rejects_bad_batches() -> None:
+    cfg = tiny()
+    pw, model = to_paddle(init_weights(cfg, 0)), TPModel(cfg, 0, 1)
+    kv = KVCache(cfg, num_blocks=2, block_size=4, tp=1)
+    with pytest.raises(ValueError, match="block table"):
+        model.forward(pw, kv, Batch([[1] * 5], [0], [[0]]))
+    with pytest.raises(ValueError, match="block table"):
+        model.forward(pw, kv, Batch([[1]], [0], [[2]]))
+    with pytest.raises(ValueError, match="token id"):
+        model.forward(pw, kv, Batch([[300]], [0], [[0]]))
+    with pytest.raises(KeyError, match="weights lack"):
+        model.forward({}, kv, Batch([[1]], [0], [[0]]))
+
+
+def test_kv_cache_free_and_allocate() -> None:
+    cfg = tiny()
+    kv = KVCache(cfg, num_blocks=3, block_size=4, tp=2)
+    assert kv.allocated and kv.keys[0].shape == [3, 4, 1, 16]
+    assert kv.nbytes == 2 * 2 * 3 * 4 * 1 * 16 * 4
+    kv.free()
+    assert not kv.allocated
+    with pytest.raises(RuntimeError, match="not allocated"):
+        TPModel(cfg, 0, 1).forward(to_paddle(init_weights(cfg, 0)), kv, Batch([[1]], [0], [[0]]))
+    kv.allocate()
+    assert kv.allocated and float(kv.values[1].abs().sum()) == 0.0
