@@ -27,7 +27,8 @@ class Deps:
     ) -> m.ControlReply:
         """Request ``ctl.<method>`` from the engine. Bus failures become a 503 reply."""
         assert self.bus is not None, "bus not connected"
-        t = timeout or self.settings.control_timeout_s + 5.0
+        # an op may scatter twice (stage, then commit), each bounded by the control timeout
+        t = timeout or 2 * self.settings.control_timeout_s + 5.0
         try:
             with self.metrics.control_latency.labels(method).time():
                 reply = await self.bus.request(

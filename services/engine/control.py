@@ -110,11 +110,9 @@ async def update_weights(eng: Engine, args: m.UpdateWeightsArgs, actor: str = ""
         await eng.ranks.call("commit", m.CommitArgs(version))
         committed = version
     except RankError:
-        # all-or-nothing: ranks that staged drop it; none switched
-        try:
-            await eng.ranks.call("abort", timeout=min(5.0, eng.settings.control_timeout_s))
-        except RankError:
-            pass
+        # all-or-nothing: no rank got a commit; tell those that staged to drop it now
+        # (fire and forget: a rank that missed this drops it at its next stage anyway)
+        await eng.ranks.broadcast("abort")
         raise
     finally:
         eng.state.end_update(committed)

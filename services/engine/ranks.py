@@ -55,13 +55,19 @@ class Ranks:
         if failed:
             by_msg: dict[str, list[int]] = {}
             for r, rep in failed:
-                by_msg.setdefault(rep.error_message, []).append(r)
+                text = rep.error_message.removeprefix(f"rank {r}: ")
+                by_msg.setdefault(text, []).append(r)
             msg = "; ".join(
                 f"rank {rs[0]}: {text}" if len(rs) == 1 else f"ranks {rs}: {text}"
                 for text, rs in by_msg.items()
             )
             raise RankError(failed[0][1].error_code, f"{method} failed: {msg}", replies)
         return replies
+
+    async def broadcast(self, method: str, args: msgspec.Struct | None = None) -> None:
+        """Tell every rank without waiting for replies."""
+        data = m.json_encode(args) if args is not None else b"{}"
+        await self.bus.publish(self.subjects.worker_ctl(method), data)
 
     async def statuses(self, timeout: float = 1.0) -> list[dict[str, Any]]:
         """Each rank's status, with ``{"rank": r, "alive": False}`` for silent ranks."""

@@ -21,7 +21,7 @@ CONFIG = ModelConfig(
 SEED = 1234
 PROMPTS = [[5, 9, 200, 17, 3, 3, 88], [250, 1, 2], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50]]
 TABLES = [[9, 2, 14, 5], [0, 11, 7], [3, 12, 1, 8, 6]]  # shuffled, non-contiguous
-BLOCK_SIZE, NUM_BLOCKS, DECODE_STEPS = 4, 16, 4
+BLOCK_SIZE, NUM_BLOCKS, DECODE_STEPS, CHUNK = 4, 16, 4, 6
 
 
 def run_scenario(rank: int, tp: int, group: object = None) -> dict[str, np.ndarray]:
@@ -35,28 +35,22 @@ def run_scenario(rank: int, tp: int, group: object = None) -> dict[str, np.ndarr
         for n, w in full.items()
     }
     model, kv = TPModel(CONFIG, rank, tp, group), KVCache(CONFIG, NUM_BLOCKS, BLOCK_SIZE, tp)
-    a, b, c = PROMPTS
-    steps = [
-        Batch([a, b, c[:6]], [0, 0, 0], TABLES),
-        None,  # decode a and b, second chunk of c
-    ] + [None] * DECODE_STEPS
-    seqs = [list(a), list(b), list(c[:6])]
+    seqs = [list(p) for p in PROMPTS]
+    cached = [0] * len(seqs)
     logits, tokens = [], []
-    for i, batch in enumerate(steps):
-        if batch is None:
-            new = [[s[-1]] for s in seqs[:2]] + ([c[6:]] if i == 1 else [[seqs[2][-1]]])
-            starts = [len(s) - 1 for s in seqs[:2]] + ([6] if i == 1 else [len(seqs[2]) - 1])
-            if i == 1:
-                seqs[2] = list(c)
-            batch = Batch(new, starts, TABLES)
-        out = model.forward(weights, kv, batch).numpy()
-        logits.append(out)
+    for step in range(2 + DECODE_STEPS):
+        # step 0 feeds only the first chunk of the last prompt: a chunked prefill that
+        # shares step 1 with two decodes.
+        ends = [CHUNK if (step == 0 and s == 2) else len(seq) for s, seq in enumerate(seqs)]
+        new = [seq[cached[s]:ends[s]] for s, seq in enumerate(seqs)]
+        out = model.forward(weights, kv, Batch(new, list(cached), TABLES)).numpy()
         picked = out.argmax(axis=-1)
+        logits.append(out)
         tokens.append(picked)
-        for s, t in zip(seqs[:2], picked[:2], strict=True):
-            s.append(int(t))
-        if i >= 1:
-            seqs[2].append(int(picked[2]))
+        for s, seq in enumerate(seqs):
+            cached[s] += len(new[s])
+            if cached[s] == len(seq):
+                seq.append(int(picked[s]))
     return {"logits": np.stack(logits), "tokens": np.stack(tokens)}
 
 

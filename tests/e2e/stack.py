@@ -1,0 +1,133 @@
+"""A real rollbus stack for e2e tests: ``rollbus serve`` as a subprocess.
+
+It uses the session's nats-server (``ROLLBUS_NATS_URL``) and a unique instance, so
+several stacks can share one server without seeing each other.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Stack:
+    proc: subprocess.Popen[bytes]
+    base_url: str
+    instance: str
+    model_dir: Path
+    nats_url: str
+    log: Path
+    env: dict[str, str] = field(default_factory=dict)
+
+    def client(self, **kw: Any) -> httpx.Client:
+        return httpx.Client(base_url=self.base_url, timeout=kw.pop("timeout", 60), **kw)
+
+    def status(self) -> dict[str, Any]:
+        with self.client() as c:
+            r = c.get("/v1/status")
+            r.raise_for_status()
+            return dict(r.json())
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return int(self.proc.returncode)
+
+
+def wait_healthy(base_url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"stack exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            if httpx.get(base_url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"stack not healthy in {timeout}s:\n{log.read_text()[-3000:]}")
+
+
+def start_stack(
+    tmp: Path, nats_url: str | None, *, tp: int = 2, model_config: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None, model_name: str = "tiny",
+) -> Stack:
+    from services.tiny_model import create_model_dir
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    model_dir = tmp / "models" / model_name
+    if not (model_dir / "config.json").exists():
+        model_dir.parent.mkdir(parents=True, exist_ok=True)
+        create_model_dir(model_dir, model_config, seed=0)
+    port = free_port()
+    instance = f"t{uuid.uuid4().hex[:8]}"
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLBUS_")}
+    full_env.update(
+        ROLLBUS_INSTANCE=instance,
+        ROLLBUS_API_PORT=str(port),
+        ROLLBUS_MODEL=str(model_dir),
+        ROLLBUS_DATA_DIR=str(tmp / "data"),
+        ROLLBUS_TP=str(tp),
+        ROLLBUS_CONTROL_TIMEOUT_S="8",
+        ROLLBUS_KV_CACHE_BLOCKS="64",
+        ROLLBUS_LOG_LEVEL="warning",
+    )
+    if nats_url:
+        full_env["ROLLBUS_NATS_URL"] = nats_url
+    full_env.update(env or {})
+    log = tmp / f"stack-{instance}.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "serve"],
+        env=full_env, stdout=open(log, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(base, proc, log)
+    except Exception:
+        proc.kill()
+        raise
+    return Stack(proc, base, instance, model_dir, nats_url or "", log, full_env)
+
+
+@contextmanager
+def running_stack(tmp: Path, nats_url: str | None, **kw: Any) -> Iterator[Stack]:
+    stack = start_stack(tmp, nats_url, **kw)
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+def model_config(model_dir: Path) -> dict[str, Any]:
+    return dict(json.loads((model_dir / "config.json").read_text()))

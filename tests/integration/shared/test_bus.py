@@ -1,0 +1,177 @@
+"""The bus against a real nats-server: inbox-before-publish, scatter, no-responders,
+late replies, bounded connect, micro-service discovery."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import nats
+import pytest
+
+from shared.bus import RANK, REQUEST_ID, Bus
+from shared.errors import BusUnreachable, NoResponders, Timeout
+
+
+@pytest.fixture
+async def bus(nats_url: str) -> AsyncIterator[Bus]:
+    b = await Bus.connect(nats_url, "test-bus")
+    yield b
+    await b.close()
+
+
+def subject() -> str:
+    return f"test.{uuid.uuid4().hex}"
+
+
+async def test_thousand_back_to_back_requests_lose_nothing(bus: Bus, nats_url: str) -> None:
+    # The responder answers as fast as it can, from another connection: a reply racing
+    # the requester's subscription would be lost without the inbox registered first.
+    responder = await nats.connect(nats_url)
+    subj = subject()
+
+    async def echo(msg):  # noqa: ANN001
+        await msg.respond(msg.data)
+
+    await responder.subscribe(subj, cb=echo)
+    await responder.flush()
+    try:
+        results = []
+        for i in range(1000):
+            rep = await bus.request(subj, str(i).encode(), timeout=5)
+            results.append(int(rep.data))
+        assert results == list(range(1000))
+        # and 1000 concurrent ones
+        reps = await asyncio.gather(
+            *(bus.request(subj, str(i).encode(), timeout=10) for i in range(1000))
+        )
+        assert [int(r.data) for r in reps] == list(range(1000))
+        assert bus.dropped_replies == 0
+        assert not bus._pending
+    finally:
+        await responder.close()
+
+
+async def test_scatter_names_silent_rank(bus: Bus, nats_url: str) -> None:
+    subj = subject()
+    conns = []
+    for rank in (0, 2):  # rank 1 never answers
+        nc = await nats.connect(nats_url)
+
+        async def answer(msg, rank=rank):  # noqa: ANN001
+            await nc.publish(msg.reply, b"ok", headers={RANK: str(rank)})
+
+        await nc.subscribe(subj, queue=f"rank{rank}", cb=answer)
+        await nc.flush()
+        conns.append(nc)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(Timeout) as e:
+            await bus.scatter(subj, b"x", expected=3, timeout=0.5)
+        assert e.value.code == 503
+        assert e.value.missing == [1]
+        assert "[1]" in e.value.message
+        assert sorted(e.value.result["replies"]) == [0, 2]
+        assert time.monotonic() - t0 < 2
+    finally:
+        for nc in conns:
+            await nc.close()
+
+
+async def test_scatter_returns_once_all_ranks_answer(bus: Bus, nats_url: str) -> None:
+    subj = subject()
+    nc = await nats.connect(nats_url)
+    for rank in range(4):
+        # two subscribers per rank: the per-rank queue group delivers to one of them
+        for _ in range(2):
+            async def answer(msg, rank=rank):  # noqa: ANN001
+                await nc.publish(msg.reply, str(rank).encode(), headers={RANK: str(rank)})
+
+            await nc.subscribe(subj, queue=f"rank{rank}", cb=answer)
+    await nc.flush()
+    try:
+        t0 = time.monotonic()
+        replies = await bus.scatter(subj, b"x", expected=4, timeout=5)
+        assert time.monotonic() - t0 < 1
+        assert {r: int(rep.data) for r, rep in replies.items()} == {0: 0, 1: 1, 2: 2, 3: 3}
+    finally:
+        await nc.close()
+
+
+async def test_no_responders_fails_fast(bus: Bus) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(NoResponders) as e:
+        await bus.request(subject(), b"x", timeout=5)
+    assert e.value.code == 503
+    assert time.monotonic() - t0 < 1
+
+
+async def test_late_reply_is_dropped_and_counted(bus: Bus, nats_url: str) -> None:
+    subj = subject()
+    nc = await nats.connect(nats_url)
+
+    async def slow(msg):  # noqa: ANN001
+        await asyncio.sleep(0.4)
+        await msg.respond(b"late")
+
+    await nc.subscribe(subj, cb=slow)
+    await nc.flush()
+    try:
+        before = bus.dropped_replies
+        with pytest.raises(Timeout):
+            await bus.request(subj, b"x", timeout=0.1)
+        await asyncio.sleep(0.6)
+        assert bus.dropped_replies == before + 1
+        assert not bus._pending  # nothing kept for the late reply
+    finally:
+        await nc.close()
+
+
+async def test_request_id_header_is_sent_and_echoed(bus: Bus, nats_url: str) -> None:
+    subj = subject()
+    nc = await nats.connect(nats_url)
+    seen = {}
+
+    async def answer(msg):  # noqa: ANN001
+        seen.update(msg.headers or {})
+        await nc.publish(msg.reply, b"ok", headers={REQUEST_ID: msg.headers[REQUEST_ID]})
+
+    await nc.subscribe(subj, cb=answer)
+    await nc.flush()
+    try:
+        rep = await bus.request(subj, b"x", timeout=2, request_id="abc123")
+        assert seen[REQUEST_ID] == "abc123" and rep.headers[REQUEST_ID] == "abc123"
+    finally:
+        await nc.close()
+
+
+async def test_connect_to_unreachable_server_is_bounded() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(BusUnreachable) as e:
+        await Bus.connect("nats://127.0.0.1:1", "x", timeout=1.5)
+    assert time.monotonic() - t0 < 4
+    assert "nats://127.0.0.1:1" in e.value.message
+
+
+async def test_served_endpoints_are_discoverable_micro_services(bus: Bus, nats_url: str) -> None:
+    name = f"rollbus-test-{uuid.uuid4().hex[:8]}"
+    svc = await bus.add_service(name, "0.1.0")
+    subj = subject()
+
+    async def handler(data: bytes, headers: dict[str, str]) -> bytes:
+        return data.upper()
+
+    await bus.serve(svc, "up", subj, handler, queue="q", reply_headers={RANK: "0"})
+    rep = await bus.request(subj, b"hi", timeout=2, request_id="rid1")
+    assert rep.data == b"HI" and rep.headers[REQUEST_ID] == "rid1"
+    nc = await nats.connect(nats_url)
+    try:
+        ping = await nc.request(f"$SRV.PING.{name}", b"", timeout=2)
+        assert json.loads(ping.data)["name"] == name
+        info = json.loads((await nc.request(f"$SRV.INFO.{name}", b"", timeout=2)).data)
+        assert info["endpoints"][0]["subject"] == subj
+    finally:
+        await nc.close()

@@ -1,0 +1,38 @@
+import pytest
+from pydantic import ValidationError
+
+from shared.settings import Settings, describe_error
+
+
+def test_defaults_match_the_contract(monkeypatch: pytest.MonkeyPatch) -> None:
+    for k in list(__import__("os").environ):
+        if k.startswith("ROLLBUS_"):
+            monkeypatch.delenv(k)
+    s = Settings()
+    assert (s.nats_url, s.instance, s.api_host, s.api_port, s.tp) == ("", "default", "127.0.0.1", 8000, 2)
+    assert s.embedded_nats and s.dynamic_load_weight and not s.auto_update
+    assert str(s.model_dir).endswith("models/tiny")
+    assert s.served_model_name == "tiny"
+
+
+@pytest.mark.parametrize("alias, want", [("rsync", "object_store"), ("ipc_snapshot", "snapshot"),
+                                         ("ipc", "ipc"), ("OBJECT_STORE", "object_store")])
+def test_fastdeploy_strategy_aliases(monkeypatch: pytest.MonkeyPatch, alias: str, want: str) -> None:
+    monkeypatch.setenv("ROLLBUS_LOAD_STRATEGY", alias)
+    assert Settings().load_strategy == want
+
+
+def test_bad_setting_is_one_clear_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ROLLBUS_TP", "two")
+    with pytest.raises(ValidationError) as e:
+        Settings()
+    line = describe_error(e.value)
+    assert "\n" not in line and "ROLLBUS_TP" in line and "'two'" in line
+
+
+def test_to_env_roundtrip(monkeypatch: pytest.MonkeyPatch) -> None:
+    s = Settings(tp=3, instance="x", auto_update=True)
+    for k, v in s.to_env().items():
+        monkeypatch.setenv(k, v)
+    again = Settings()
+    assert again.tp == 3 and again.instance == "x" and again.auto_update is True
