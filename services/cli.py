@@ -17,7 +17,10 @@ from shared.settings import Settings, describe_error
 def _settings_flags(p: argparse.ArgumentParser) -> None:
     for name, field in Settings.model_fields.items():
         p.add_argument(
-            "--" + name.replace("_", "-"), dest=name, default=None, metavar="VALUE",
+            "--" + name.replace("_", "-"),
+            dest=name,
+            default=None,
+            metavar="VALUE",
             help=f"{field.description or ''} (env ROLLBUS_{name.upper()})".strip(),
         )
 

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,9 +76,7 @@ class Launcher:
 
     def prepare(self) -> Settings:
         s = self.settings
-        if not s.model:
-            ensure_tiny_model(s.model_dir, seed=s.seed)
-        elif not (s.model_dir / "config.json").is_file():
+        if s.model and not (s.model_dir / "config.json").is_file():
             raise LaunchError(f"ROLLBUS_MODEL={s.model}: no config.json there")
         if s.embedded_nats:
             try:
@@ -90,17 +89,20 @@ class Launcher:
             _say(f"embedded nats-server at {self.nats.url} (store {s.data_dir / 'nats'})")
         else:
             check_nats(s.nats_url)
+        if not s.model:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # paddle's import-time chatter
+                ensure_tiny_model(s.model_dir, seed=s.seed)
         # children must resolve relative paths the same way whatever their cwd
-        s = s.model_copy(update={"data_dir": s.data_dir.resolve(),
-                                 "model": str(s.model_dir.resolve())})
+        s = s.model_copy(
+            update={"data_dir": s.data_dir.resolve(), "model": str(s.model_dir.resolve())}
+        )
         self.settings = s
         return s
 
     def spawn(self, name: str, args: list[str]) -> None:
         env = {**os.environ, **self.settings.to_env()}
-        proc = subprocess.Popen(
-            [sys.executable, "-m", *args], env=env, preexec_fn=_die_with_parent
-        )
+        proc = subprocess.Popen([sys.executable, "-m", *args], env=env, preexec_fn=_die_with_parent)
         self.children.append(Child(name, proc))
 
     def start(self) -> None:
@@ -108,8 +110,9 @@ class Launcher:
         endpoints = ",".join(f"127.0.0.1:{free_port()}" for _ in range(s.tp))
         self.spawn("engine", ["services.engine"])
         for r in range(s.tp):
-            self.spawn(f"worker rank {r}", ["services.worker", "--rank", str(r),
-                                            "--endpoints", endpoints])
+            self.spawn(
+                f"worker rank {r}", ["services.worker", "--rank", str(r), "--endpoints", endpoints]
+            )
         self.spawn("api", ["services.api"])
 
     def _health(self) -> bool:
@@ -138,8 +141,10 @@ class Launcher:
                 next_probe = time.monotonic() + 0.5
                 if ready:
                     s = self.settings
-                    _say(f"ready: http://{s.api_host}:{s.api_port} (model "
-                         f"{s.served_model_name}, tp={s.tp}, nats {s.nats_url})")
+                    _say(
+                        f"ready: http://{s.api_host}:{s.api_port} (model "
+                        f"{s.served_model_name}, tp={s.tp}, nats {s.nats_url})"
+                    )
             time.sleep(0.1)
         return 0
 
@@ -161,10 +166,12 @@ class Launcher:
         def on_signal(signum: int, _frame: object) -> None:
             self._stopping = True
 
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
         try:
             self.start()
+            # after start: creating the default model imports paddle, which installs
+            # its own SIGTERM handler
+            signal.signal(signal.SIGTERM, on_signal)
+            signal.signal(signal.SIGINT, on_signal)
             return self.monitor()
         except LaunchError as e:
             _say(str(e))

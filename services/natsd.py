@@ -54,8 +54,13 @@ class NatsServer:
                 self.proc.wait()
 
 
-def start(store_dir: Path, port: int = 4222, host: str = "127.0.0.1", wait_s: float = 15.0,
-          log_file: Path | None = None) -> NatsServer:
+def start(
+    store_dir: Path,
+    port: int = 4222,
+    host: str = "127.0.0.1",
+    wait_s: float = 15.0,
+    log_file: Path | None = None,
+) -> NatsServer:
     """Start nats-server with JetStream on ``host:port`` (``port=0``: any free port).
 
     A busy port is one clear error, not a server that dies later.
@@ -70,14 +75,28 @@ def start(store_dir: Path, port: int = 4222, host: str = "127.0.0.1", wait_s: fl
     ports_dir.mkdir(exist_ok=True)
     for old in ports_dir.glob("*.ports"):
         old.unlink(missing_ok=True)
-    cmd = [find_binary(), "-a", host, "-p", str(port or -1), "-js", "-sd", str(store_dir),
-           "--ports_file_dir", str(ports_dir), "-m", "0"]
+    cmd = [
+        find_binary(),
+        "-a",
+        host,
+        "-p",
+        str(port or -1),
+        "-js",
+        "-sd",
+        str(store_dir),
+        "--ports_file_dir",
+        str(ports_dir),
+        "-m",
+        "0",
+    ]
     out = open(log_file, "ab") if log_file else subprocess.DEVNULL  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise NatsServerError(f"nats-server exited with code {proc.returncode}: {' '.join(cmd)}")
+            raise NatsServerError(
+                f"nats-server exited with code {proc.returncode}: {' '.join(cmd)}"
+            )
         files = list(ports_dir.glob(f"*_{proc.pid}.ports"))
         if files:
             try:

@@ -173,7 +173,10 @@ class Bus:
         self._pending[rid] = fut  # registered before the publish
         try:
             await self.nc.publish(
-                subject, data, reply=f"{self._inbox_prefix}.{rid}", headers=self._headers(rid, headers)
+                subject,
+                data,
+                reply=f"{self._inbox_prefix}.{rid}",
+                headers=self._headers(rid, headers),
             )
             return await asyncio.wait_for(fut, timeout)
         except TimeoutError:
@@ -201,7 +204,10 @@ class Bus:
         self._pending[rid] = gather
         try:
             await self.nc.publish(
-                subject, data, reply=f"{self._inbox_prefix}.{rid}", headers=self._headers(rid, headers)
+                subject,
+                data,
+                reply=f"{self._inbox_prefix}.{rid}",
+                headers=self._headers(rid, headers),
             )
             await asyncio.wait_for(asyncio.shield(gather.done), timeout)
             return gather.replies
@@ -213,7 +219,9 @@ class Bus:
         finally:
             self._pending.pop(rid, None)
 
-    async def publish(self, subject: str, data: bytes, headers: dict[str, str] | None = None) -> None:
+    async def publish(
+        self, subject: str, data: bytes, headers: dict[str, str] | None = None
+    ) -> None:
         await self.nc.publish(subject, data, headers=headers)
 
     async def flush(self, timeout: float = 5.0) -> None:
@@ -262,7 +270,11 @@ class Bus:
             else:
                 await run(req)
 
-        await service.add_endpoint(name=endpoint, subject=subject, handler=on_request, queue_group=queue)
+        await service.add_endpoint(
+            name=endpoint, subject=subject, handler=on_request, queue_group=queue
+        )
 
-    async def subscribe(self, subject: str, cb: Callable[[Msg], Awaitable[None]], queue: str = "") -> Any:
+    async def subscribe(
+        self, subject: str, cb: Callable[[Msg], Awaitable[None]], queue: str = ""
+    ) -> Any:
         return await self.nc.subscribe(subject, queue=queue, cb=cb)

@@ -68,9 +68,7 @@ def sha256_of(chunks: Iterable[bytes | memoryview]) -> str:
     return h.hexdigest()
 
 
-def check_tensors(
-    expected: dict[str, TensorSpec], got: dict[str, TensorSpec], where: str
-) -> None:
+def check_tensors(expected: dict[str, TensorSpec], got: dict[str, TensorSpec], where: str) -> None:
     """Raise a 422 naming the first missing, extra or mis-shaped tensor."""
     missing = sorted(set(expected) - set(got))
     if missing:

@@ -26,7 +26,9 @@ def admin_check(deps: Deps, request: Request) -> None:
     got = request.headers.get("authorization", "")
     if got != f"Bearer {token}":
         what = "missing" if not got else "wrong"
-        raise ControlError(UNAUTHORIZED, f"control routes need 'Authorization: Bearer <admin token>' ({what})")
+        raise ControlError(
+            UNAUTHORIZED, f"control routes need 'Authorization: Bearer <admin token>' ({what})"
+        )
 
 
 def reply_response(reply: m.ControlReply) -> JSONResponse:
@@ -99,7 +101,9 @@ def routes(deps: Deps) -> list[Route]:
     def legacy(method: str):  # noqa: ANN202 - route factory
         async def route(request: Request) -> Response:
             if not deps.settings.dynamic_load_weight:
-                return JSONResponse({"error": "Dynamic Load Weight Disabled."}, status_code=NOT_FOUND)
+                return JSONResponse(
+                    {"error": "Dynamic Load Weight Disabled."}, status_code=NOT_FOUND
+                )
             return await call(deps, request, method, {})
 
         return route

@@ -32,7 +32,10 @@ class Deps:
         try:
             with self.metrics.control_latency.labels(method).time():
                 reply = await self.bus.request(
-                    self.subjects.ctl(method), data, timeout=t, request_id=rid,
+                    self.subjects.ctl(method),
+                    data,
+                    timeout=t,
+                    request_id=rid,
                     headers={"Rollbus-Actor": actor} if actor else None,
                 )
         except ControlError as e:

@@ -13,12 +13,18 @@ from shared.settings import Settings
 
 def main() -> int:
     settings = Settings()
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s api %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s api %(levelname)s %(name)s: %(message)s",
+    )
     app = create_app(settings)
     config = uvicorn.Config(
-        app, host=settings.api_host, port=settings.api_port, log_level="warning",
-        access_log=False, timeout_graceful_shutdown=5,
+        app,
+        host=settings.api_host,
+        port=settings.api_port,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=5,
     )
     server = uvicorn.Server(config)
     try:

@@ -16,23 +16,33 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.control_requests = Counter(
-            "rollbus_control_requests", "Control calls by method and status code",
-            ["method", "code"], registry=r,
+            "rollbus_control_requests",
+            "Control calls by method and status code",
+            ["method", "code"],
+            registry=r,
         )
         self.control_latency = Histogram(
-            "rollbus_control_latency_seconds", "Control call latency through the bus",
-            ["method"], registry=r,
+            "rollbus_control_latency_seconds",
+            "Control call latency through the bus",
+            ["method"],
+            registry=r,
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 0.5, 2.5, 10, 60),
         )
         self.gen_requests = Counter(
-            "rollbus_generation_requests", "Generation requests by route and outcome",
-            ["route", "finish_reason"], registry=r,
+            "rollbus_generation_requests",
+            "Generation requests by route and outcome",
+            ["route", "finish_reason"],
+            registry=r,
         )
         self.gen_tokens = Counter(
-            "rollbus_generation_tokens", "Tokens generated", registry=r,
+            "rollbus_generation_tokens",
+            "Tokens generated",
+            registry=r,
         )
         self.ttft = Histogram(
-            "rollbus_time_to_first_token_seconds", "Time to first token", registry=r,
+            "rollbus_time_to_first_token_seconds",
+            "Time to first token",
+            registry=r,
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10, 60),
         )
         self.is_paused = Gauge("rollbus_is_paused", "1 when generation is paused", registry=r)
@@ -41,7 +51,8 @@ class Metrics:
             "rollbus_weight_version_info", "The serving weight version", ["version"], registry=r
         )
         self.dropped_replies = Gauge(
-            "rollbus_bus_dropped_replies", "Late or unknown replies dropped by the API's bus",
+            "rollbus_bus_dropped_replies",
+            "Late or unknown replies dropped by the API's bus",
             registry=r,
         )
 

@@ -50,7 +50,9 @@ METHODS: dict[str, tuple[Method, type, bool]] = {
 
 async def ensure_events_stream(bus: Bus) -> None:
     cfg = StreamConfig(
-        name=EVENTS_STREAM, subjects=["rollbus.*.events.>"], max_age=7 * 24 * 3600.0,
+        name=EVENTS_STREAM,
+        subjects=["rollbus.*.events.>"],
+        max_age=7 * 24 * 3600.0,
         max_msgs=1_000_000,
     )
     try:
@@ -78,8 +80,13 @@ class Engine:
     async def event(self, kind: str, data: dict[str, Any], request_id: str = "") -> None:
         """Append to the audit log. A core publish: JetStream stores it without a
         round-trip ack on the control path."""
-        ev = m.Event(kind=kind, instance=self.settings.instance, request_id=request_id,
-                     actor="engine", data=data)
+        ev = m.Event(
+            kind=kind,
+            instance=self.settings.instance,
+            request_id=request_id,
+            actor="engine",
+            data=data,
+        )
         try:
             await self.bus.publish(self.subjects.event(kind), m.json_encode(ev))
         except Exception:  # the audit log must never fail a control op
@@ -100,7 +107,9 @@ class Engine:
             args = m.decode_args(data, argtype)
             if exclusive:
                 if self.lock.locked():
-                    raise ControlError(CONFLICT, f"{method}: another control operation is in progress")
+                    raise ControlError(
+                        CONFLICT, f"{method}: another control operation is in progress"
+                    )
                 async with self.lock:
                     result = await self._call(fn, args, actor)
             else:
@@ -114,9 +123,14 @@ class Engine:
         if exclusive:
             await self.event(
                 "control",
-                {"method": method, "args": m.to_builtins(args), "error_code": reply.error_code,
-                 "error_message": reply.error_message, "actor": actor,
-                 "seconds": time.perf_counter() - t0},
+                {
+                    "method": method,
+                    "args": m.to_builtins(args),
+                    "error_code": reply.error_code,
+                    "error_message": reply.error_message,
+                    "actor": actor,
+                    "seconds": time.perf_counter() - t0,
+                },
                 rid,
             )
         return m.json_encode(reply)
@@ -137,9 +151,12 @@ class Engine:
         )
         for method in METHODS:
             await self.bus.serve(
-                svc, method, self.subjects.ctl(method),
+                svc,
+                method,
+                self.subjects.ctl(method),
                 lambda d, h, _m=method: self.dispatch(_m, d, h),
-                queue="engine", concurrent=True,
+                queue="engine",
+                concurrent=True,
             )
         await self.scheduler.start(svc)
         await self.bus.flush()
@@ -157,7 +174,9 @@ class Engine:
                 raise ControlError(INTERNAL, f"ranks serve different versions: {versions}")
             self.state.weight_version = versions.pop() or ""
             self.ready = self.ranks_alive = True
-            await self.event("ready", {"version": self.state.weight_version, "tp": self.settings.tp})
+            await self.event(
+                "ready", {"version": self.state.weight_version, "tp": self.settings.tp}
+            )
             return
 
     async def watch_ranks(self, period: float = 2.0) -> None:
@@ -201,8 +220,10 @@ async def amain(settings: Settings) -> int:
 
 def main() -> int:
     settings = Settings()
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s engine %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s engine %(levelname)s %(name)s: %(message)s",
+    )
     try:
         return asyncio.run(amain(settings))
     except ControlError as e:

@@ -25,7 +25,11 @@ class Ranks:
         self.bus, self.subjects, self.tp, self.timeout = bus, subjects, tp, timeout
 
     async def call(
-        self, method: str, args: msgspec.Struct | None = None, *, timeout: float | None = None,
+        self,
+        method: str,
+        args: msgspec.Struct | None = None,
+        *,
+        timeout: float | None = None,
         request_id: str | None = None,
     ) -> dict[int, m.WorkerReply]:
         """Scatter ``method`` to all ranks; every rank must answer and succeed.
@@ -37,7 +41,10 @@ class Ranks:
         t = timeout or self.timeout
         try:
             raw = await self.bus.scatter(
-                self.subjects.worker_ctl(method), data, expected=self.tp, timeout=t,
+                self.subjects.worker_ctl(method),
+                data,
+                expected=self.tp,
+                timeout=t,
                 request_id=request_id,
             )
             missing: list[int] = []

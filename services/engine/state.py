@@ -64,7 +64,9 @@ class EngineState:
 
     def begin_update(self) -> None:
         if self.state is State.RUNNING:
-            raise ControlError(CONFLICT, "update_weights requires a paused engine: call pause first")
+            raise ControlError(
+                CONFLICT, "update_weights requires a paused engine: call pause first"
+            )
         if self.state is State.SLEEPING:
             raise ControlError(
                 CONFLICT, f"cannot update weights while sleeping ({sorted(self.asleep)} freed)"

@@ -57,12 +57,17 @@ def serialize(
                 },
             )
         )
-    return blobs, mf.Manifest(model=model, version=version, tp=tp, shards=specs,
-                              created=time.time())
+    return blobs, mf.Manifest(
+        model=model, version=version, tp=tp, shards=specs, created=time.time()
+    )
 
 
 def write_sharded_dir(
-    out_dir: Path, cfg: mdl.ModelConfig, state: dict[str, np.ndarray], tp: int, model: str,
+    out_dir: Path,
+    cfg: mdl.ModelConfig,
+    state: dict[str, np.ndarray],
+    tp: int,
+    model: str,
     version: str,
 ) -> mf.Manifest:
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,8 @@ raises ``ControlError``. They run on the rank's single paddle thread (see
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import os
 import time
 from dataclasses import dataclass, field
@@ -17,6 +19,20 @@ from services.worker.comm import CommGroup
 from services.worker.weights import WeightStore, digest
 from shared.errors import CONFLICT, ControlError
 from shared.messages import CommitArgs, SleepWorkerArgs, StageArgs, WakeupWorkerArgs
+
+
+def release_memory() -> None:
+    """Hand freed heap pages back to the OS.
+
+    Paddle's CPU tensors come from glibc malloc; after numpy temporaries raised glibc's
+    dynamic mmap threshold, big buffers live in the heap and ``free`` keeps them mapped.
+    ``malloc_trim(0)`` returns every free page, so sleep shows up in RSS at once.
+    """
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
 
 
 def rss_bytes() -> int:
@@ -68,11 +84,13 @@ def stage(r: Rank, args: StageArgs) -> dict[str, Any]:
 
 def commit(r: Rank, args: CommitArgs) -> dict[str, Any]:
     r.weights.commit(args.version)
+    release_memory()
     return {"rank": r.rank, "version": r.weights.version}
 
 
 def abort(r: Rank, _: object = None) -> dict[str, Any]:
     r.weights.abort()
+    release_memory()
     return {"rank": r.rank, "version": r.weights.version}
 
 
@@ -87,6 +105,7 @@ def sleep(r: Rank, args: SleepWorkerArgs) -> dict[str, Any]:
         r.kv.free()
     if args.shutdown_comm_group and "weight" in args.tags:
         r.comm.destroy()
+    release_memory()
     return {"rank": r.rank, "freed_bytes": freed, "rss_before": before, "rss_after": rss_bytes()}
 
 

@@ -16,7 +16,6 @@ import signal
 import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 from services.worker import control
@@ -70,9 +69,7 @@ class WorkerServer:
 
     def reply(self, result: dict[str, Any] | None = None, err: ControlError | None = None) -> bytes:
         if err is not None:
-            return m.json_encode(
-                m.WorkerReply(self.rank, err.code, err.message, err.result or {})
-            )
+            return m.json_encode(m.WorkerReply(self.rank, err.code, err.message, err.result or {}))
         return m.json_encode(m.WorkerReply(self.rank, result=result or {}))
 
     def _handler(self, method: str) -> Callable[[bytes, dict[str, str]], Any]:

@@ -18,7 +18,9 @@ Sharding over ``tp`` ranks (Megatron style):
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,9 +28,27 @@ import paddle
 import paddle.distributed as dist
 import paddle.nn.functional as F
 
+
+def _prefer_avx2_mkl_on_amd() -> None:
+    # Paddle's bundled MKL takes a generic slow path on AMD CPUs (fp32 GEMM ~4x slower,
+    # measured on EPYC); this MKL honours MKL_DEBUG_CPU_TYPE=5 (use AVX2). MKL reads it at
+    # the first BLAS call, so setting it at import is early enough. An explicit value wins.
+    try:
+        with Path("/proc/cpuinfo").open() as f:
+            amd = "AuthenticAMD" in f.read(4096)
+    except OSError:
+        return
+    if amd:
+        os.environ.setdefault("MKL_DEBUG_CPU_TYPE", "5")
+
+
+_prefer_avx2_mkl_on_amd()
+
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 _ROW = ("o_proj", "down_proj")
 _REPLICATED = ("input_layernorm", "post_attention_layernorm", "norm", "embed_tokens", "lm_head")
+_HF_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads")
 
 
 @dataclass(frozen=True)
@@ -74,21 +94,16 @@ class ModelConfig:
         if model_type == "llama" and (config.get("attention_bias") or config.get("mlp_bias")):
             # HF llama's attention_bias also adds an o_proj bias, which we do not model.
             raise ValueError("llama attention_bias/mlp_bias is not supported")
-        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size",
-                               "num_hidden_layers", "num_attention_heads") if k not in config]
+        missing = [k for k in _HF_REQUIRED if k not in config]
         if missing:
             raise ValueError(f"config lacks {', '.join(missing)}")
-        heads = config["num_attention_heads"]
-        head_dim = config.get("head_dim")
-        if head_dim is not None and head_dim * heads != config["hidden_size"]:
+        sizes = {k: int(config[k]) for k in _HF_REQUIRED}
+        heads = sizes["num_attention_heads"]
+        if config.get("head_dim", sizes["hidden_size"] // heads) * heads != sizes["hidden_size"]:
             raise ValueError("head_dim != hidden_size / num_attention_heads is not supported")
         return cls(
-            vocab_size=config["vocab_size"],
-            hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"],
-            num_hidden_layers=config["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=config.get("num_key_value_heads") or heads,
+            **sizes,
+            num_key_value_heads=int(config.get("num_key_value_heads") or heads),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             rope_theta=float(config.get("rope_theta", 10000.0)),
             max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
@@ -255,8 +270,6 @@ class _Group:
     key_block: paddle.Tensor  # [S, L] cache block of each key position (padding -> any valid)
     key_slot: paddle.Tensor  # [S, L]
     mask: paddle.Tensor  # [S, 1, 1, n, L] additive: 0 where visible, -inf elsewhere
-    num_seqs: int
-    new_tokens: int
 
 
 @dataclass
@@ -296,7 +309,12 @@ class TPModel:
         if not n_seqs or not len(batch.start_pos) == len(batch.block_tables) == n_seqs:
             raise ValueError("batch needs token_ids, start_pos and block_tables for >= 1 seqs")
         bs = kv.block_size
-        ids, pos, wblk, wslot, last, firsts = [], [], [], [], [], []
+        ids: list[int] = []  # every new token of the step, sequence after sequence
+        last: list[int] = []  # row of each sequence's last new token
+        firsts: list[int] = []  # row of each sequence's first new token
+        pos: list[np.ndarray] = []
+        wblk: list[np.ndarray] = []
+        wslot: list[np.ndarray] = []
         tables: list[np.ndarray] = []
         for s, (toks, start, table) in enumerate(
             zip(batch.token_ids, batch.start_pos, batch.block_tables, strict=True)
@@ -329,33 +347,7 @@ class TPModel:
             write_slot=paddle.to_tensor(np.concatenate(wslot)),
             last_rows=paddle.to_tensor(np.asarray(last, dtype=np.int64)),
         )
-        # Decode sequences (1 new token) share one padded matmul; longer chunks run alone
-        # so that padding never multiplies a prompt length by the number of sequences.
-        lengths = [len(t) for t in batch.token_ids]
-        decode = [s for s in range(n_seqs) if lengths[s] == 1]
-        grouping = ([decode] if decode else []) + [[s] for s in range(n_seqs) if lengths[s] > 1]
-        order: list[int] = []
-        for seqs in grouping:
-            n = lengths[seqs[0]]
-            total = max(batch.start_pos[s] + n for s in seqs)
-            kpos = np.arange(total)
-            key_block = np.empty((len(seqs), total), np.int64)
-            mask = np.empty((len(seqs), 1, 1, n, total), np.float32)
-            for i, s in enumerate(seqs):
-                seen = batch.start_pos[s] + n
-                key_block[i, :seen] = tables[s][kpos[:seen] // bs]
-                key_block[i, seen:] = tables[s][0]  # padding: any valid block, masked out
-                qpos = batch.start_pos[s] + np.arange(n)
-                mask[i, 0, 0] = np.where(kpos[None, :] <= qpos[:, None], 0.0, -np.inf)
-                order.extend(range(firsts[s], firsts[s] + n))
-            plan.groups.append(_Group(
-                rows=paddle.to_tensor(np.asarray(order[-len(seqs) * n:], np.int64)),
-                key_block=paddle.to_tensor(key_block),
-                key_slot=paddle.to_tensor(np.broadcast_to(kpos % bs, key_block.shape).copy()),
-                mask=paddle.to_tensor(mask), num_seqs=len(seqs), new_tokens=n,
-            ))
-        if order != list(range(len(order))):
-            plan.restore = paddle.to_tensor(np.argsort(np.asarray(order)).astype(np.int64))
+        plan.groups, plan.restore = _attention_groups(batch, tables, firsts, bs)
         return plan
 
     @paddle.no_grad()
@@ -384,7 +376,7 @@ class TPModel:
         # Only the last position of each sequence is sampled: norm and project just those.
         h = _rms_norm(paddle.gather(h, plan.last_rows), weights["model.norm.weight"],
                       cfg.rms_norm_eps)
-        head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+        head = weights["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
         return _linear(h, head)
 
     def _all_reduce(self, t: paddle.Tensor) -> paddle.Tensor:
@@ -411,11 +403,51 @@ class TPModel:
         paddle.index_put_(v_cache, (plan.write_block, plan.write_slot), v)
         outs = []
         for g in plan.groups:
-            qg = paddle.gather(q, g.rows).reshape([g.num_seqs, g.new_tokens, self.heads, d])
+            seqs, new_tokens = g.mask.shape[0], g.mask.shape[3]
+            qg = paddle.gather(q, g.rows).reshape([seqs, new_tokens, self.heads, d])
             outs.append(_attend(qg * (d ** -0.5), k_cache[g.key_block, g.key_slot],
                                 v_cache[g.key_block, g.key_slot], g.mask))
         out = outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0)
         return out if plan.restore is None else paddle.gather(out, plan.restore)
+
+
+def _attention_groups(
+    batch: Batch, tables: list[np.ndarray], firsts: list[int], block_size: int
+) -> tuple[list[_Group], paddle.Tensor | None]:
+    """Split the step's sequences into attention groups; also return the row permutation
+    that puts grouped outputs back in batch order (None when already in order).
+
+    Decode sequences (1 new token) share one padded matmul; longer chunks run alone so
+    padding never multiplies a prompt length by the number of sequences."""
+    lengths = [len(t) for t in batch.token_ids]
+    decode = [s for s, n in enumerate(lengths) if n == 1]
+    grouping = ([decode] if decode else []) + [[s] for s, n in enumerate(lengths) if n > 1]
+    groups: list[_Group] = []
+    order: list[int] = []
+    for seqs in grouping:
+        n = lengths[seqs[0]]
+        total = max(batch.start_pos[s] + n for s in seqs)
+        kpos = np.arange(total)
+        key_block = np.empty((len(seqs), total), np.int64)
+        mask = np.empty((len(seqs), 1, 1, n, total), np.float32)
+        rows: list[int] = []
+        for i, s in enumerate(seqs):
+            seen = batch.start_pos[s] + n
+            key_block[i, :seen] = tables[s][kpos[:seen] // block_size]
+            key_block[i, seen:] = tables[s][0]  # padding: any valid block, masked out
+            qpos = batch.start_pos[s] + np.arange(n)
+            mask[i, 0, 0] = np.where(kpos[None, :] <= qpos[:, None], 0.0, -np.inf)
+            rows.extend(range(firsts[s], firsts[s] + n))
+        order.extend(rows)
+        groups.append(_Group(
+            rows=paddle.to_tensor(np.asarray(rows, np.int64)),
+            key_block=paddle.to_tensor(key_block),
+            key_slot=paddle.to_tensor(np.broadcast_to(kpos % block_size, key_block.shape).copy()),
+            mask=paddle.to_tensor(mask),
+        ))
+    if order == list(range(len(order))):
+        return groups, None
+    return groups, paddle.to_tensor(np.argsort(np.asarray(order)).astype(np.int64))
 
 
 def _linear(x: paddle.Tensor, w: paddle.Tensor, b: paddle.Tensor | None = None) -> paddle.Tensor:

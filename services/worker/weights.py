@@ -109,11 +109,14 @@ class SnapshotSource:
             man = mf.decode(manifest_file.read_bytes(), str(manifest_file))
             if man.tp != self.tp:
                 raise ControlError(
-                    UNPROCESSABLE, f"version {version!r} is sharded for tp={man.tp}, serving tp={self.tp}"
+                    UNPROCESSABLE,
+                    f"version {version!r} is sharded for tp={man.tp}, serving tp={self.tp}",
                 )
             spec = man.shard(self.rank)
         elif verify:
-            raise ControlError(BAD_REQUEST, f"version {version!r} has no manifest.json: cannot verify checksums")
+            raise ControlError(
+                BAD_REQUEST, f"version {version!r} has no manifest.json: cannot verify checksums"
+            )
         if not shard_file.is_file():
             raise ControlError(UNPROCESSABLE, f"{where}: shard file is missing")
         size = shard_file.stat().st_size
@@ -150,7 +153,9 @@ class SnapshotSource:
                         arrays[name] = np.ascontiguousarray(part)
                         nbytes += part.nbytes
             except (SafetensorError, OSError, ValueError) as e:
-                raise ControlError(UNPROCESSABLE, f"rank {self.rank}: cannot read {f}: {e}") from None
+                raise ControlError(
+                    UNPROCESSABLE, f"rank {self.rank}: cannot read {f}: {e}"
+                ) from None
         missing = sorted(wanted - set(arrays))
         if missing:
             raise ControlError(

@@ -65,7 +65,9 @@ class Stack:
         return int(self.proc.returncode)
 
 
-def wait_healthy(base_url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 120) -> None:
+def wait_healthy(
+    base_url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 120
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -80,8 +82,13 @@ def wait_healthy(base_url: str, proc: subprocess.Popen[bytes], log: Path, timeou
 
 
 def start_stack(
-    tmp: Path, nats_url: str | None, *, tp: int = 2, model_config: dict[str, Any] | None = None,
-    env: dict[str, str] | None = None, model_name: str = "tiny",
+    tmp: Path,
+    nats_url: str | None,
+    *,
+    tp: int = 2,
+    model_config: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+    model_name: str = "tiny",
 ) -> Stack:
     from services.tiny_model import create_model_dir
 
@@ -109,7 +116,9 @@ def start_stack(
     log = tmp / f"stack-{instance}.log"
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "serve"],
-        env=full_env, stdout=open(log, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
+        env=full_env,
+        stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT,  # noqa: SIM115
     )
     base = f"http://127.0.0.1:{port}"
     try:

@@ -329,8 +329,9 @@ def test_events_are_audited_in_jetstream(stack: Stack) -> None:
 
     events = asyncio.run(go())
     controls = [e for e in events if e["kind"] == "control"]
-    assert any(e["data"]["method"] == "pause" and e["data"]["args"] == {"mode": "wait"}
-               for e in controls)
+    assert any(
+        e["data"]["method"] == "pause" and e["data"]["args"] == {"mode": "wait"} for e in controls
+    )
     assert any(e["data"]["actor"].startswith("http:") for e in controls)
     states = [e["data"]["state"] for e in events if e["kind"] == "state"]
     assert "paused" in states and "running" in states
@@ -348,11 +349,19 @@ def test_metrics(stack: Stack) -> None:
 def test_admin_token_and_dynamic_load_off(stack: Stack, tmp_path: Path) -> None:
     """A second API process on the same instance, with a token and dynamic load off."""
     port = free_port()
-    env = {**stack.env, "ROLLBUS_API_PORT": str(port), "ROLLBUS_ADMIN_TOKEN": "s3cret",
-           "ROLLBUS_DYNAMIC_LOAD_WEIGHT": "false"}
+    env = {
+        **stack.env,
+        "ROLLBUS_API_PORT": str(port),
+        "ROLLBUS_ADMIN_TOKEN": "s3cret",
+        "ROLLBUS_DYNAMIC_LOAD_WEIGHT": "false",
+    }
     log = tmp_path / "api.log"
-    proc = subprocess.Popen([sys.executable, "-m", "services.api"], env=env,
-                            stdout=open(log, "wb"), stderr=subprocess.STDOUT)  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.api"],
+        env=env,
+        stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT,
+    )  # noqa: SIM115
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(base, proc, log, timeout=60)

@@ -61,7 +61,7 @@ async def test_scatter_names_silent_rank(bus: Bus, nats_url: str) -> None:
     for rank in (0, 2):  # rank 1 never answers
         nc = await nats.connect(nats_url)
 
-        async def answer(msg, rank=rank):  # noqa: ANN001
+        async def answer(msg, rank=rank, nc=nc):  # noqa: ANN001
             await nc.publish(msg.reply, b"ok", headers={RANK: str(rank)})
 
         await nc.subscribe(subj, queue=f"rank{rank}", cb=answer)
@@ -87,6 +87,7 @@ async def test_scatter_returns_once_all_ranks_answer(bus: Bus, nats_url: str) ->
     for rank in range(4):
         # two subscribers per rank: the per-rank queue group delivers to one of them
         for _ in range(2):
+
             async def answer(msg, rank=rank):  # noqa: ANN001
                 await nc.publish(msg.reply, str(rank).encode(), headers={RANK: str(rank)})
 

@@ -65,8 +65,9 @@ def test_tp2_matches_tp1(tmp_path: Path) -> None:
         for r in range(2):
             with logs[r].open("wb") as log:
                 procs.append(subprocess.Popen(
-                    [sys.executable, str(HELPER), str(outs[r])], cwd=ROOT, env=rank_env(r, endpoints),
-                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                    [sys.executable, str(HELPER), str(outs[r])], cwd=ROOT,
+                    env=rank_env(r, endpoints), stdout=log, stderr=subprocess.STDOUT,
+                    start_new_session=True,
                 ))
         reference = load_helper().run_scenario(0, 1, None)  # tp=1 while the ranks start up
         for r, proc in enumerate(procs):

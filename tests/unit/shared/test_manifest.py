@@ -9,7 +9,15 @@ def _spec(shape: list[int], dtype: str = "float32") -> mf.TensorSpec:
 
 
 def test_roundtrip_and_lookup() -> None:
-    man = mf.Manifest("m", "v1", 2, [mf.ShardSpec(r, f"rank{r}-of-2.safetensors", 10, "ab", {"w": _spec([2])}) for r in range(2)])
+    man = mf.Manifest(
+        "m",
+        "v1",
+        2,
+        [
+            mf.ShardSpec(r, f"rank{r}-of-2.safetensors", 10, "ab", {"w": _spec([2])})
+            for r in range(2)
+        ],
+    )
     again = mf.decode(mf.encode(man))
     assert again == man and again.total_bytes == 20 and again.shard(1).rank == 1
     with pytest.raises(ControlError) as e:

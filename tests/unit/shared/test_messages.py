@@ -7,7 +7,12 @@ from shared.errors import ControlError
 
 def test_control_reply_json_shape() -> None:
     body = msgspec.json.decode(m.json_encode(m.ControlReply("r1", result={"is_paused": True})))
-    assert body == {"request_id": "r1", "error_code": 200, "error_message": "", "result": {"is_paused": True}}
+    assert body == {
+        "request_id": "r1",
+        "error_code": 200,
+        "error_message": "",
+        "result": {"is_paused": True},
+    }
 
 
 def test_update_args_defaults_and_types() -> None:

@@ -9,15 +9,30 @@ def test_defaults_match_the_contract(monkeypatch: pytest.MonkeyPatch) -> None:
         if k.startswith("ROLLBUS_"):
             monkeypatch.delenv(k)
     s = Settings()
-    assert (s.nats_url, s.instance, s.api_host, s.api_port, s.tp) == ("", "default", "127.0.0.1", 8000, 2)
+    assert (s.nats_url, s.instance, s.api_host, s.api_port, s.tp) == (
+        "",
+        "default",
+        "127.0.0.1",
+        8000,
+        2,
+    )
     assert s.embedded_nats and s.dynamic_load_weight and not s.auto_update
     assert str(s.model_dir).endswith("models/tiny")
     assert s.served_model_name == "tiny"
 
 
-@pytest.mark.parametrize("alias, want", [("rsync", "object_store"), ("ipc_snapshot", "snapshot"),
-                                         ("ipc", "ipc"), ("OBJECT_STORE", "object_store")])
-def test_fastdeploy_strategy_aliases(monkeypatch: pytest.MonkeyPatch, alias: str, want: str) -> None:
+@pytest.mark.parametrize(
+    "alias, want",
+    [
+        ("rsync", "object_store"),
+        ("ipc_snapshot", "snapshot"),
+        ("ipc", "ipc"),
+        ("OBJECT_STORE", "object_store"),
+    ],
+)
+def test_fastdeploy_strategy_aliases(
+    monkeypatch: pytest.MonkeyPatch, alias: str, want: str
+) -> None:
     monkeypatch.setenv("ROLLBUS_LOAD_STRATEGY", alias)
     assert Settings().load_strategy == want
 

@@ -23,8 +23,13 @@ TOL = 1e-4
 
 def tiny(**overrides: object) -> ModelConfig:
     base: dict[str, object] = dict(
-        vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=10000.0,
     )
     base.update(overrides)
     return ModelConfig(**base)  # type: ignore[arg-type]
@@ -42,6 +47,7 @@ def scaled(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
 
 # ---------- dense numpy reference ----------
 
+
 def ref_logits(cfg: ModelConfig, w: dict[str, np.ndarray], tokens: list[int]) -> np.ndarray:
     """Logits of every position of one sequence, float64, straight from the HF equations."""
     f = {k: v.astype(np.float64) for k, v in w.items()}
@@ -55,7 +61,7 @@ def ref_logits(cfg: ModelConfig, w: dict[str, np.ndarray], tokens: list[int]) ->
         inv = 1.0 / cfg.rope_theta ** (np.arange(0, hd, 2) / hd)
         ang = np.arange(n)[:, None] * inv[None, :]
         ang = np.concatenate([ang, ang], -1)[:, None, :]
-        rot = np.concatenate([-x[..., hd // 2:], x[..., : hd // 2]], -1)
+        rot = np.concatenate([-x[..., hd // 2 :], x[..., : hd // 2]], -1)
         return x * np.cos(ang) + rot * np.sin(ang)
 
     def lin(x: np.ndarray, name: str) -> np.ndarray:
@@ -96,35 +102,59 @@ def blocks(first: int, count: int) -> list[int]:
 
 # ---------- config ----------
 
+
 def test_from_hf_qwen2_and_defaults() -> None:
-    cfg = ModelConfig.from_hf({
-        "model_type": "qwen2", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
-        "num_hidden_layers": 1, "num_attention_heads": 2, "eos_token_id": [7, 8],
-        "rope_scaling": None, "torch_dtype": "bfloat16", "tie_word_embeddings": True,
-    })
+    cfg = ModelConfig.from_hf(
+        {
+            "model_type": "qwen2",
+            "vocab_size": 10,
+            "hidden_size": 8,
+            "intermediate_size": 16,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "eos_token_id": [7, 8],
+            "rope_scaling": None,
+            "torch_dtype": "bfloat16",
+            "tie_word_embeddings": True,
+        }
+    )
     assert cfg.attention_bias and cfg.tie_word_embeddings
     assert cfg.num_key_value_heads == 2 and cfg.head_dim == 4 and cfg.eos_token_id == 7
     assert "lm_head.weight" not in shard_names(cfg)
     assert "model.layers.0.self_attn.k_proj.bias" in shard_names(cfg)
 
 
-@pytest.mark.parametrize("bad", [
-    {"model_type": "gpt2"}, {"hidden_act": "gelu"}, {"rope_scaling": {"rope_type": "llama3"}},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"model_type": "gpt2"},
+        {"hidden_act": "gelu"},
+        {"rope_scaling": {"rope_type": "llama3"}},
+    ],
+)
 def test_from_hf_rejects_unsupported(bad: dict[str, object]) -> None:
-    base = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
-            "num_hidden_layers": 1, "num_attention_heads": 2}
+    base = {
+        "vocab_size": 10,
+        "hidden_size": 8,
+        "intermediate_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+    }
     with pytest.raises(ValueError):
         ModelConfig.from_hf({**base, **bad})
 
 
-@pytest.mark.parametrize("field,heads,kv_heads,inter,tp", [
-    ("num_attention_heads", 4, 4, 96, 3),
-    ("num_key_value_heads", 8, 2, 96, 4),
-    ("intermediate_size", 4, 4, 90, 4),
-])
-def test_validate_tp_names_field(field: str, heads: int, kv_heads: int, inter: int,
-                                 tp: int) -> None:
+@pytest.mark.parametrize(
+    "field,heads,kv_heads,inter,tp",
+    [
+        ("num_attention_heads", 4, 4, 96, 3),
+        ("num_key_value_heads", 8, 2, 96, 4),
+        ("intermediate_size", 4, 4, 90, 4),
+    ],
+)
+def test_validate_tp_names_field(
+    field: str, heads: int, kv_heads: int, inter: int, tp: int
+) -> None:
     cfg = tiny(num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=inter)
     with pytest.raises(ValueError, match=field):
         cfg.validate_tp(tp)
@@ -139,6 +169,7 @@ def test_config_rejects_inconsistent_heads() -> None:
 
 
 # ---------- sharding ----------
+
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_shards_concatenate_back(tp: int) -> None:
@@ -177,9 +208,15 @@ def test_init_weights_deterministic() -> None:
 
 # ---------- forward ----------
 
-@pytest.mark.parametrize("overrides", [
-    {}, {"attention_bias": True, "tie_word_embeddings": True}, {"num_key_value_heads": 4},
-])
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"attention_bias": True, "tie_word_embeddings": True},
+        {"num_key_value_heads": 4},
+    ],
+)
 def test_prefill_matches_dense_reference(overrides: dict[str, object]) -> None:
     cfg = tiny(**overrides)
     w = scaled(cfg, 3)
@@ -234,13 +271,17 @@ def test_batched_sequences_equal_each_alone() -> None:
         np.testing.assert_allclose(out[row], ref_logits(cfg, w, seq)[-1], atol=TOL, rtol=0)
     # step 2: mixed batch - two decodes of different history length and a prefill chunk
     out = run(model, pw, kv, Batch([[11], [12, 13], [14]], [7, 2, 5], tables))
-    wants = [ref_logits(cfg, w, a + [11]), ref_logits(cfg, w, b + [12, 13]),
-             ref_logits(cfg, w, c + [14])]
+    wants = [
+        ref_logits(cfg, w, a + [11]),
+        ref_logits(cfg, w, b + [12, 13]),
+        ref_logits(cfg, w, c + [14]),
+    ]
     for row, want in enumerate(wants):
         np.testing.assert_allclose(out[row], want[-1], atol=TOL, rtol=0, err_msg=f"row {row}")
     # alone, in a fresh cache, each sequence gives the same logits as when batched
-    for row, (seq, table) in enumerate(zip((a + [11], b + [12, 13], c + [14]), tables,
-                                           strict=True)):
+    for row, (seq, table) in enumerate(
+        zip((a + [11], b + [12, 13], c + [14]), tables, strict=True)
+    ):
         alone = KVCache(cfg, num_blocks=8, block_size=4, tp=1)
         single = run(model, pw, alone, Batch([seq], [0], [table]))
         np.testing.assert_allclose(single[0], out[row], atol=TOL, rtol=0)

@@ -33,18 +33,23 @@ def test_greedy_is_argmax_with_log_softmax_logprob() -> None:
 def test_seeded_sampling_is_reproducible_and_salted() -> None:
     x = np.zeros((1, 1000), np.float32)  # uniform: every draw is informative
     p = [SamplingParams(temperature=1.0, seed=3)]
-    runs = [[sample(x, p, [g])[0][0] for _ in range(20)]
-            for g in (make_generator(3, 0), make_generator(3, 0), make_generator(3, 1))]
+    runs = [
+        [sample(x, p, [g])[0][0] for _ in range(20)]
+        for g in (make_generator(3, 0), make_generator(3, 0), make_generator(3, 1))
+    ]
     assert runs[0] == runs[1]
     assert runs[0] != runs[2]
     assert len(set(runs[0])) > 10  # actually random, not stuck
 
 
-@pytest.mark.parametrize("params", [
-    SamplingParams(temperature=1.5, top_k=1),
-    SamplingParams(temperature=2.0, top_p=1e-6),
-    SamplingParams(temperature=1.0, top_k=5, top_p=1e-9),
-])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.5, top_k=1),
+        SamplingParams(temperature=2.0, top_p=1e-6),
+        SamplingParams(temperature=1.0, top_k=5, top_p=1e-9),
+    ],
+)
 def test_truncation_to_one_token_equals_greedy(params: SamplingParams) -> None:
     x = logits(n=6, seed=1)
     greedy, _ = sample(x, [SamplingParams(temperature=0)] * 6, gens(6))
@@ -84,8 +89,10 @@ def test_logprobs_are_tempered_and_nonpositive() -> None:
 def test_sampling_follows_distribution() -> None:
     x = np.log(np.array([[0.7, 0.2, 0.1]], np.float32))
     g = make_generator(11, 0)
-    counts = np.bincount([sample(x, [SamplingParams()], [g])[0][0] for _ in range(4000)],
-                         minlength=3) / 4000
+    counts = (
+        np.bincount([sample(x, [SamplingParams()], [g])[0][0] for _ in range(4000)], minlength=3)
+        / 4000
+    )
     np.testing.assert_allclose(counts, [0.7, 0.2, 0.1], atol=0.03)
 
 
@@ -95,8 +102,16 @@ def test_unseeded_generators_differ() -> None:
     assert len(set(a)) > 1
 
 
-@pytest.mark.parametrize("kwargs", [{"temperature": -1}, {"top_p": 0}, {"top_p": 1.5},
-                                    {"top_k": -1}, {"temperature": float("nan")}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"temperature": -1},
+        {"top_p": 0},
+        {"top_p": 1.5},
+        {"top_k": -1},
+        {"temperature": float("nan")},
+    ],
+)
 def test_invalid_params_rejected(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)  # type: ignore[arg-type]

@@ -34,11 +34,15 @@ def make_hf_dir(tmp_path: Path, chat_template: str | None) -> Path:
     raw = RawTokenizer(models.BPE())
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     raw.train_from_iterator(SAMPLES * 20 + ["the quick brown fox jumps"] * 20, trainer)
     raw.post_processor = processors.TemplateProcessing(
-        single="<s> $A", special_tokens=[("<s>", raw.token_to_id("<s>"))])
+        single="<s> $A", special_tokens=[("<s>", raw.token_to_id("<s>"))]
+    )
     raw.save(str(tmp_path / "tokenizer.json"))
     cfg: dict[str, object] = {"bos_token": {"content": "<s>"}, "eos_token": "</s>"}
     if chat_template is not None:
@@ -49,6 +53,7 @@ def make_hf_dir(tmp_path: Path, chat_template: str | None) -> Path:
 
 
 # ---------- byte tokenizer ----------
+
 
 @pytest.mark.parametrize("text", SAMPLES)
 def test_byte_round_trip(text: str) -> None:
@@ -87,12 +92,16 @@ def test_stream_keeps_going_after_invalid_byte() -> None:
 
 
 def test_default_chat_template() -> None:
-    msgs = [{"role": "system", "content": "be brief"},
-            {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    msgs = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+    ]
     assert ByteTokenizer().apply_chat_template(msgs) == (
-        "<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\n")
+        "<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\n"
+    )
     assert ByteTokenizer().apply_chat_template(msgs[:1], add_generation_prompt=False) == (
-        "<|system|>\nbe brief\n")
+        "<|system|>\nbe brief\n"
+    )
     with pytest.raises(ValueError, match="role"):
         ByteTokenizer().apply_chat_template([{"content": "x"}])
 
@@ -102,6 +111,7 @@ def test_load_without_tokenizer_json_is_bytes(tmp_path: Path) -> None:
 
 
 # ---------- HF tokenizer ----------
+
 
 def test_hf_tokenizer_ids_round_trip_and_stream(tmp_path: Path) -> None:
     tok = load_tokenizer(make_hf_dir(tmp_path, None))
@@ -120,7 +130,7 @@ def test_hf_tokenizer_ids_round_trip_and_stream(tmp_path: Path) -> None:
         dec, out, i = IncrementalDecoder(tok), [], 0
         while i < len(ids):
             step = rng.randint(1, 3)
-            out.append(dec.push(ids[i:i + step]))
+            out.append(dec.push(ids[i : i + step]))
             i += step
         assert "".join(out) + dec.flush() == text
     # the emoji is split over byte-level tokens: the stream must have held text back
@@ -128,8 +138,10 @@ def test_hf_tokenizer_ids_round_trip_and_stream(tmp_path: Path) -> None:
 
 
 def test_hf_chat_template_rendered_with_jinja(tmp_path: Path) -> None:
-    template = ("{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n"
-                "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}")
+    template = (
+        "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n"
+        "{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}"
+    )
     tok = load_tokenizer(make_hf_dir(tmp_path, template))
     text = tok.apply_chat_template([{"role": "user", "content": "héllo"}])
     assert text == "<s>[user] héllo\n[assistant] "
@@ -138,7 +150,8 @@ def test_hf_chat_template_rendered_with_jinja(tmp_path: Path) -> None:
 def test_hf_chat_template_missing_falls_back_to_default(tmp_path: Path) -> None:
     tok = load_tokenizer(make_hf_dir(tmp_path, None))
     assert tok.apply_chat_template([{"role": "user", "content": "q"}]) == (
-        "<|user|>\nq\n<|assistant|>\n")
+        "<|user|>\nq\n<|assistant|>\n"
+    )
 
 
 def test_hf_chat_template_raise_exception(tmp_path: Path) -> None:

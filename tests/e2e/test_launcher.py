@@ -1,0 +1,134 @@
+"""`rollbus serve` as a user runs it: embedded nats-server, default model, clean stops."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from safetensors import safe_open
+
+from tests.e2e.stack import free_port, wait_healthy
+
+
+def _env(**kw: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLBUS_")}
+    env.update(ROLLBUS_LOG_LEVEL="warning", **kw)
+    return env
+
+
+def _children(pid: int) -> set[int]:
+    out: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        text = (task / "children").read_text().split()
+        out |= {int(x) for x in text}
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def _serve(cwd: Path, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "serve"],
+        cwd=cwd,
+        env=env,
+        stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT,  # noqa: SIM115
+    )
+
+
+def test_embedded_start_defaults_and_sigterm(tmp_path: Path) -> None:
+    api, nport = free_port(), free_port()
+    log = tmp_path / "serve.log"
+    proc = _serve(tmp_path, _env(ROLLBUS_API_PORT=str(api), ROLLBUS_NATS_PORT=str(nport)), log)
+    try:
+        wait_healthy(f"http://127.0.0.1:{api}", proc, log)
+        st = httpx.get(f"http://127.0.0.1:{api}/v1/status", timeout=10).json()
+        assert st["nats_url"] == f"nats://127.0.0.1:{nport}" and st["tp"] == 2
+        assert (tmp_path / ".data" / "nats" / "jetstream").is_dir()
+        tiny = tmp_path / ".data" / "models" / "tiny"
+        assert json.loads((tiny / "config.json").read_text())["model_type"] == "llama"
+        assert (tiny / "version.txt").read_text().strip() == "v0"
+        with safe_open(str(tiny / "model.safetensors"), framework="numpy") as f:
+            assert "model.layers.0.self_attn.q_proj.weight" in f.keys()
+        kids = _children(proc.pid)
+        assert len(kids) == 5  # nats-server, engine, 2 ranks, api
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(30)
+    assert code == 0
+    time.sleep(0.5)
+    assert not [k for k in kids if _alive(k)]
+
+
+def test_dead_child_is_named_and_the_rest_stop(tmp_path: Path, nats_url: str) -> None:
+    api = free_port()
+    log = tmp_path / "serve.log"
+    env = _env(
+        ROLLBUS_API_PORT=str(api),
+        ROLLBUS_NATS_URL=nats_url,
+        ROLLBUS_INSTANCE=f"launch{api}",
+        ROLLBUS_DATA_DIR=str(tmp_path / "d"),
+    )
+    proc = _serve(tmp_path, env, log)
+    try:
+        wait_healthy(f"http://127.0.0.1:{api}", proc, log)
+        st = httpx.get(f"http://127.0.0.1:{api}/v1/status", timeout=10).json()
+        kids = _children(proc.pid)
+        os.kill(st["ranks"][1]["pid"], signal.SIGKILL)
+        code = proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 1
+    assert "worker rank 1 exited" in log.read_text()
+    time.sleep(0.5)
+    assert not [k for k in kids if _alive(k)]
+
+
+def _run_fail(tmp_path: Path, env: dict[str, str]) -> tuple[int, str]:
+    r = subprocess.run(
+        [sys.executable, "-m", "services.cli", "serve"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return r.returncode, r.stderr
+
+
+def test_busy_nats_port_is_one_clear_line(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        code, err = _run_fail(tmp_path, _env(ROLLBUS_NATS_PORT=str(port)))
+    assert code == 2
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and f"port {port} is busy" in lines[0] and "Traceback" not in err
+
+
+def test_unreachable_nats_url_is_named(tmp_path: Path) -> None:
+    code, err = _run_fail(tmp_path, _env(ROLLBUS_NATS_URL="nats://127.0.0.1:1"))
+    assert code == 2
+    assert "cannot reach NATS at nats://127.0.0.1:1" in err and "Traceback" not in err
+
+
+def test_bad_setting_is_one_line(tmp_path: Path) -> None:
+    code, err = _run_fail(tmp_path, _env(ROLLBUS_TP="two", ROLLBUS_LOAD_STRATEGY="ftp"))
+    assert code == 2
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "ROLLBUS_TP" in lines[0] and "ROLLBUS_LOAD_STRATEGY" in lines[0]
