@@ -22,6 +22,9 @@ def configure_env(rank: int, tp: int, endpoints: list[str], backend: str = "gloo
         PADDLE_CURRENT_ENDPOINT=endpoints[rank],
         PADDLE_DISTRI_BACKEND=backend,
     )
+    # gloo's pair sockets follow this interface; keep them on loopback for a
+    # single-host deployment (override it for multi-host ranks)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 
 class CommGroup:

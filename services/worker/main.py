@@ -12,11 +12,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+import paddle
 
 from services.worker import control
 from services.worker import model as mdl
@@ -48,6 +51,8 @@ INLINE = {"ping", "status"}
 
 
 def build_rank(settings: Settings, rank: int) -> control.Rank:
+    # ranks share the host's cores; paddle's CPU kernels default to one thread
+    paddle.base.core.set_num_threads(max(1, (os.cpu_count() or 1) // settings.tp))
     model_dir = settings.model_dir
     cfg = load_config(model_dir)
     cfg.validate_tp(settings.tp)
