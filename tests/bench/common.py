@@ -31,5 +31,8 @@ def row(name: str, xs: list[float], base: float | None = None) -> str:
 
 
 def table(title: str, rows: list[str], unit: str = "ms") -> str:
-    head = f"\n### {title}\n\n| path | p50 {unit} | p99 {unit} | p50 / baseline p50 |\n|---|---|---|---|"
+    head = (
+        f"\n### {title}\n\n| path | p50 {unit} | p99 {unit} | p50 / baseline p50 |\n"
+        "|---|---|---|---|"
+    )
     return "\n".join([head, *rows])
