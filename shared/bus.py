@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +63,13 @@ class _Gather:
             self.done.set_result(None)
 
 
+class _Stream:
+    """Replies of one streamed request, in arrival order."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[Reply | Exception] = asyncio.Queue()
+
+
 def new_request_id() -> str:
     return uuid.uuid4().hex
 
@@ -73,7 +80,7 @@ class Bus:
         self.name = name
         self.url = ""
         self._inbox_prefix = nc.new_inbox()
-        self._pending: dict[str, asyncio.Future[Reply] | _Gather] = {}
+        self._pending: dict[str, asyncio.Future[Reply] | _Gather | _Stream] = {}
         self._services: list[Service] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self.dropped_replies = 0
@@ -135,7 +142,11 @@ class Bus:
             log.debug("dropped late/unknown reply %s", rid)
             return
         no_responders = headers.get(STATUS) == "503" and not msg.data
-        if isinstance(waiter, _Gather):
+        if isinstance(waiter, _Stream):
+            waiter.queue.put_nowait(
+                NoResponders(msg.subject) if no_responders else Reply(msg.data, headers)
+            )
+        elif isinstance(waiter, _Gather):
             if no_responders:
                 return  # a scatter only ends on rank replies or its timeout
             try:
@@ -216,6 +227,41 @@ class Bus:
             err = Timeout(subject, timeout, missing)
             err.result = {"missing_ranks": missing, "replies": gather.replies}
             raise err from None
+        finally:
+            self._pending.pop(rid, None)
+
+    async def stream(
+        self,
+        subject: str,
+        data: bytes,
+        *,
+        idle_timeout: float,
+        headers: dict[str, str] | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[Reply]:
+        """Publish once; yield every reply until the caller stops iterating.
+
+        ``idle_timeout`` bounds the silence between two replies (the responder sends
+        heartbeats while a request waits), raising :class:`Timeout`.
+        """
+        rid = request_id or new_request_id()
+        stream = _Stream()
+        self._pending[rid] = stream  # registered before the publish
+        try:
+            await self.nc.publish(
+                subject,
+                data,
+                reply=f"{self._inbox_prefix}.{rid}",
+                headers=self._headers(rid, headers),
+            )
+            while True:
+                try:
+                    item = await asyncio.wait_for(stream.queue.get(), idle_timeout)
+                except TimeoutError:
+                    raise Timeout(subject, idle_timeout) from None
+                if isinstance(item, Exception):
+                    raise item
+                yield item
         finally:
             self._pending.pop(rid, None)
 

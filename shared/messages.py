@@ -118,6 +118,93 @@ class WakeupWorkerArgs(msgspec.Struct):
     strategy: str = "snapshot"
 
 
+# --------------------------------------------------------------------------- generation
+# msgpack on the wire (hot path); array_like keeps step messages small.
+
+
+class SamplingSpec(msgspec.Struct, array_like=True):
+    """How rank 0 samples one sequence's next token."""
+
+    seq_id: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    salt: int = 0  # the choice index: seeded choices of one request differ, yet reproduce
+    logprobs: bool = False
+
+
+class GenRequest(msgspec.Struct):
+    """API -> engine on ``rollbus.<i>.gen``; chunks stream back to the reply inbox."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    logprobs: bool = False
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+
+
+class VersionSpan(msgspec.Struct, array_like=True):
+    """Output tokens ``[start, end)`` of a choice were generated with ``version``."""
+
+    version: str
+    start: int
+    end: int
+
+
+class GenChunk(msgspec.Struct):
+    """Engine -> API: new tokens of choice ``index``; ``finish_reason`` set on the last."""
+
+    request_id: str
+    index: int = 0
+    token_ids: list[int] = msgspec.field(default_factory=list)
+    logprobs: list[float] | None = None
+    version: str = ""
+    finish_reason: str | None = None
+    spans: list[VersionSpan] | None = None
+    error_code: int = 0
+    error_message: str = ""
+    heartbeat: bool = False
+
+
+class GenCancel(msgspec.Struct):
+    request_id: str
+
+
+class StepRow(msgspec.Struct, array_like=True):
+    """One sequence's part of a step: new tokens from ``start_pos``, its block table, and
+    the sequences to sample from its last position (empty for a mid-prefill chunk)."""
+
+    seq_id: int
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    sample: list[SamplingSpec]
+
+
+class StepRequest(msgspec.Struct, array_like=True):
+    step: int
+    rows: list[StepRow]
+    copies: list[tuple[int, int]] = msgspec.field(default_factory=list)  # KV block src->dst
+    finished: list[int] = msgspec.field(default_factory=list)  # seq ids rank 0 may forget
+
+
+class StepReply(msgspec.Struct, array_like=True):
+    """Rank 0's answer: one (seq_id, token, logprob) per sampling spec, in order."""
+
+    step: int
+    seq_ids: list[int]
+    tokens: list[int]
+    logprobs: list[float]
+    error: str = ""
+    seconds: float = 0.0
+
+
 # --------------------------------------------------------------------------- events
 
 

@@ -43,6 +43,7 @@ class Settings(BaseSettings):
     kv_block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
     max_model_len: int = Field(0, ge=0, description="context length; 0 = from the model config")
     max_batch_size: int = Field(64, ge=1, description="sequences per engine step")
+    max_step_tokens: int = Field(2048, ge=1, description="tokens per engine step (prefill chunks)")
 
     # weights / control
     load_strategy: LoadStrategy = "snapshot"

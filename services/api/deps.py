@@ -17,6 +17,7 @@ class Deps:
     settings: Settings
     bus: Bus | None = None
     metrics: Metrics = field(default_factory=Metrics)
+    current_version: str = ""  # last weight version seen in a reply (for empty outputs)
 
     @property
     def subjects(self) -> Subjects:

@@ -1,18 +1,89 @@
-"""Executes ``rollbus.<i>.worker.step`` on a rank (filled in by the inference issue)."""
+"""Executes ``rollbus.<i>.worker.step`` on a rank: one publish in, one reply out.
+
+Every rank runs the forward pass of the step (the all-reduces need all of them);
+rank 0 alone samples and replies. Sampling state (one generator per sequence) lives on
+rank 0 and survives preemption; the engine names finished sequences so it is dropped.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 from nats.aio.msg import Msg
 
+from services.worker import model as mdl
 from services.worker.control import Rank
-from shared.bus import Bus
+from services.worker.sampling import SamplingParams, make_generator, sample
+from shared import messages as m
+from shared.bus import REQUEST_ID, Bus
+
+log = logging.getLogger("rollbus.worker.step")
 
 
 class Stepper:
     def __init__(self, state: Rank, bus: Bus, pool: ThreadPoolExecutor, rank: int) -> None:
         self.state, self.bus, self.pool, self.rank = state, bus, pool, rank
+        self.generators: dict[int, np.random.Generator] = {}
 
     async def on_step(self, msg: Msg) -> None:
-        return None
+        req = m.unpack(msg.data, type=m.StepRequest)
+        loop = asyncio.get_running_loop()
+        try:
+            reply = await loop.run_in_executor(self.pool, self.run, req)
+        except Exception as e:  # the engine must learn of it, not time out
+            log.exception("rank %d: step %d failed", self.rank, req.step)
+            reply = m.StepReply(req.step, [], [], [], error=f"rank {self.rank}: {e!r}")
+        if self.rank == 0 and msg.reply:
+            headers = {REQUEST_ID: (msg.headers or {}).get(REQUEST_ID, "")}
+            await self.bus.nc.publish(msg.reply, m.pack(reply), headers=headers)
+
+    def run(self, req: m.StepRequest) -> m.StepReply:
+        t0 = time.perf_counter()
+        st = self.state
+        for seq_id in req.finished:
+            self.generators.pop(seq_id, None)
+        if st.weights.current is None or not st.kv.allocated or st.model is None:
+            raise RuntimeError("weights or KV cache are asleep")
+        for src, dst in req.copies:
+            for t in (*st.kv.keys, *st.kv.values):
+                t[dst] = t[src]
+        if not req.rows:
+            return m.StepReply(req.step, [], [], [], seconds=time.perf_counter() - t0)
+        batch = mdl.Batch(
+            token_ids=[r.token_ids for r in req.rows],
+            start_pos=[r.start_pos for r in req.rows],
+            block_tables=[r.block_table for r in req.rows],
+        )
+        logits = st.model.forward(st.weights.current, st.kv, batch)
+        if self.rank != 0:
+            return m.StepReply(req.step, [], [], [])
+        rows, specs = [], []
+        for i, r in enumerate(req.rows):
+            for spec in r.sample:
+                rows.append(i)
+                specs.append(spec)
+        if not specs:
+            return m.StepReply(req.step, [], [], [], seconds=time.perf_counter() - t0)
+        host = logits.numpy()[rows]
+        params = [
+            SamplingParams(s.temperature, s.top_p, s.top_k, s.seed, s.logprobs) for s in specs
+        ]
+        gens = [self._generator(s) for s in specs]
+        tokens, logprobs = sample(host, params, gens)
+        return m.StepReply(
+            req.step,
+            [s.seq_id for s in specs],
+            tokens,
+            logprobs,
+            seconds=time.perf_counter() - t0,
+        )
+
+    def _generator(self, spec: m.SamplingSpec) -> np.random.Generator:
+        gen = self.generators.get(spec.seq_id)
+        if gen is None:
+            gen = self.generators[spec.seq_id] = make_generator(spec.seed, spec.salt)
+        return gen

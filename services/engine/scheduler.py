@@ -1,0 +1,346 @@
+"""Continuous batching over a paged KV cache: queues, block tables, step plans. Pure.
+
+A sequence is ``tokens`` (prompt + output so far) of which ``num_computed`` have their
+K/V in the cache. Every step feeds each scheduled sequence ``tokens[num_computed:]``
+(the whole prompt, a chunk of it, or the one token sampled last step) and samples from
+its last position once nothing is left — so prefill, decode and recompute after a
+preemption or a weight change are the same operation.
+
+``n`` choices share the prompt's prefill: the request's first sequence prefills once
+and rank 0 samples ``n`` tokens from that position; the other choices then fork, sharing
+the full prompt blocks (reference counts) and copying the partial last block.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from shared import messages as m
+
+
+class BlockAllocator:
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.free: deque[int] = deque(range(num_blocks))
+        self.refs = [0] * num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def take(self) -> int:
+        b = self.free.popleft()
+        self.refs[b] = 1
+        return b
+
+    def share(self, b: int) -> int:
+        self.refs[b] += 1
+        return b
+
+    def release(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                self.free.append(b)
+        blocks.clear()
+
+    def reset(self) -> None:
+        self.free = deque(range(self.num_blocks))
+        self.refs = [0] * self.num_blocks
+
+
+@dataclass
+class Request:
+    gen: m.GenRequest
+    reply: str
+    seqs: list[Seq] = field(default_factory=list)
+    forked: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.gen.request_id
+
+
+@dataclass
+class Seq:
+    seq_id: int
+    req: Request
+    index: int
+    tokens: list[int]
+    prompt_len: int
+    num_computed: int = 0
+    blocks: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    spans: list[m.VersionSpan] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def output_len(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+    def add_token(self, token: int, logprob: float, version: str) -> None:
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+        n = self.output_len
+        if self.spans and self.spans[-1].version == version:
+            self.spans[-1].end = n
+        else:
+            self.spans.append(m.VersionSpan(version, n - 1, n))
+
+
+@dataclass
+class Output:
+    """What one step produced for a sequence: a token, and maybe its end."""
+
+    seq: Seq
+    token: int | None
+    logprob: float | None
+    finish_reason: str | None
+
+
+@dataclass
+class Plan:
+    step: m.StepRequest
+    seqs: list[Seq]  # row order
+
+
+class Scheduler:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        max_batch: int,
+        max_step_tokens: int,
+        max_model_len: int,
+    ) -> None:
+        self.alloc = BlockAllocator(num_blocks)
+        self.block_size = block_size
+        self.max_batch = max_batch
+        self.max_step_tokens = max_step_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Seq] = deque()
+        self.running: list[Seq] = []
+        self.requests: dict[str, Request] = {}
+        self._next_seq = 0
+        self._step = 0
+        self._copies: list[tuple[int, int]] = []
+        self._finished_ids: list[int] = []
+        self.preemptions = 0
+
+    # ------------------------------------------------------------------ admission
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def check(self, gen: m.GenRequest) -> str | None:
+        """Why ``gen`` can never run (None when it can)."""
+        total = len(gen.prompt_token_ids) + gen.max_tokens
+        if not gen.prompt_token_ids:
+            return "prompt is empty"
+        if total > self.max_model_len:
+            return (
+                f"prompt ({len(gen.prompt_token_ids)} tokens) + max_tokens ({gen.max_tokens}) "
+                f"exceeds the maximum context length {self.max_model_len}"
+            )
+        if self.blocks_for(total) > self.alloc.num_blocks:
+            return (
+                f"needs {self.blocks_for(total)} KV blocks, the cache has {self.alloc.num_blocks}"
+            )
+        return None
+
+    def add(self, gen: m.GenRequest, reply: str) -> Request:
+        req = Request(gen, reply)
+        prompt = list(gen.prompt_token_ids)
+        for i in range(max(1, gen.n)):
+            req.seqs.append(Seq(self._next_seq, req, i, list(prompt), len(prompt)))
+            self._next_seq += 1
+        self.requests[gen.request_id] = req
+        self.waiting.append(req.seqs[0])  # the others fork after the shared prefill
+        return req
+
+    @property
+    def num_live(self) -> int:
+        return len(self.requests)
+
+    # ------------------------------------------------------------------ planning
+
+    def _ensure_blocks(self, seq: Seq, upto: int) -> bool:
+        need = self.blocks_for(upto) - len(seq.blocks)
+        if need > self.alloc.num_free:
+            return False
+        for _ in range(need):
+            seq.blocks.append(self.alloc.take())
+        return True
+
+    def _preempt(self, seq: Seq) -> None:
+        """Recompute-preemption: drop its KV, requeue it at the front."""
+        self.alloc.release(seq.blocks)
+        seq.num_computed = 0
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+
+    def _row(self, seq: Seq, budget: int) -> m.StepRow:
+        remaining = len(seq.tokens) - seq.num_computed
+        chunk = min(remaining, budget)
+        new = seq.tokens[seq.num_computed : seq.num_computed + chunk]
+        sample: list[m.SamplingSpec] = []
+        if chunk == remaining:
+            req = seq.req
+            targets = req.seqs if (seq.index == 0 and not req.forked) else [seq]
+            g = req.gen
+            sample = [
+                m.SamplingSpec(
+                    t.seq_id, g.temperature, g.top_p, g.top_k, g.seed, t.index, g.logprobs
+                )
+                for t in targets
+            ]
+        return m.StepRow(seq.seq_id, new, seq.num_computed, list(seq.blocks), sample)
+
+    def schedule(self, *, admit: bool = True, run: bool = True) -> Plan | None:
+        """The next step, or None when there is nothing to do."""
+        rows: list[m.StepRow] = []
+        seqs: list[Seq] = []
+        budget = self.max_step_tokens
+        if run:
+            for seq in list(self.running):
+                if seq not in self.running or len(rows) >= self.max_batch or budget <= 0:
+                    continue
+                upto = min(len(seq.tokens), seq.num_computed + budget)
+                while not self._ensure_blocks(seq, upto):
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    if victim is seq:
+                        break
+                if seq not in self.running:
+                    continue
+                row = self._row(seq, budget)
+                budget -= len(row.token_ids)
+                rows.append(row)
+                seqs.append(seq)
+        if admit and run:
+            while self.waiting and len(rows) < self.max_batch and budget > 0:
+                seq = self.waiting[0]
+                upto = min(len(seq.tokens), seq.num_computed + budget)
+                if not self._ensure_blocks(seq, upto):
+                    break
+                self.waiting.popleft()
+                self.running.append(seq)
+                row = self._row(seq, budget)
+                budget -= len(row.token_ids)
+                rows.append(row)
+                seqs.append(seq)
+        if not rows and not self._copies and not self._finished_ids:
+            return None
+        self._step += 1
+        step = m.StepRequest(self._step, rows, self._copies, self._finished_ids)
+        self._copies, self._finished_ids = [], []
+        return Plan(step, seqs)
+
+    # ------------------------------------------------------------------ results
+
+    def apply(self, plan: Plan, reply: m.StepReply, version: str) -> list[Output]:
+        for row, seq in zip(plan.step.rows, plan.seqs, strict=True):
+            seq.num_computed += len(row.token_ids)
+        by_id = {s.seq_id: s for row_seq in plan.seqs for s in row_seq.req.seqs}
+        samples = [
+            (by_id[sid], tok, lp)
+            for sid, tok, lp in zip(reply.seq_ids, reply.tokens, reply.logprobs, strict=True)
+            if sid in by_id
+        ]
+        # fork first: the leader may finish on this very token and release its blocks
+        for seq, _, _ in samples:
+            req = seq.req
+            if not req.forked and seq is req.seqs[0]:
+                for child in req.seqs[1:]:
+                    if child.finish_reason is None:
+                        self._fork(seq, child)
+                req.forked = True
+        outputs: list[Output] = []
+        for seq, token, logprob in samples:
+            if seq.finish_reason is not None:
+                continue  # ended meanwhile
+            seq.add_token(token, logprob, version)
+            reason = self._finish_reason(seq, token)
+            outputs.append(Output(seq, token, logprob, reason))
+            if reason:
+                self.finish(seq, reason)
+        return outputs
+
+    def _fork(self, leader: Seq, child: Seq) -> None:
+        """``child`` takes the leader's prompt KV: full blocks shared, last one copied."""
+        full = leader.num_computed // self.block_size
+        child.blocks = [self.alloc.share(b) for b in leader.blocks[:full]]
+        if leader.num_computed % self.block_size:
+            if self.alloc.num_free == 0:  # no room to copy: recompute its prompt later
+                self.alloc.release(child.blocks)
+                child.num_computed = 0
+                self.waiting.appendleft(child)
+                return
+            dst = self.alloc.take()
+            self._copies.append((leader.blocks[full], dst))
+            child.blocks.append(dst)
+        child.num_computed = leader.num_computed
+        self.running.append(child)
+
+    def _finish_reason(self, seq: Seq, token: int) -> str | None:
+        g = seq.req.gen
+        if token in g.stop_token_ids:
+            return "stop"
+        if seq.output_len >= g.max_tokens or len(seq.tokens) >= self.max_model_len:
+            return "length"
+        return None
+
+    def finish(self, seq: Seq, reason: str) -> None:
+        seq.finish_reason = reason
+        self.alloc.release(seq.blocks)
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self._finished_ids.append(seq.seq_id)
+        req = seq.req
+        if all(s.finish_reason is not None for s in req.seqs):
+            self.requests.pop(req.request_id, None)
+
+    # ------------------------------------------------------------------ control
+
+    def abort(self, request_id: str | None = None, reason: str = "abort") -> list[Seq]:
+        """End every live sequence (of one request, or all) with ``reason``."""
+        reqs = (
+            [self.requests[request_id]]
+            if request_id in self.requests
+            else ([] if request_id else list(self.requests.values()))
+        )
+        ended = []
+        for req in reqs:
+            for seq in req.seqs:
+                if seq.finish_reason is None:
+                    self.finish(seq, reason)
+                    ended.append(seq)
+        return ended
+
+    def recompute_all(self) -> None:
+        """Drop every running sequence's KV (weights changed or KV freed); they re-prefill
+        prompt + output so far when scheduled again, in their original order."""
+        for seq in reversed(list(self.running)):
+            self._preempt(seq)
+        self._copies = []
+
+    def reset_blocks(self) -> None:
+        self.recompute_all()
+        self.alloc.reset()
+
+    def counts(self) -> dict[str, int]:
+        return {
+            "waiting": len(self.waiting),
+            "running": len(self.running),
+            "requests": len(self.requests),
+            "free_blocks": self.alloc.num_free,
+            "preemptions": self.preemptions,
+        }

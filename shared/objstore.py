@@ -1,0 +1,471 @@
+"""Checkpoint storage on NATS: object-store I/O at wire speed and the version stream.
+
+With :mod:`shared.bus`, the only module that touches nats-py. Objects use the standard
+NATS object-store layout (stream ``OBJ_<bucket>``, meta ``$O.<bucket>.M.<b64(name)>``,
+chunks ``$O.<bucket>.C.<nuid>``), so the ``nats`` CLI and stock clients read what we
+write and we read what they write.
+
+Why our own reader (:func:`read_object`): nats-py's ``ObjectStore.get`` answers the
+server's flow-control requests from a 250 ms poll (~57 MiB/s) and concatenates chunks
+quadratically. Ours creates an ephemeral push consumer (no acks, flow control, idle
+heartbeat) on the object's chunk subject and answers every flow-control request the
+moment it is read, in order, so the server's own window bounds what is in flight (a
+few MiB, far under the 64 MiB at which it silently drops a slow client). Chunks are
+copied straight into one preallocated anonymous mmap of the object's size (pages
+are only touched when written, and unmapped when freed). The SHA-256, when asked, is
+computed on a helper thread over the filled prefix while later chunks arrive
+(``hashlib`` releases the GIL for large buffers), so verifying costs little wall time.
+Every chunk's consumer sequence is checked: a lost chunk, a stall or a disconnect
+fails the read (:class:`ObjectReadError`); a size or digest mismatch raises
+:class:`ObjectCorrupt`. Nothing partial is ever returned.
+
+Our writer (:func:`put_object`) pipelines chunk publishes with a bounded window of
+outstanding JetStream acks (nats-py's ``put`` waits for each ack in turn) and writes
+the meta message last, so a reader never sees a half-written object.
+
+Version stream: ``ROLLBUS_CKPT`` holds ``rollbus.ckpt.<model>.published`` events,
+deduplicated by ``Nats-Msg-Id = <model>/<version>``; the JetStream stream sequence of
+an event is the version's place in publish order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import mmap
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import api
+from nats.js.errors import BadRequestError, NotFoundError
+
+from shared.messages import VersionPublished
+from shared.subjects import CKPT_STREAM, CKPT_WILDCARD, ckpt_published
+
+CHUNK_SIZE = 1 << 20  # also capped by the server's max_payload
+PUT_WINDOW = 16  # outstanding chunk publishes (MiB): bounded, well under 64 MiB
+HASH_STRIDE = 8 << 20  # hash the filled prefix in strides this large
+DIGEST_PREFIX = "SHA-256="
+MSG_ID = "Nats-Msg-Id"
+
+Progress = Callable[[int], None]  # called with bytes done so far
+
+
+class ObjectMissing(Exception):
+    """No such object (no meta message, or a deleted one)."""
+
+
+class ObjectReadError(Exception):
+    """The transfer failed (lost chunk, stall, disconnect): nothing was returned."""
+
+
+class ObjectCorrupt(Exception):
+    """The bytes arrived but their size or SHA-256 is not what was expected."""
+
+
+@dataclass
+class ObjectMeta:
+    name: str
+    size: int
+    chunks: int
+    nuid: str
+    digest: str  # hex SHA-256 from the object's own meta ("" if absent)
+
+
+def _stream(bucket: str) -> str:
+    return f"OBJ_{bucket}"
+
+
+def _meta_subject(bucket: str, name: str) -> str:
+    return f"$O.{bucket}.M.{base64.urlsafe_b64encode(name.encode()).decode()}"
+
+
+def _chunk_subject(bucket: str, nuid: str) -> str:
+    return f"$O.{bucket}.C.{nuid}"
+
+
+# --------------------------------------------------------------------------- buckets
+
+
+async def ensure_bucket(nc: Client, bucket: str) -> None:
+    js = nc.jetstream()
+    try:
+        await js.object_store(bucket)
+    except NotFoundError:
+        try:
+            await js.create_object_store(bucket, api.ObjectStoreConfig(bucket=bucket))
+        except BadRequestError:  # created concurrently by another publisher
+            await js.object_store(bucket)
+
+
+async def get_meta(nc: Client, bucket: str, name: str) -> ObjectMeta:
+    """The object's meta, or :class:`ObjectMissing`."""
+    js = nc.jetstream()
+    try:
+        msg = await js.get_last_msg(_stream(bucket), _meta_subject(bucket, name))
+    except NotFoundError:
+        raise ObjectMissing(f"{bucket}/{name}") from None
+    info = json.loads(msg.data or b"{}")
+    if not info or info.get("deleted") or not info.get("nuid"):
+        raise ObjectMissing(f"{bucket}/{name}")
+    digest = str(info.get("digest") or "")
+    hexd = ""
+    if digest.upper().startswith(DIGEST_PREFIX):
+        raw = digest[len(DIGEST_PREFIX) :]
+        hexd = base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)).hex()
+    return ObjectMeta(name, int(info.get("size") or 0), int(info.get("chunks") or 0),
+                      info["nuid"], hexd)
+
+
+# --------------------------------------------------------------------------- writer
+
+
+async def put_object(
+    nc: Client,
+    bucket: str,
+    name: str,
+    data: bytes | bytearray | memoryview,
+    progress: Progress | None = None,
+) -> ObjectMeta:
+    """Write ``data`` as object ``name``; chunks first (pipelined), meta last."""
+    js = nc.jetstream()
+    view = memoryview(data).cast("B")
+    chunk = max(1024, min(CHUNK_SIZE, nc.max_payload))
+    nuid = nc._nuid.next().decode()  # a fresh chunk subject, as every NATS client does
+    subj = _chunk_subject(bucket, nuid)
+    try:
+        old: ObjectMeta | None = await get_meta(nc, bucket, name)
+    except ObjectMissing:
+        old = None
+
+    inbox = nc.new_inbox()
+    acks: dict[str, asyncio.Future[bytes]] = {}
+    window = asyncio.Semaphore(PUT_WINDOW)
+    errors: list[str] = []
+    done = 0
+
+    async def on_ack(msg: Msg) -> None:
+        fut = acks.pop(msg.subject, None)
+        if fut is not None and not fut.done():
+            fut.set_result(msg.data)
+
+    sub = await nc.subscribe(inbox + ".*", cb=on_ack)
+    loop = asyncio.get_running_loop()
+
+    def settle(fut: asyncio.Future[bytes], n: int) -> None:
+        nonlocal done
+        window.release()
+        if fut.cancelled():
+            return
+        body = json.loads(fut.result() or b"{}")
+        if "error" in body or not body:
+            errors.append(str(body.get("error", "no ack")))
+            return
+        done += n
+        if progress:
+            progress(done)
+
+    sha = hashlib.sha256()
+    pending: list[asyncio.Future[bytes]] = []
+    try:
+        for i, off in enumerate(range(0, len(view), chunk)):
+            if errors:
+                break
+            await window.acquire()
+            piece = view[off : off + chunk]
+            sha.update(piece)
+            reply = f"{inbox}.{i}"
+            fut: asyncio.Future[bytes] = loop.create_future()
+            fut.add_done_callback(lambda f, n=len(piece): settle(f, n))
+            acks[reply] = fut
+            pending.append(fut)
+            await nc.publish(subj, bytes(piece), reply=reply)
+        if pending:
+            await asyncio.wait_for(asyncio.gather(*pending), timeout=30)
+        if errors:
+            raise ObjectReadError(f"put {bucket}/{name}: {errors[0]}")
+        info = api.ObjectInfo(
+            name=name,
+            bucket=bucket,
+            nuid=nuid,
+            size=len(view),
+            chunks=len(pending),
+            mtime=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            digest=DIGEST_PREFIX + base64.urlsafe_b64encode(sha.digest()).decode(),
+            options=api.ObjectMetaOptions(max_chunk_size=chunk),
+        )
+        await js.publish(
+            _meta_subject(bucket, name),
+            json.dumps(info.as_dict()).encode(),
+            headers={"Nats-Rollup": "sub"},
+        )
+    except BaseException:
+        for f in pending:
+            f.cancel()
+        await js.purge_stream(_stream(bucket), subject=subj)
+        raise
+    finally:
+        await sub.unsubscribe()
+    if old is not None:
+        await js.purge_stream(_stream(bucket), subject=_chunk_subject(bucket, old.nuid))
+    return ObjectMeta(name, len(view), len(pending), nuid, sha.hexdigest())
+
+
+# --------------------------------------------------------------------------- reader
+
+
+class _Hasher:
+    """SHA-256 of a buffer's growing prefix, on a helper thread, in order."""
+
+    def __init__(self, view: memoryview) -> None:
+        self.view = view
+        self.sha = hashlib.sha256()
+        self.hashed = 0
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="sha256")
+        self.last: Any = None
+
+    def feed(self, upto: int, final: bool = False) -> None:
+        if upto - self.hashed >= HASH_STRIDE or (final and upto > self.hashed):
+            a, self.hashed = self.hashed, upto
+            self.last = self.pool.submit(self.sha.update, self.view[a:upto])
+
+    async def hexdigest(self) -> str:
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self.pool, self.sha.hexdigest)
+        finally:
+            self.pool.shutdown(wait=False)
+
+
+async def read_object(
+    nc: Client,
+    bucket: str,
+    name: str,
+    *,
+    expect_size: int | None = None,
+    expect_sha256: str | None = None,
+    stall_timeout: float = 5.0,
+    progress: Progress | None = None,
+) -> mmap.mmap:
+    """Read object ``name`` into a fresh anonymous mmap of its size.
+
+    Raises :class:`ObjectMissing`, :class:`ObjectCorrupt` (size differs from the meta or
+    ``expect_size``; SHA-256 differs from ``expect_sha256`` when given) or
+    :class:`ObjectReadError` (lost chunk, no data for ``stall_timeout`` s, disconnect).
+    """
+    meta = await get_meta(nc, bucket, name)
+    if expect_size is not None and meta.size != expect_size:
+        raise ObjectCorrupt(f"{name}: stored size {meta.size} != expected {expect_size}")
+    buf = mmap.mmap(-1, max(1, meta.size))
+    if meta.size == 0:
+        return buf
+    view = memoryview(buf)
+    hasher = _Hasher(view) if expect_sha256 else None
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+    state = {"off": 0, "dseq": 0, "last": time.monotonic()}
+
+    def fail(exc: Exception) -> None:
+        if not done.done():
+            done.set_exception(exc)
+
+    async def on_msg(msg: Msg) -> None:
+        if done.done():
+            return
+        state["last"] = time.monotonic()
+        hdr = msg.headers
+        if hdr and hdr.get("Status") == "100":
+            # Flow control: answer now (this runs after every earlier message was
+            # handled, so the server's window really is free). A stalled-consumer
+            # heartbeat names its own reply subject.
+            reply = msg.reply or hdr.get("Nats-Consumer-Stalled", "")
+            if reply:
+                await nc.publish(reply, b"")
+            return
+        toks = msg.reply.split(".")
+        # $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<dseq>.<ts>.<pending> (v1), or
+        # with <domain>.<account hash> after ACK and a trailing token (v2)
+        base = 2 if len(toks) == 9 else 4
+        dseq, pending = int(toks[base + 4]), int(toks[base + 6])
+        if dseq != state["dseq"] + 1:
+            fail(ObjectReadError(f"{name}: chunk {state['dseq'] + 1} lost (got {dseq})"))
+            return
+        state["dseq"] = dseq
+        off, n = int(state["off"]), len(msg.data)
+        if off + n > meta.size:
+            fail(ObjectCorrupt(f"{name}: more than the stored size {meta.size} bytes"))
+            return
+        view[off : off + n] = msg.data
+        state["off"] = off + n
+        if hasher:
+            hasher.feed(off + n)
+        if progress:
+            progress(off + n)
+        if pending == 0:
+            if off + n != meta.size:
+                fail(ObjectCorrupt(f"{name}: got {off + n} bytes, stored size {meta.size}"))
+            elif dseq != meta.chunks:
+                fail(ObjectCorrupt(f"{name}: got {dseq} chunks, stored {meta.chunks}"))
+            elif not done.done():
+                done.set_result(None)
+
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox, cb=on_msg, pending_bytes_limit=96 << 20)
+    js = nc.jetstream()
+    consumer = ""
+    try:
+        cinfo = await js.add_consumer(
+            _stream(bucket),
+            api.ConsumerConfig(
+                deliver_subject=inbox,
+                filter_subject=_chunk_subject(bucket, meta.nuid),
+                deliver_policy=api.DeliverPolicy.ALL,
+                ack_policy=api.AckPolicy.NONE,
+                flow_control=True,
+                idle_heartbeat=1.0,
+                mem_storage=True,
+                num_replicas=1,
+                inactive_threshold=30.0,
+            ),
+        )
+        consumer = cinfo.name
+        while not done.done():
+            await asyncio.wait({done}, timeout=0.25)
+            if done.done():
+                break
+            if not nc.is_connected:
+                fail(ObjectReadError(f"{name}: NATS connection lost mid-read"))
+            elif time.monotonic() - state["last"] > stall_timeout:
+                fail(ObjectReadError(f"{name}: no data for {stall_timeout:g}s"))
+        done.result()
+        if hasher and expect_sha256:
+            hasher.feed(meta.size, final=True)
+            got = await hasher.hexdigest()
+            if got != expect_sha256:
+                raise ObjectCorrupt(f"{name}: SHA-256 {got[:12]}… != expected {expect_sha256[:12]}…")
+        return buf
+    finally:
+        await sub.unsubscribe()
+        if consumer and nc.is_connected:
+            try:
+                await js.delete_consumer(_stream(bucket), consumer)
+            except Exception:  # noqa: BLE001 - inactive_threshold removes it anyway
+                pass
+
+
+# --------------------------------------------------------------------------- versions
+
+
+async def ensure_ckpt_stream(nc: Client) -> None:
+    cfg = api.StreamConfig(
+        name=CKPT_STREAM,
+        subjects=[CKPT_WILDCARD],
+        duplicate_window=3600.0,
+        storage=api.StorageType.FILE,
+    )
+    js = nc.jetstream()
+    try:
+        await js.add_stream(cfg)
+    except BadRequestError:
+        await js.update_stream(cfg)
+
+
+async def publish_version(nc: Client, ev: VersionPublished) -> int:
+    """Publish the version event; returns its stream sequence (the existing one for a
+    duplicate within the dedup window)."""
+    ack = await nc.jetstream().publish(
+        ckpt_published(ev.model),
+        msgspec.json.encode(ev),
+        headers={MSG_ID: f"{ev.model}/{ev.version}"},
+        timeout=10,
+    )
+    return int(ack.seq)
+
+
+def _decode(msg: Msg) -> tuple[int, VersionPublished] | None:
+    try:
+        ev = msgspec.json.decode(msg.data, type=VersionPublished)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None  # not ours: skip, never crash a follower
+    return int(msg.metadata.sequence.stream), ev
+
+
+async def list_versions(nc: Client, model: str) -> list[tuple[int, VersionPublished]]:
+    """Every published version event of ``model`` in publish order (stream sequence)."""
+    js = nc.jetstream()
+    psub = await js.pull_subscribe(
+        ckpt_published(model),
+        stream=CKPT_STREAM,
+        config=api.ConsumerConfig(
+            ack_policy=api.AckPolicy.NONE, mem_storage=True, inactive_threshold=30.0
+        ),
+    )
+    out: list[tuple[int, VersionPublished]] = []
+    try:
+        left = (await psub.consumer_info()).num_pending or 0
+        while left > 0:
+            msgs = await psub.fetch(min(left, 256), timeout=5)
+            left -= len(msgs)
+            out.extend(d for d in map(_decode, msgs) if d)
+    finally:
+        await psub.unsubscribe()
+    return out
+
+
+async def watch_versions(
+    nc: Client, model: str, cb: Callable[[int, VersionPublished], Awaitable[None]]
+) -> Any:
+    """Call ``cb(seq, event)`` for every past and future event of ``model`` (an ordered
+    consumer: it survives reconnects). Returns the subscription."""
+
+    async def on_msg(msg: Msg) -> None:
+        d = _decode(msg)
+        if d:
+            await cb(*d)
+
+    return await nc.jetstream().subscribe(
+        ckpt_published(model), stream=CKPT_STREAM, ordered_consumer=True, cb=on_msg
+    )
+
+
+class VersionFeed:
+    """A durable pull consumer over ``model``'s version events (acks explicit)."""
+
+    def __init__(self, nc: Client, model: str, durable: str) -> None:
+        self.nc, self.model, self.durable = nc, model, durable
+        self._psub: Any = None
+
+    async def start(self) -> None:
+        self._psub = await self.nc.jetstream().pull_subscribe(
+            ckpt_published(self.model),
+            durable=self.durable,
+            stream=CKPT_STREAM,
+            config=api.ConsumerConfig(ack_policy=api.AckPolicy.EXPLICIT, ack_wait=600.0),
+        )
+
+    async def fetch(self, timeout: float) -> list[tuple[int, VersionPublished, Msg]]:
+        """Every event waiting now (up to 256), oldest first; [] after ``timeout``."""
+        try:
+            msgs = await self._psub.fetch(256, timeout=timeout)
+        except TimeoutError:
+            return []
+        out = []
+        for msg in msgs:
+            d = _decode(msg)
+            if d is None:
+                await msg.ack()
+                continue
+            out.append((d[0], d[1], msg))
+        return out
+
+    @staticmethod
+    async def ack(msg: Msg) -> None:
+        await msg.ack()
