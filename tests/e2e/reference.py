@@ -1,0 +1,49 @@
+"""In-process greedy reference: the same weights, tp=1, no bus — what the stack must say."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import paddle
+from safetensors.numpy import load_file
+
+from services.worker import model as mdl
+
+
+def load_weights(weights_dir: Path) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for f in sorted(weights_dir.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def greedy(
+    model_dir: Path,
+    prompt: list[int],
+    n: int,
+    weights_dir: Path | None = None,
+    stop: int | None = None,
+) -> list[int]:
+    cfg = mdl.ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+    w = {k: paddle.to_tensor(v) for k, v in load_weights(weights_dir or model_dir).items()}
+    bs = 16
+    need = -(-(len(prompt) + n) // bs)
+    kv = mdl.KVCache(cfg, need, bs, 1)
+    model = mdl.TPModel(cfg, 0, 1)
+    table = list(range(need))
+    tokens = list(prompt)
+    out: list[int] = []
+    pos = 0
+    new = list(prompt)
+    for _ in range(n):
+        logits = model.forward(w, kv, mdl.Batch([new], [pos], [table])).numpy()[0]
+        tok = int(np.argmax(logits))
+        pos += len(new)
+        out.append(tok)
+        tokens.append(tok)
+        if tok == stop:
+            break
+        new = [tok]
+    return out

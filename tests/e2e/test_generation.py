@@ -1,0 +1,362 @@
+"""Generation through a real stack with the official `openai` client, and what every
+control method does to running requests."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from services.tiny_model import write_version
+from tests.e2e.reference import greedy
+from tests.e2e.stack import Stack, start_stack
+
+PROMPT = "The rollout"
+
+
+@pytest.fixture(scope="module")
+def stack(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = start_stack(
+        Path(tmp_path_factory.mktemp("gen")),
+        nats_url,
+        tp=2,
+        env={"ROLLBUS_KV_CACHE_BLOCKS": "512"},
+    )
+    write_version(s.model_dir, "v1", seed=1)
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture
+def client(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.base_url + "/v1", api_key="x", max_retries=0)
+
+
+class _AsyncClients:
+    """A fresh AsyncOpenAI per event loop (each test runs its own ``asyncio.run``)."""
+
+    def __init__(self, base_url: str) -> None:
+        self.base_url = base_url
+
+    @property
+    def completions(self) -> Any:
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key="x", max_retries=0).completions
+
+
+@pytest.fixture
+def aclient(stack: Stack) -> Any:
+    return _AsyncClients(stack.base_url + "/v1")
+
+
+def ctl(stack: Stack, path: str, **kw: Any) -> httpx.Response:
+    with stack.client() as c:
+        return c.post(path, **kw)
+
+
+@pytest.fixture(autouse=True)
+def running_at_v0(stack: Stack) -> Iterator[None]:
+    yield
+    st = stack.status()
+    if st["state"] == "sleeping":
+        ctl(stack, "/v1/wakeup")
+    if stack.status()["weight_version"] != "v0":
+        ctl(stack, "/v1/pause")
+        assert ctl(stack, "/v1/update_weights", json={"version": "v0"}).status_code == 200
+    ctl(stack, "/v1/resume")
+    assert stack.status()["state"] == "running"
+
+
+def prompt_ids(text: str = PROMPT) -> list[int]:
+    return [256, *text.encode()]  # the byte tokenizer: <bos> then the UTF-8 bytes
+
+
+def test_models_lists_max_model_len(client: openai.OpenAI) -> None:
+    models = client.models.list().data
+    assert [x.id for x in models] == ["tiny"]
+    assert models[0].model_extra["max_model_len"] == 2048
+
+
+def test_completion_and_chat(client: openai.OpenAI) -> None:
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0)
+    assert r.choices[0].finish_reason in ("length", "stop")
+    assert r.usage.prompt_tokens == len(prompt_ids()) and r.usage.completion_tokens <= 8
+    assert r.model_extra["weight_version"] == "v0"
+    c = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+    )
+    assert c.choices[0].message.role == "assistant"
+    assert c.model_extra["weight_version"] == "v0"
+    lps = c.choices[0].logprobs.content
+    assert len(lps) == c.usage.completion_tokens and all(x.logprob <= 0 for x in lps)
+
+
+def test_streaming_matches_non_streaming(client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = dict(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    full = client.completions.create(**kw)
+    chunks = list(client.completions.create(stream=True, **kw))
+    assert "".join(ch.choices[0].text for ch in chunks) == full.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert all(ch.model_extra["weight_version"] == "v0" for ch in chunks)
+    toks = [t for ch in chunks for t in ch.choices[0].model_extra["token_ids"]]
+    assert toks == full.choices[0].model_extra["token_ids"]
+    # chat stream: role first, [DONE] handled by the client, usage chunk when asked
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=5,
+        stream=True,
+        temperature=0,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    parts = list(stream)
+    assert parts[0].choices[0].delta.role == "assistant"
+    assert parts[-1].usage.completion_tokens == 5
+
+
+def test_greedy_is_deterministic_and_equals_tp1_reference(
+    stack: Stack, client: openai.OpenAI
+) -> None:
+    kw: dict[str, Any] = dict(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=24,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    ta, tb = a.choices[0].model_extra["token_ids"], b.choices[0].model_extra["token_ids"]
+    assert ta == tb and len(ta) == 24
+    assert a.model_extra["prompt_token_ids"] == prompt_ids()
+    assert ta == greedy(stack.model_dir, prompt_ids(), 24)  # tp=2 stack vs tp=1 in-process
+
+
+def test_n_samples_and_seeds(client: openai.OpenAI) -> None:
+    kw: dict[str, Any] = dict(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=10,
+        temperature=1.0,
+        n=4,
+        seed=7,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    r = client.completions.create(**kw)
+    toks = [c.model_extra["token_ids"] for c in r.choices]
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert len({tuple(t) for t in toks}) == 4  # the choices differ
+    assert r.usage.completion_tokens == 40
+    again = client.completions.create(**kw)
+    assert [c.model_extra["token_ids"] for c in again.choices] == toks  # seeded: reproducible
+
+
+def test_stop_string(client: openai.OpenAI) -> None:
+    base = client.completions.create(
+        model="tiny", prompt="0123", max_tokens=30, temperature=0, extra_body={"ignore_eos": True}
+    )
+    text = base.choices[0].text
+    stop = next(
+        (
+            text[i : i + 2]
+            for i in range(5, len(text) - 2)
+            if "\ufffd" not in text[i : i + 2] and text.find(text[i : i + 2]) == i
+        ),
+        None,
+    )
+    if stop is None:
+        pytest.skip("greedy text has no clean two-character stop candidate")
+    r = client.completions.create(
+        model="tiny",
+        prompt="0123",
+        max_tokens=30,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    )
+    assert r.choices[0].finish_reason == "stop"
+    assert r.choices[0].text == text[: text.find(stop)]
+
+
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        ({"model": "nope", "prompt": "x"}, "nope"),
+        ({"model": "tiny", "prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"model": "tiny", "prompt": "x" * 3000}, "context length"),
+        ({"model": "tiny", "prompt": "x", "max_tokens": 4000}, "context length"),
+        ({"model": "tiny", "prompt": "x", "temperature": "hot"}, "temperature"),
+    ],
+)
+def test_bad_requests_are_400(stack: Stack, body: dict[str, Any], needle: str) -> None:
+    with stack.client() as c:
+        r = c.post("/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_bad_json_is_400(stack: Stack) -> None:
+    with stack.client() as c:
+        r = c.post("/v1/chat/completions", content=b"{nope")
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+
+
+async def _stream(
+    aclient: Any, max_tokens: int, seen: list[int], i: int, **extra: Any
+) -> dict[str, Any]:
+    stream = await aclient.completions.create(
+        model="tiny",
+        prompt=f"{PROMPT} {i}",
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True, "return_token_ids": True, **extra},
+    )
+    text, toks, finish, last = "", [], None, None
+    async for ch in stream:
+        c = ch.choices[0]
+        text += c.text
+        toks += c.model_extra.get("token_ids") or []
+        seen[i] = len(toks)
+        finish = c.finish_reason or finish
+        last = ch
+    assert last is not None
+    return {
+        "text": text,
+        "tokens": toks,
+        "finish": finish,
+        "end": time.monotonic(),
+        "extra": last.model_extra,
+        "choice": last.choices[0].model_extra,
+    }
+
+
+def test_pause_abort_ends_16_streams_fast(stack: Stack, aclient: Any) -> None:
+    async def go() -> tuple[list[dict[str, Any]], float]:
+        seen = [0] * 16
+        tasks = [asyncio.create_task(_stream(aclient, 1500, seen, i)) for i in range(16)]
+        deadline = time.monotonic() + 60
+        while min(seen) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert min(seen) >= 2, seen
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=30) as c:
+            t0 = time.monotonic()
+            r = await c.post("/v1/pause")
+            assert r.status_code == 200 and r.json()["result"]["aborted"] == 16
+        results = await asyncio.gather(*tasks)
+        return results, t0
+
+    results, t0 = asyncio.run(go())
+    assert all(r["finish"] == "abort" for r in results)
+    assert all(0 < len(r["tokens"]) < 1500 and r["text"] for r in results)
+    assert max(r["end"] for r in results) - t0 < 2.0
+    assert stack.status()["running"] == 0 and stack.status()["requests"] == 0
+
+
+def test_requests_wait_while_paused(stack: Stack, client: openai.OpenAI) -> None:
+    ctl(stack, "/v1/pause")
+    out: dict[str, Any] = {}
+    t = threading.Thread(
+        target=lambda: out.setdefault(
+            "r", client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=0)
+        )
+    )
+    t.start()
+    time.sleep(1.5)
+    assert "r" not in out and stack.status()["waiting"] == 1
+    ctl(stack, "/v1/resume")
+    t.join(30)
+    assert out["r"].choices[0].finish_reason in ("length", "stop")
+
+
+def test_pause_wait_lets_running_finish(stack: Stack, aclient: Any) -> None:
+    async def go() -> tuple[dict[str, Any], httpx.Response]:
+        seen = [0]
+        task = asyncio.create_task(_stream(aclient, 40, seen, 0))
+        while seen[0] < 2:
+            await asyncio.sleep(0.02)
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as c:
+            r = await c.post("/v1/pause?mode=wait")
+        return await task, r
+
+    res, r = asyncio.run(go())
+    assert r.status_code == 200
+    assert res["finish"] == "length" and len(res["tokens"]) == 40
+    assert stack.status()["state"] == "paused"
+
+
+def test_keep_across_update_spans_both_versions(stack: Stack, aclient: Any) -> None:
+    n = 40
+
+    async def go() -> dict[str, Any]:
+        seen = [0]
+        task = asyncio.create_task(_stream(aclient, n, seen, 0))
+        while seen[0] < 8:
+            await asyncio.sleep(0.01)
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as c:
+            assert (await c.post("/v1/pause?mode=keep")).status_code == 200
+            await asyncio.sleep(0.3)  # chunks of the last step before the pause arrive
+            k = seen[0]
+            await asyncio.sleep(0.5)
+            assert seen[0] == k  # frozen
+            r = await c.post("/v1/update_weights", json={"version": "v1"})
+            assert r.status_code == 200, r.text
+            assert (await c.post("/v1/resume")).status_code == 200
+        res = await task
+        res["k"] = k
+        return res
+
+    res = asyncio.run(go())
+    k, toks = res["k"], res["tokens"]
+    assert res["finish"] == "length" and len(toks) == n
+    spans = res["extra"]["weight_versions"]
+    assert spans == [
+        {"version": "v0", "start": 0, "end": k},
+        {"version": "v1", "start": k, "end": n},
+    ]
+    assert res["extra"]["weight_version"] == "v1"
+    prompt = prompt_ids(f"{PROMPT} 0")
+    assert toks[:k] == greedy(stack.model_dir, prompt, k)
+    # after the update the kept request's KV was recomputed with v1
+    v1 = stack.model_dir / "versions" / "v1"
+    assert toks[k:] == greedy(stack.model_dir, prompt + toks[:k], n - k, weights_dir=v1)
+
+
+def test_sleep_aborts_running_and_queued_wait_for_wakeup(stack: Stack, aclient: Any) -> None:
+    async def go() -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        seen = [0, 0]
+        tasks = [asyncio.create_task(_stream(aclient, 1500, seen, i)) for i in range(2)]
+        while min(seen) < 2:
+            await asyncio.sleep(0.02)
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as c:
+            assert (await c.post("/v1/sleep")).status_code == 200
+            aborted = await asyncio.gather(*tasks)
+            late = asyncio.create_task(_stream(aclient, 5, [0], 0))
+            await asyncio.sleep(1.0)
+            assert not late.done()
+            assert (await c.post("/v1/wakeup")).status_code == 200
+            return aborted, await asyncio.wait_for(late, 30)
+
+    aborted, late = asyncio.run(go())
+    assert all(r["finish"] == "abort" and r["tokens"] for r in aborted)
+    assert late["finish"] == "length" and len(late["tokens"]) == 5
