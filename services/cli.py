@@ -42,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     pub.add_argument("--version", required=True)
     pub.add_argument("--tp", type=int, default=None, help="ranks to shard for (default ROLLBUS_TP)")
     pub.add_argument("--nats-url", default=None)
+    pub.add_argument(
+        "--ipc", action="store_true", help="write to shared memory (same-host ranks, ipc strategy)"
+    )
 
     ver = sub.add_parser("versions", help="list published versions of a model")
     ver.add_argument("--model", required=True)

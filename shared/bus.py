@@ -116,6 +116,10 @@ class Bus:
         return bus
 
     async def _start(self) -> None:
+        # nats-py: the first flush on a fresh connection can return on the handshake's
+        # PONG, before the server saw what preceded it; absorb that one here, so every
+        # later flush really means "the server has processed it".
+        await self.nc.flush()
         # The one wildcard inbox, before any request can be made.
         await self.nc.subscribe(self._inbox_prefix + ".*", cb=self._on_reply)
         await self.nc.flush()

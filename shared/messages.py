@@ -107,6 +107,14 @@ class CommitArgs(msgspec.Struct):
     version: str
 
 
+class SelfBenchArgs(msgspec.Struct):
+    """Decode on the ranks alone (no bus per step): the in-process baseline of benchmarks."""
+
+    batch: int = 16
+    steps: int = 64
+    prompt_len: int = 16
+
+
 class SleepWorkerArgs(msgspec.Struct):
     tags: list[str]
     shutdown_comm_group: bool = False

@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import ctypes
 import hashlib
 import json
 import mmap
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -184,7 +186,8 @@ async def put_object(
             sha.update(piece)
             reply = f"{inbox}.{i}"
             fut: asyncio.Future[bytes] = loop.create_future()
-            fut.add_done_callback(lambda f, n=len(piece): settle(f, n))
+            size = len(piece)
+            fut.add_done_callback(lambda f, n=size: settle(f, n))
             acks[reply] = fut
             pending.append(fut)
             await nc.publish(subj, bytes(piece), reply=reply)
@@ -220,6 +223,28 @@ async def put_object(
 
 
 # --------------------------------------------------------------------------- reader
+
+
+MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+
+
+def _prefault(buf: mmap.mmap, size: int) -> None:
+    """Fault the buffer's pages in ahead of the writer, on a helper thread.
+
+    First-touch page faults cost about as much as the transfer itself on this kind of VM
+    (~1 GB/s); ``madvise(MADV_POPULATE_WRITE)`` (through ctypes, so the GIL is released)
+    does them in parallel and never changes a byte already written."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        anchor = ctypes.c_char.from_buffer(buf)
+    except (OSError, AttributeError, TypeError):
+        return
+    addr = ctypes.addressof(anchor)
+    for a in range(0, size, HASH_STRIDE):
+        if libc.madvise(addr + a, min(HASH_STRIDE, size - a), MADV_POPULATE_WRITE) != 0:
+            break  # not supported here: the writer faults pages itself
+    del anchor
 
 
 class _Hasher:
@@ -267,6 +292,7 @@ async def read_object(
     buf = mmap.mmap(-1, max(1, meta.size))
     if meta.size == 0:
         return buf
+    threading.Thread(target=_prefault, args=(buf, meta.size), daemon=True).start()
     view = memoryview(buf)
     hasher = _Hasher(view) if expect_sha256 else None
     loop = asyncio.get_running_loop()
@@ -350,7 +376,9 @@ async def read_object(
             hasher.feed(meta.size, final=True)
             got = await hasher.hexdigest()
             if got != expect_sha256:
-                raise ObjectCorrupt(f"{name}: SHA-256 {got[:12]}… != expected {expect_sha256[:12]}…")
+                raise ObjectCorrupt(
+                    f"{name}: SHA-256 {got[:12]}… != expected {expect_sha256[:12]}…"
+                )
         return buf
     finally:
         await sub.unsubscribe()

@@ -53,7 +53,13 @@ class Settings(BaseSettings):
     control_timeout_s: float = Field(60.0, gt=0, description="timeout of every control call")
     auto_update: bool = False
     auto_update_pause_mode: Literal["abort", "wait", "keep"] = "keep"
+    auto_update_verify_checksum: bool = Field(
+        True, description="auto-update verifies SHA-256 against the version's manifest"
+    )
     ckpt_bucket: str = "rollbus_ckpt"
+    ipc_dir: Path = Field(
+        Path("/dev/shm/rollbus"), description="shared-memory root of the ipc load strategy"
+    )
 
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 

@@ -211,6 +211,7 @@ async def amain(settings: Settings) -> int:
     await engine.wait_ranks()
     log.info("engine ready: %d ranks, version %s", settings.tp, engine.state.weight_version)
     tasks = [asyncio.create_task(engine.watch_ranks()), *engine.scheduler.background()]
+    tasks += __import__("services.engine.autoupdate", fromlist=["tasks"]).tasks(engine)
     await stop.wait()
     for t in tasks:
         t.cancel()

@@ -1,13 +1,114 @@
-"""``rollbus publish`` / ``rollbus versions`` (the checkpoint distribution issue)."""
+"""``rollbus publish DIR --model M --version V`` and ``rollbus versions --model M``.
+
+Errors are one line on stderr and exit code 2: a missing dir, a dir that is not an HF
+model, an unreachable NATS server (naming the URL), a version that exists with other
+content. Progress (bytes, MiB/s) is one ``\\r``-rewritten line on stderr.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
 
+from shared.errors import BusUnreachable
 from shared.settings import Settings
 
 
-def run(args: argparse.Namespace, settings: Settings) -> int:
-    print(f"rollbus {args.cmd}: not implemented yet (checkpoint distribution)", file=sys.stderr)
+def nats_url_of(args: argparse.Namespace, settings: Settings) -> str:
+    return args.nats_url or settings.nats_url or f"nats://127.0.0.1:{settings.nats_port}"
+
+
+class ProgressLine:
+    """``  12.0/512.0 MiB  345.6 MiB/s`` on stderr, at most every 0.1 s."""
+
+    def __init__(self, label: str, stream: object = None) -> None:
+        self.label = label
+        self.stream = stream or sys.stderr
+        self.t0 = time.perf_counter()
+        self.last = 0.0
+        self.shown = False
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.perf_counter()
+        if done < total and now - self.last < 0.1:
+            return
+        self.last = now
+        mib = done / (1 << 20)
+        rate = mib / max(now - self.t0, 1e-9)
+        print(
+            f"\r{self.label} {mib:8.1f}/{total / (1 << 20):.1f} MiB {rate:8.1f} MiB/s",
+            end="",
+            file=self.stream,  # type: ignore[arg-type]
+            flush=True,
+        )
+        self.shown = True
+
+    def close(self) -> None:
+        if self.shown:
+            print(file=self.stream)  # type: ignore[arg-type]
+
+
+def _fail(cmd: str, msg: str) -> int:
+    print(f"rollbus {cmd}: {msg}", file=sys.stderr)
     return 2
+
+
+def publish(args: argparse.Namespace, settings: Settings) -> int:
+    d = Path(args.dir)
+    # checked before importing the SDK (and paddle): errors come back at once
+    if not d.is_dir():
+        return _fail("publish", f"no such directory: {d}")
+    if not (d / "config.json").is_file() or not any(d.glob("*.safetensors")):
+        return _fail("publish", f"{d} is not an HF model dir (needs config.json and *.safetensors)")
+    from services.trainer.publisher import CheckpointPublisher, NotAModelDir, VersionConflict
+
+    tp = args.tp or settings.tp
+    url = nats_url_of(args, settings)
+    pub = CheckpointPublisher(url, bucket=settings.ckpt_bucket, ipc_dir=settings.ipc_dir)
+    bar = ProgressLine(f"{args.model}/{args.version}")
+    try:
+        res = pub.publish(args.model, args.version, d, tp=tp, ipc=args.ipc, progress=bar)
+    except BusUnreachable as e:
+        bar.close()
+        return _fail("publish", e.message)
+    except (NotAModelDir, VersionConflict, ValueError, FileNotFoundError) as e:
+        bar.close()
+        return _fail("publish", str(e))
+    bar.close()
+    what = "published" if res.uploaded else "already published"
+    where = f"shared memory {settings.ipc_dir}" if res.ipc else f"bucket {settings.ckpt_bucket}"
+    print(
+        f"{what} {res.model}/{res.version}: tp={res.tp}, {res.bytes / (1 << 20):.1f} MiB to "
+        f"{where}, event seq {res.seq} ({res.seconds:.2f} s, {res.mib_s:.0f} MiB/s)"
+    )
+    return 0
+
+
+def versions(args: argparse.Namespace, settings: Settings) -> int:
+    from services.trainer.publisher import CheckpointPublisher
+
+    pub = CheckpointPublisher(nats_url_of(args, settings), bucket=settings.ckpt_bucket)
+    try:
+        vs = pub.versions(args.model)
+    except BusUnreachable as e:
+        return _fail("versions", e.message)
+    if not vs:
+        print(f"no published versions of {args.model}", file=sys.stderr)
+        return 0
+    print(f"{'seq':>6}  {'version':<24} {'tp':>3} {'MiB':>10}  {'published (UTC)':<20} publisher")
+    for v in vs:
+        when = datetime.fromtimestamp(v.time, UTC).strftime("%Y-%m-%d %H:%M:%S")
+        print(
+            f"{v.seq:>6}  {v.version:<24} {v.tp:>3} {v.total_bytes / (1 << 20):>10.1f}  "
+            f"{when:<20} {v.publisher}"
+        )
+    return 0
+
+
+def run(args: argparse.Namespace, settings: Settings) -> int:
+    if args.cmd == "publish":
+        return publish(args, settings)
+    return versions(args, settings)

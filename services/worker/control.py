@@ -18,7 +18,13 @@ from services.worker import model as mdl
 from services.worker.comm import CommGroup
 from services.worker.weights import WeightStore, digest
 from shared.errors import CONFLICT, ControlError
-from shared.messages import CommitArgs, SleepWorkerArgs, StageArgs, WakeupWorkerArgs
+from shared.messages import (
+    CommitArgs,
+    SelfBenchArgs,
+    SleepWorkerArgs,
+    StageArgs,
+    WakeupWorkerArgs,
+)
 
 
 def release_memory() -> None:
@@ -133,9 +139,60 @@ def weights_digest(r: Rank, _: object = None) -> dict[str, Any]:
     return {"rank": r.rank, "version": r.weights.version, "sha256": digest(r.weights.current)}
 
 
+def state_dict(r: Rank, _: object = None) -> dict[str, Any]:
+    """This rank's weights by *inference* (HF) name: shape and dtype of each shard
+    (``services.trainer.names`` maps them to training names)."""
+    if r.weights.current is None:
+        raise ControlError(CONFLICT, f"rank {r.rank}: weights are asleep")
+    return {
+        "rank": r.rank,
+        "version": r.weights.version,
+        "tensors": {
+            n: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("paddle.")}
+            for n, t in sorted(r.weights.current.items())
+        },
+    }
+
+
 def comm_check(r: Rank, _: object = None) -> dict[str, Any]:
     try:
         total = r.comm.check()
     except RuntimeError as e:
         raise ControlError(CONFLICT, f"rank {r.rank}: {e}") from None
     return {"rank": r.rank, "all_reduce": total}
+
+
+def selfbench(r: Rank, args: SelfBenchArgs) -> dict[str, Any]:
+    """Greedy-decode ``batch`` sequences for ``steps`` steps on the ranks alone.
+
+    The same forward, KV cache and rank-0 argmax as an engine step, minus the bus: the
+    baseline the generation benchmark compares its throughput with. Needs an idle rank
+    (it writes into the KV cache from block 0), which the benchmark guarantees.
+    """
+    import numpy as np
+
+    if r.model is None or r.weights.current is None or not r.kv.allocated:
+        raise ControlError(CONFLICT, f"rank {r.rank}: asleep")
+    bs = r.kv.block_size
+    per_seq = -(-(args.prompt_len + args.steps) // bs)
+    if per_seq * args.batch > r.kv.num_blocks:
+        raise ControlError(400, f"selfbench needs {per_seq * args.batch} KV blocks")
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(args.batch)]
+    prompts = [
+        [(7 * i + j) % r.cfg.vocab_size for j in range(args.prompt_len)] for i in range(args.batch)
+    ]
+    w = r.weights.current
+    logits = r.model.forward(w, r.kv, mdl.Batch(prompts, [0] * args.batch, tables))
+    last = [int(t) for t in np.argmax(logits.numpy(), axis=-1)]
+    t0 = time.perf_counter()
+    for step in range(args.steps):
+        pos = [args.prompt_len + step] * args.batch
+        logits = r.model.forward(w, r.kv, mdl.Batch([[t] for t in last], pos, tables))
+        # every rank takes the argmax so all feed identical tokens (engine steps do too)
+        last = [int(t) for t in np.argmax(logits.numpy(), axis=-1)]
+    dt = time.perf_counter() - t0
+    return {
+        "rank": r.rank,
+        "tokens_per_s": args.batch * args.steps / dt,
+        "step_ms": dt / args.steps * 1e3,
+    }

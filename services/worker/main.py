@@ -45,6 +45,7 @@ METHODS: dict[str, tuple[Callable[[control.Rank, Any], dict[str, Any]], type | N
     "wakeup": (control.wakeup, m.WakeupWorkerArgs),
     "digest": (control.weights_digest, None),
     "comm_check": (control.comm_check, None),
+    "selfbench": (control.selfbench, m.SelfBenchArgs),
 }
 # answered on the event loop, not queued behind paddle work
 INLINE = {"ping", "status"}

@@ -1,31 +1,280 @@
-"""Pick the load strategy (weight source) a rank pulls versions from."""
+"""Pick the load strategy (weight source) a rank pulls versions from.
+
+Every source is ``(version, verify_checksum) -> LoadedShard`` and runs on the rank's
+paddle thread. The model dir's own version (its ``version.txt``) always loads from the
+model dir (:class:`~services.worker.weights.SnapshotSource`): that is the initial load.
+
+``object_store`` (FastDeploy's ``rsync``): the rank reads ``<model>/<version>/manifest.json``
+and then only its own ``rank<r>-of-<tp>.safetensors`` from the bucket with
+:func:`shared.objstore.read_object`. The reader runs on a dedicated thread with its own
+asyncio loop and NATS connection (opened at the first pull, kept): the bulk transfer
+then never queues behind, or delays, the rank's control and step traffic, and the
+paddle thread simply blocks on the result. Tensors are parsed as zero-copy numpy views
+of the downloaded buffer, so the peak extra memory of a pull is **one shard** (the
+buffer) on top of the staged paddle copy; the buffer is freed once staged.
+
+``ipc``: a trainer on the same host wrote ``<ipc_dir>/<model>/<version>/`` (manifest and
+shards, see :mod:`services.trainer.publisher`); the rank maps its shard file
+(``mmap``, shared memory under ``/dev/shm``) and parses it as views of the mapping: no
+copy through the bus, one copy into paddle tensors.
+
+Errors: unknown version → 404 naming it; size or SHA-256 mismatch, unreadable
+safetensors, wrong names/shapes/dtypes → 422 naming the rank and file; a transfer
+that fails (lost chunk, stall, NATS restarted) → 503. A failed pull never stages.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
+import json
+import mmap
+import os
+import struct
+import threading
+import time
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import quote
+
+import numpy as np
+
 from services.worker import model as mdl
-from services.worker.weights import LoadedShard, SnapshotSource, Source
-from shared.errors import NOT_IMPLEMENTED, ControlError
+from services.worker.weights import LoadedShard, SnapshotSource, Source, read_version_txt
+from shared import manifest as mf
+from shared import objstore
+from shared.bus import Bus
+from shared.errors import BAD_REQUEST, NOT_FOUND, UNAVAILABLE, UNPROCESSABLE, ControlError
 from shared.settings import Settings
+from shared.subjects import ckpt_object_name
+
+T = TypeVar("T")
+
+_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
+    "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
+}
 
 
-class _NotImplementedSource:
-    def __init__(self, name: str, fallback: SnapshotSource) -> None:
-        self.name = name
-        self.fallback = fallback
+def parse_safetensors(buf: Any, where: str) -> dict[str, np.ndarray]:
+    """Tensors of a safetensors buffer as numpy views into it (no copy).
+
+    Validates what ``safetensors`` validates: header bounds, known dtypes, byte ranges
+    that match shape × dtype, lie inside the buffer and cover it without overlap.
+    """
+    view = memoryview(buf).cast("B")
+    bad = f"{where}: not a valid safetensors file"
+    if len(view) < 8:
+        raise ControlError(UNPROCESSABLE, f"{bad} ({len(view)} bytes)")
+    (n,) = struct.unpack("<Q", view[:8])
+    if n > len(view) - 8 or n > 100 << 20:
+        raise ControlError(UNPROCESSABLE, f"{bad} (header length {n})")
+    try:
+        header = json.loads(bytes(view[8 : 8 + n]))
+        if not isinstance(header, dict):
+            raise ValueError("header is not an object")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ControlError(UNPROCESSABLE, f"{bad} (header: {e})") from None
+    header.pop("__metadata__", None)
+    data = view[8 + n :]
+    out: dict[str, np.ndarray] = {}
+    spans = []
+    for name, t in header.items():
+        try:
+            dtype = np.dtype(_DTYPES[t["dtype"]])
+            shape = [int(x) for x in t["shape"]]
+            a, b = (int(x) for x in t["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise ControlError(UNPROCESSABLE, f"{bad} (tensor {name!r}: {t!r})") from None
+        count = int(np.prod(shape)) if shape else 1
+        if not 0 <= a <= b <= len(data) or b - a != count * dtype.itemsize:
+            raise ControlError(UNPROCESSABLE, f"{bad} (tensor {name!r} bytes {a}..{b})")
+        spans.append((a, b))
+        out[name] = np.frombuffer(data, dtype=dtype, count=count, offset=a).reshape(shape)
+    spans.sort()
+    end = 0
+    for a, b in spans:
+        if a != end:
+            raise ControlError(UNPROCESSABLE, f"{bad} (tensor bytes overlap or leave a gap)")
+        end = b
+    if end != len(data):
+        raise ControlError(UNPROCESSABLE, f"{bad} ({len(data) - end} trailing bytes)")
+    return out
+
+
+def _check_version_name(version: str) -> None:
+    if not version or "/" in version or version in (".", ".."):
+        raise ControlError(BAD_REQUEST, f"bad version name {version!r}")
+
+
+def _check_tp(man: mf.Manifest, version: str, tp: int) -> None:
+    if man.tp != tp:
+        raise ControlError(
+            UNPROCESSABLE, f"version {version!r} is sharded for tp={man.tp}, serving tp={tp}"
+        )
+
+
+class _LoopThread:
+    """An asyncio loop on its own daemon thread, for blocking callers to submit to."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return fut.result(timeout)
+        except TimeoutError:
+            fut.cancel()
+            raise ControlError(
+                UNAVAILABLE, f"object-store pull timed out after {timeout:g}s"
+            ) from None
+
+
+class ObjectStoreSource:
+    """Pull this rank's shard of a version from the object store (see module doc)."""
+
+    def __init__(self, settings: Settings, fallback: SnapshotSource, rank: int, tp: int) -> None:
+        self.settings, self.fallback, self.rank, self.tp = settings, fallback, rank, tp
+        self.model = settings.served_model_name
+        self.bucket = settings.ckpt_bucket
+        self._io: _LoopThread | None = None
+        self._bus: Bus | None = None
 
     def __call__(self, version: str, verify_checksum: bool) -> LoadedShard:
-        # The model dir's own version (version.txt) is always loadable locally; other
-        # versions need the strategy itself.
-        try:
+        if version == read_version_txt(self.settings.model_dir):
             return self.fallback(version, verify_checksum)
-        except ControlError:
+        _check_version_name(version)
+        if self._io is None:
+            self._io = _LoopThread(f"objstore-rank{self.rank}")
+        # bound the whole pull a little under the engine's scatter timeout
+        return self._io.run(self._pull(version, verify_checksum),
+                            self.settings.control_timeout_s)
+
+    async def _connect(self) -> Bus:
+        if self._bus is None or self._bus.nc.is_closed:
+            self._bus = await Bus.connect(self.settings.nats_url, f"rollbus-pull-{self.rank}")
+        return self._bus
+
+    async def _pull(self, version: str, verify: bool) -> LoadedShard:
+        t0 = time.perf_counter()
+        nc = (await self._connect()).nc
+        prefix = f"{self.model}/{version}"
+        try:
+            raw = await objstore.read_object(
+                nc, self.bucket, ckpt_object_name(self.model, version, "manifest.json")
+            )
+        except objstore.ObjectMissing:
             raise ControlError(
-                NOT_IMPLEMENTED, f"load strategy {self.name!r} is not implemented yet"
+                NOT_FOUND,
+                f"unknown version {version!r}: no {prefix}/manifest.json in bucket {self.bucket}",
             ) from None
+        except objstore.ObjectReadError as e:
+            raise ControlError(UNAVAILABLE, f"rank {self.rank}: {e}") from None
+        man = mf.decode(bytes(raw), f"{prefix}/manifest.json")
+        _check_tp(man, version, self.tp)
+        spec = man.shard(self.rank)
+        name = ckpt_object_name(self.model, version, spec.file)
+        where = f"rank {self.rank}: {name}"
+        t1 = time.perf_counter()
+        try:
+            buf = await objstore.read_object(
+                nc,
+                self.bucket,
+                name,
+                expect_size=spec.size,
+                expect_sha256=spec.sha256 if verify else None,
+            )
+        except objstore.ObjectMissing:
+            raise ControlError(UNPROCESSABLE, f"{where}: shard object is missing") from None
+        except objstore.ObjectCorrupt as e:
+            raise ControlError(UNPROCESSABLE, f"{where}: {_after(e, name)}") from None
+        except objstore.ObjectReadError as e:
+            raise ControlError(UNAVAILABLE, f"{where}: pull failed: {_after(e, name)}") from None
+        pull_s = time.perf_counter() - t1
+        arrays = parse_safetensors(buf, where)
+        mf.check_tensors(spec.tensors, {k: _spec(v) for k, v in arrays.items()}, where)
+        return LoadedShard(
+            version,
+            arrays,
+            [name],
+            spec.size,
+            {
+                "pull_s": pull_s,
+                "pull_mib_s": spec.size / (1 << 20) / max(pull_s, 1e-9),
+                "verified": verify,
+                "load_s": time.perf_counter() - t0,
+            },
+        )
+
+
+def _after(e: Exception, name: str) -> str:
+    return str(e).removeprefix(f"{name}: ")
+
+
+def _spec(a: np.ndarray) -> mf.TensorSpec:
+    return mf.TensorSpec(shape=list(a.shape), dtype=str(a.dtype))
+
+
+def ipc_version_dir(ipc_dir: Path, model: str, version: str) -> Path:
+    """``<ipc_dir>/<model>/<version>/``, each part percent-quoted (ids may hold ``/``)."""
+    return Path(ipc_dir) / quote(model, safe="") / quote(version, safe="")
+
+
+class IpcSource:
+    """Map this rank's shard from shared memory written by a same-host trainer."""
+
+    def __init__(self, settings: Settings, fallback: SnapshotSource, rank: int, tp: int) -> None:
+        self.settings, self.fallback, self.rank, self.tp = settings, fallback, rank, tp
+        self.model = settings.served_model_name
+
+    def __call__(self, version: str, verify_checksum: bool) -> LoadedShard:
+        if version == read_version_txt(self.settings.model_dir):
+            return self.fallback(version, verify_checksum)
+        _check_version_name(version)
+        t0 = time.perf_counter()
+        d = ipc_version_dir(self.settings.ipc_dir, self.model, version)
+        man_file = d / "manifest.json"
+        if not man_file.is_file():
+            raise ControlError(NOT_FOUND, f"unknown version {version!r}: no {man_file}")
+        man = mf.decode(man_file.read_bytes(), str(man_file))
+        _check_tp(man, version, self.tp)
+        spec = man.shard(self.rank)
+        path = d / spec.file
+        where = f"rank {self.rank}: {path}"
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as e:
+            raise ControlError(UNPROCESSABLE, f"{where}: cannot open: {e.strerror}") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size != spec.size:
+                raise ControlError(UNPROCESSABLE, f"{where}: size {size} != manifest {spec.size}")
+            # MAP_POPULATE: map every page now, in one kernel call, not one fault a page
+            buf = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                            prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        timings: dict[str, Any] = {}
+        if verify_checksum:
+            t1 = time.perf_counter()
+            if hashlib.sha256(buf).hexdigest() != spec.sha256:
+                raise ControlError(UNPROCESSABLE, f"{where}: SHA-256 mismatch with manifest")
+            timings["verify_s"] = time.perf_counter() - t1
+        arrays = parse_safetensors(buf, where)
+        mf.check_tensors(spec.tensors, {k: _spec(v) for k, v in arrays.items()}, where)
+        timings["load_s"] = time.perf_counter() - t0
+        return LoadedShard(version, arrays, [str(path)], size, timings)
 
 
 def make_source(settings: Settings, cfg: mdl.ModelConfig, rank: int) -> Source:
     snap = SnapshotSource(cfg, settings.model_dir, rank, settings.tp)
-    if settings.load_strategy == "snapshot":
-        return snap
-    return _NotImplementedSource(settings.load_strategy, snap)
+    if settings.load_strategy == "object_store":
+        return ObjectStoreSource(settings, snap, rank, settings.tp)
+    if settings.load_strategy == "ipc":
+        return IpcSource(settings, snap, rank, settings.tp)
+    return snap

@@ -27,6 +27,10 @@ def main() -> None:
             from tests.bench import control_plane
 
             out.append(control_plane.run(tmp, server.url, calls=args.calls))
+        if "generation" in args.parts:
+            from tests.bench import generation
+
+            out.append(generation.run(tmp, server.url))
     finally:
         server.stop()
         shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,308 @@
+"""Trainer SDK: publish a checkpoint version to every rollout instance.
+
+::
+
+    from services.trainer import CheckpointPublisher
+
+    pub = CheckpointPublisher("nats://127.0.0.1:4222")
+    pub.publish("tiny", "step-100", model.state_dict(), tp=2, config="ckpt/config.json")
+
+``source`` is an HF-format model dir (``config.json`` + ``*.safetensors``) or a state
+dict of paddle/numpy tensors with training names (see :mod:`services.trainer.names`;
+HF names are accepted too), which then needs ``config`` (HF config dict, path, or
+``ModelConfig``). The publisher maps names, splits per rank for ``tp``, and uploads
+``<model>/<version>/rank<r>-of-<tp>.safetensors`` then ``manifest.json`` (SHA-256 per
+shard) to bucket ``rollbus_ckpt``, then publishes :class:`VersionPublished` on
+``rollbus.ckpt.<model>.published`` (``Nats-Msg-Id = <model>/<version>``).
+
+Guarantees: the manifest is written only after every shard, and the event only after
+the manifest, so a half-uploaded version is never announced (and a rank asking for it
+gets 404). Re-publishing the same content is idempotent (nothing re-uploaded, no
+second event); publishing different content under an existing version is refused
+(:class:`VersionConflict`): versions are immutable.
+
+``ipc=True`` writes the shards to shared memory instead (``<ipc_dir>/<model>/<version>/``,
+default ``/dev/shm/rollbus``; for ranks on this host with ``ROLLBUS_LOAD_STRATEGY=ipc``),
+then publishes the same event. Shared memory is RAM: :meth:`remove_ipc` frees it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import socket
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import load_file
+
+from services.trainer import names
+from services.trainer.shards import serialize
+from services.worker import model as mdl
+from services.worker.sources import ipc_version_dir
+from shared import manifest as mf
+from shared import objstore
+from shared.bus import Bus
+from shared.messages import VersionPublished
+from shared.subjects import ckpt_object_name
+
+Progress = Callable[[int, int], None]  # (bytes done, bytes total)
+DEFAULT_IPC_DIR = Path("/dev/shm/rollbus")
+
+
+class NotAModelDir(ValueError):
+    """The directory is not an HF-format model dir."""
+
+
+class VersionConflict(ValueError):
+    """The version exists with different content."""
+
+
+@dataclass
+class PublishResult:
+    model: str
+    version: str
+    tp: int
+    bytes: int
+    seq: int  # stream sequence of the version event (its place in publish order)
+    uploaded: bool  # False when the identical version was already there
+    seconds: float
+    ipc: bool = False
+
+    @property
+    def mib_s(self) -> float:
+        return self.bytes / (1 << 20) / max(self.seconds, 1e-9)
+
+
+@dataclass
+class VersionInfo:
+    seq: int
+    model: str
+    version: str
+    tp: int
+    total_bytes: int
+    time: float
+    publisher: str
+
+
+def load_config(config: Any) -> mdl.ModelConfig:
+    if isinstance(config, mdl.ModelConfig):
+        return config
+    if isinstance(config, str | Path):
+        p = Path(config)
+        config = json.loads((p / "config.json" if p.is_dir() else p).read_text())
+    if not isinstance(config, Mapping):
+        raise TypeError("config must be a ModelConfig, an HF config dict or a config.json path")
+    return mdl.ModelConfig.from_hf(dict(config))
+
+
+def read_model_dir(path: Path) -> tuple[mdl.ModelConfig, dict[str, np.ndarray]]:
+    """Config and full state dict of an HF model dir; :class:`NotAModelDir` if it is not."""
+    if not path.is_dir():
+        raise FileNotFoundError(f"no such directory: {path}")
+    files = sorted(path.glob("*.safetensors"))
+    if not (path / "config.json").is_file() or not files:
+        raise NotAModelDir(f"{path} is not an HF model dir (needs config.json and *.safetensors)")
+    try:
+        cfg = load_config(path / "config.json")
+    except ValueError as e:
+        raise NotAModelDir(f"{path}/config.json: {e}") from None
+    state: dict[str, np.ndarray] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return cfg, state
+
+
+class CheckpointPublisher:
+    def __init__(
+        self,
+        nats_url: str,
+        *,
+        bucket: str = "rollbus_ckpt",
+        ipc_dir: Path | str = DEFAULT_IPC_DIR,
+        connect_timeout: float = 5.0,
+    ) -> None:
+        self.nats_url = nats_url
+        self.bucket = bucket
+        self.ipc_dir = Path(ipc_dir)
+        self.connect_timeout = connect_timeout
+        self.name = f"{socket.gethostname()}:{os.getpid()}"
+
+    # ------------------------------------------------------------------ sync API
+
+    def publish(
+        self,
+        model: str,
+        version: str,
+        source: Path | str | Mapping[str, Any],
+        *,
+        tp: int,
+        config: Any = None,
+        ipc: bool = False,
+        progress: Progress | None = None,
+    ) -> PublishResult:
+        return asyncio.run(
+            self.apublish(model, version, source, tp=tp, config=config, ipc=ipc, progress=progress)
+        )
+
+    def versions(self, model: str) -> list[VersionInfo]:
+        return asyncio.run(self.aversions(model))
+
+    def remove_ipc(self, model: str, version: str) -> None:
+        shutil.rmtree(ipc_version_dir(self.ipc_dir, model, version), ignore_errors=True)
+
+    # ------------------------------------------------------------------ async API
+
+    def prepare(
+        self, model: str, version: str, source: Path | str | Mapping[str, Any], tp: int,
+        config: Any = None,
+    ) -> tuple[list[bytes], mf.Manifest]:
+        """Map names, shard and serialize: (safetensors bytes per rank, manifest)."""
+        if not version or "/" in version or version in (".", ".."):
+            raise ValueError(f"bad version name {version!r} (non-empty, no '/')")
+        if isinstance(source, str | Path):
+            cfg, state = read_model_dir(Path(source))
+            if config is not None:
+                cfg = load_config(config)
+        else:
+            if config is None:
+                raise ValueError("a state-dict source needs config= (HF config or config.json)")
+            cfg = load_config(config)
+            state = dict(source)
+        state = names.to_inference(state, cfg)
+        return serialize(cfg, state, tp, model, version)
+
+    async def apublish(
+        self,
+        model: str,
+        version: str,
+        source: Path | str | Mapping[str, Any],
+        *,
+        tp: int,
+        config: Any = None,
+        ipc: bool = False,
+        progress: Progress | None = None,
+    ) -> PublishResult:
+        t0 = time.perf_counter()
+        blobs, man = self.prepare(model, version, source, tp, config)
+        bus = await Bus.connect(self.nats_url, "rollbus-publisher", timeout=self.connect_timeout)
+        try:
+            nc = bus.nc
+            await objstore.ensure_ckpt_stream(nc)
+            if ipc:
+                uploaded = self._write_ipc(model, version, blobs, man, progress)
+            else:
+                await objstore.ensure_bucket(nc, self.bucket)
+                uploaded = await self._upload(nc, model, version, blobs, man, progress)
+            seq = await self._announce(nc, man)
+        finally:
+            await bus.close()
+        return PublishResult(
+            model, version, tp, man.total_bytes, seq, uploaded, time.perf_counter() - t0, ipc
+        )
+
+    async def aversions(self, model: str) -> list[VersionInfo]:
+        bus = await Bus.connect(self.nats_url, "rollbus-versions", timeout=self.connect_timeout)
+        try:
+            await objstore.ensure_ckpt_stream(bus.nc)
+            evs = await objstore.list_versions(bus.nc, model)
+        finally:
+            await bus.close()
+        return [
+            VersionInfo(seq, e.model, e.version, e.tp, e.total_bytes, e.time, e.publisher)
+            for seq, e in evs
+        ]
+
+    # ------------------------------------------------------------------ steps
+
+    async def _existing(self, nc: Any, model: str, version: str) -> mf.Manifest | None:
+        name = ckpt_object_name(model, version, "manifest.json")
+        try:
+            raw = await objstore.read_object(nc, self.bucket, name)
+        except objstore.ObjectMissing:
+            return None
+        return mf.decode(bytes(raw), name)
+
+    async def _upload(
+        self,
+        nc: Any,
+        model: str,
+        version: str,
+        blobs: list[bytes],
+        man: mf.Manifest,
+        progress: Progress | None,
+    ) -> bool:
+        old = await self._existing(nc, model, version)
+        if old is not None:
+            if _digests(old) != _digests(man):
+                raise VersionConflict(
+                    f"{model}/{version} is already published with different content "
+                    "(versions are immutable: publish a new version)"
+                )
+            if progress:
+                progress(man.total_bytes, man.total_bytes)
+            return False
+        total, base = man.total_bytes, 0
+        for spec, blob in zip(man.shards, blobs, strict=True):
+            cb = None
+            if progress:
+                cb = (lambda b: lambda n: progress(b + n, total))(base)  # noqa: B023
+            await objstore.put_object(
+                nc, self.bucket, ckpt_object_name(model, version, spec.file), blob, cb
+            )
+            base += len(blob)
+        # last: a version without its manifest does not exist for the ranks
+        await objstore.put_object(
+            nc, self.bucket, ckpt_object_name(model, version, "manifest.json"), mf.encode(man)
+        )
+        return True
+
+    def _write_ipc(
+        self,
+        model: str,
+        version: str,
+        blobs: list[bytes],
+        man: mf.Manifest,
+        progress: Progress | None,
+    ) -> bool:
+        d = ipc_version_dir(self.ipc_dir, model, version)
+        if (d / "manifest.json").is_file():
+            old = mf.decode((d / "manifest.json").read_bytes(), str(d / "manifest.json"))
+            if _digests(old) != _digests(man):
+                raise VersionConflict(f"{d} already holds different content")
+            return False
+        # written beside, renamed into place: a reader never sees half a version
+        tmp = d.with_name(d.name + f".tmp{os.getpid()}")
+        tmp.mkdir(parents=True, exist_ok=True)
+        done = 0
+        for spec, blob in zip(man.shards, blobs, strict=True):
+            (tmp / spec.file).write_bytes(blob)
+            done += len(blob)
+            if progress:
+                progress(done, man.total_bytes)
+        (tmp / "manifest.json").write_bytes(mf.encode(man))
+        os.replace(tmp, d)
+        return True
+
+    async def _announce(self, nc: Any, man: mf.Manifest) -> int:
+        for seq, ev in await objstore.list_versions(nc, man.model):
+            if ev.version == man.version:
+                return seq  # already announced: idempotent, even past the dedup window
+        ev = VersionPublished(
+            model=man.model,
+            version=man.version,
+            tp=man.tp,
+            total_bytes=man.total_bytes,
+            publisher=self.name,
+        )
+        return await objstore.publish_version(nc, ev)
+
+
+def _digests(m: mf.Manifest) -> list[tuple[int, str]]:
+    return sorted((s.rank, s.sha256) for s in m.shards)

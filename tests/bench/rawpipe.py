@@ -1,0 +1,70 @@
+"""Raw core-NATS 1 MiB publish→subscribe throughput between two nats-py processes:
+the wire baseline of the checkpoint benchmark.
+
+``python -m tests.bench.rawpipe sub URL SUBJECT N`` prints ``ready``, then the MiB/s of
+N 1 MiB messages; ``... pub URL SUBJECT N`` sends them. What is in flight is bounded to
+32 MiB with credits (the subscriber grants 8 more messages after every 8 it reads), as
+any reader must: the server silently drops a client with more than 64 MiB pending.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+
+import nats
+
+MIB = 1 << 20
+WINDOW = 32
+GRANT = 8
+
+
+async def pub(url: str, subject: str, n: int) -> None:
+    nc = await nats.connect(url, pending_size=256 * MIB)
+    credit = asyncio.Semaphore(WINDOW)
+
+    async def on_credit(msg) -> None:  # noqa: ANN001
+        for _ in range(int(msg.data)):
+            credit.release()
+
+    await nc.subscribe(subject + ".credit", cb=on_credit)
+    await nc.flush()
+    data = os.urandom(MIB)
+    for _ in range(n):
+        await credit.acquire()
+        await nc.publish(subject, data)
+    await nc.flush()
+    await nc.close()
+
+
+async def sub(url: str, subject: str, n: int) -> None:
+    nc = await nats.connect(url)
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[float] = loop.create_future()
+    got = 0
+    t0 = 0.0
+
+    async def on_msg(msg) -> None:  # noqa: ANN001
+        nonlocal got, t0
+        if got == 0:
+            t0 = time.perf_counter()
+        got += 1
+        if got % GRANT == 0:
+            await nc.publish(subject + ".credit", str(GRANT).encode())
+        if got == n:
+            done.set_result(time.perf_counter())
+
+    await nc.subscribe(subject, cb=on_msg, pending_bytes_limit=128 * MIB)
+    await nc.flush()
+    print("ready", flush=True)
+    t1 = await done
+    # the first message starts the clock: n-1 messages were timed
+    print(f"{(n - 1) / (t1 - t0):.1f}", flush=True)
+    await nc.close()
+
+
+if __name__ == "__main__":
+    mode, url, subject, count = sys.argv[1:5]
+    asyncio.run((pub if mode == "pub" else sub)(url, subject, int(count)))
