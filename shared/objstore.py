@@ -46,6 +46,7 @@ from typing import Any
 import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 from nats.js import api
 from nats.js.errors import BadRequestError, NotFoundError
 
@@ -109,12 +110,15 @@ async def ensure_bucket(nc: Client, bucket: str) -> None:
 
 
 async def get_meta(nc: Client, bucket: str, name: str) -> ObjectMeta:
-    """The object's meta, or :class:`ObjectMissing`."""
+    """The object's meta, or :class:`ObjectMissing` (:class:`ObjectReadError` when the
+    server does not answer, e.g. JetStream still recovering after a restart)."""
     js = nc.jetstream()
     try:
         msg = await js.get_last_msg(_stream(bucket), _meta_subject(bucket, name))
     except NotFoundError:
         raise ObjectMissing(f"{bucket}/{name}") from None
+    except (NatsError, TimeoutError) as e:
+        raise ObjectReadError(f"{name}: cannot read the object's meta: {e!r}") from None
     info = json.loads(msg.data or b"{}")
     if not info or info.get("deleted") or not info.get("nuid"):
         raise ObjectMissing(f"{bucket}/{name}")
@@ -264,10 +268,7 @@ class _Hasher:
 
     async def hexdigest(self) -> str:
         loop = asyncio.get_running_loop()
-        try:
-            return await loop.run_in_executor(self.pool, self.sha.hexdigest)
-        finally:
-            self.pool.shutdown(wait=False)
+        return await loop.run_in_executor(self.pool, self.sha.hexdigest)
 
 
 async def read_object(
@@ -348,30 +349,34 @@ async def read_object(
     js = nc.jetstream()
     consumer = ""
     try:
-        cinfo = await js.add_consumer(
-            _stream(bucket),
-            api.ConsumerConfig(
-                deliver_subject=inbox,
-                filter_subject=_chunk_subject(bucket, meta.nuid),
-                deliver_policy=api.DeliverPolicy.ALL,
-                ack_policy=api.AckPolicy.NONE,
-                flow_control=True,
-                idle_heartbeat=1.0,
-                mem_storage=True,
-                num_replicas=1,
-                inactive_threshold=30.0,
-            ),
-        )
-        consumer = cinfo.name
-        while not done.done():
-            await asyncio.wait({done}, timeout=0.25)
-            if done.done():
-                break
-            if not nc.is_connected:
-                fail(ObjectReadError(f"{name}: NATS connection lost mid-read"))
-            elif time.monotonic() - state["last"] > stall_timeout:
-                fail(ObjectReadError(f"{name}: no data for {stall_timeout:g}s"))
-        done.result()
+        try:
+            cinfo = await js.add_consumer(
+                _stream(bucket),
+                api.ConsumerConfig(
+                    deliver_subject=inbox,
+                    filter_subject=_chunk_subject(bucket, meta.nuid),
+                    deliver_policy=api.DeliverPolicy.ALL,
+                    ack_policy=api.AckPolicy.NONE,
+                    flow_control=True,
+                    idle_heartbeat=1.0,
+                    mem_storage=True,
+                    num_replicas=1,
+                    inactive_threshold=30.0,
+                ),
+            )
+            consumer = cinfo.name
+            state["last"] = time.monotonic()
+            while not done.done():  # watchdog: a stall or a disconnect ends the read
+                await asyncio.wait({done}, timeout=0.25)
+                if done.done():
+                    break
+                if not nc.is_connected:
+                    fail(ObjectReadError(f"{name}: NATS connection lost mid-read"))
+                elif time.monotonic() - state["last"] > stall_timeout:
+                    fail(ObjectReadError(f"{name}: no data for {stall_timeout:g}s"))
+            done.result()
+        except (NatsError, TimeoutError) as e:
+            raise ObjectReadError(f"{name}: {e!r}") from None
         if hasher and expect_sha256:
             hasher.feed(meta.size, final=True)
             got = await hasher.hexdigest()
@@ -381,10 +386,13 @@ async def read_object(
                 )
         return buf
     finally:
-        await sub.unsubscribe()
-        if consumer and nc.is_connected:
+        if hasher:
+            hasher.pool.shutdown(wait=False)
+        if nc.is_connected:
             try:
-                await js.delete_consumer(_stream(bucket), consumer)
+                await sub.unsubscribe()
+                if consumer:
+                    await js.delete_consumer(_stream(bucket), consumer)
             except Exception:  # noqa: BLE001 - inactive_threshold removes it anyway
                 pass
 

@@ -84,7 +84,7 @@ async def time_to_abort(base: str, rounds: int) -> list[float]:
         for _ in range(rounds):
             seen = [0] * 16
 
-            async def one(i: int) -> float:
+            async def one(i: int, seen: list[int] = seen) -> float:
                 body = {**_body(i, True), "max_tokens": 1500}
                 async with c.stream("POST", "/v1/completions", json=body) as r:
                     async for line in r.aiter_lines():
@@ -132,7 +132,10 @@ async def _run(stack: Stack, cfg: dict[str, Any]) -> str:
         abort = await time_to_abort(stack.base_url, 10)
     finally:
         await bus.close()
-    size = f"hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, vocab {cfg['vocab_size']}"
+    size = (
+        f"hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, "
+        f"vocab {cfg['vocab_size']}"
+    )
     return "\n".join([
         f"\n### Generation throughput, tp=2, model {size}; {PROMPT_LEN}-token prompts, "
         f"{STEPS} output tokens each (output tokens/s, ratio to in-process)\n",

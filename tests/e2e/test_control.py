@@ -354,6 +354,7 @@ def test_admin_token_and_dynamic_load_off(stack: Stack, tmp_path: Path) -> None:
         "ROLLBUS_API_PORT": str(port),
         "ROLLBUS_ADMIN_TOKEN": "s3cret",
         "ROLLBUS_DYNAMIC_LOAD_WEIGHT": "false",
+        "ROLLBUS_API_KEY": "k3y",
     }
     log = tmp_path / "api.log"
     proc = subprocess.Popen(
@@ -376,6 +377,15 @@ def test_admin_token_and_dynamic_load_off(stack: Stack, tmp_path: Path) -> None:
             assert r.status_code == 404 and r.json() == {"error": "Dynamic Load Weight Disabled."}
             assert c.get("/update_model_weight", headers=auth).status_code == 404
             assert c.get("/health").status_code == 200  # not a control route
+            body = {"model": "tiny", "prompt": "x", "max_tokens": 2}
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+            assert c.get("/v1/models").status_code == 401
+            r = c.post("/v1/completions", json=body, headers={"Authorization": "Bearer k3y"})
+            assert r.status_code == 200
+            # the admin token is not an API key, and the other way round
+            assert c.post("/v1/completions", json=body, headers=auth).status_code == 401
+            assert c.post("/v1/pause", headers={"Authorization": "Bearer k3y"}).status_code == 401
     finally:
         proc.terminate()
         proc.wait(10)

@@ -360,3 +360,19 @@ def test_sleep_aborts_running_and_queued_wait_for_wakeup(stack: Stack, aclient: 
     aborted, late = asyncio.run(go())
     assert all(r["finish"] == "abort" and r["tokens"] for r in aborted)
     assert late["finish"] == "length" and len(late["tokens"]) == 5
+
+
+def test_client_disconnect_frees_the_request(stack: Stack) -> None:
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 1500, "stream": True,
+            "ignore_eos": True}
+    with httpx.Client(base_url=stack.base_url, timeout=30) as c:
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    break  # leave after the first chunk
+    deadline = time.monotonic() + 10
+    while stack.status()["requests"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    st = stack.status()
+    assert st["requests"] == 0 and st["running"] == 0
+    assert st["free_blocks"] == 512
