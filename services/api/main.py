@@ -8,11 +8,11 @@ import sys
 import uvicorn
 
 from services.api.app import create_app
-from shared.settings import Settings
+from shared.settings import settings_or_exit
 
 
 def main() -> int:
-    settings = Settings()
+    settings = settings_or_exit("rollbus-api")
     logging.basicConfig(
         level=settings.log_level.upper(),
         format="%(asctime)s api %(levelname)s %(name)s: %(message)s",

@@ -27,7 +27,7 @@ from services.engine.state import EngineState
 from shared import messages as m
 from shared.bus import REQUEST_ID, Bus, new_request_id
 from shared.errors import CONFLICT, INTERNAL, ControlError
-from shared.settings import Settings
+from shared.settings import Settings, settings_or_exit
 from shared.subjects import EVENTS_STREAM, Subjects
 
 log = logging.getLogger("rollbus.engine")
@@ -220,7 +220,7 @@ async def amain(settings: Settings) -> int:
 
 
 def main() -> int:
-    settings = Settings()
+    settings = settings_or_exit("rollbus-engine")
     logging.basicConfig(
         level=settings.log_level.upper(),
         format="%(asctime)s engine %(levelname)s %(name)s: %(message)s",

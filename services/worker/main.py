@@ -29,7 +29,7 @@ from services.worker.weights import WeightStore, load_config, read_version_txt
 from shared import messages as m
 from shared.bus import RANK, Bus
 from shared.errors import INTERNAL, ControlError
-from shared.settings import Settings
+from shared.settings import Settings, settings_or_exit
 from shared.subjects import Subjects
 
 log = logging.getLogger("rollbus.worker")
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--endpoints", default="", help="comma-separated host:port per rank")
     args = ap.parse_args(argv)
-    settings = Settings()
+    settings = settings_or_exit(f"rollbus-worker rank {args.rank}")
     logging.basicConfig(
         level=settings.log_level.upper(),
         format=f"%(asctime)s rank{args.rank} %(levelname)s %(name)s: %(message)s",
