@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import ctypes
+import functools
 import hashlib
 import json
 import mmap
@@ -191,7 +192,7 @@ async def put_object(
             reply = f"{inbox}.{i}"
             fut: asyncio.Future[bytes] = loop.create_future()
             size = len(piece)
-            fut.add_done_callback(lambda f, n=size: settle(f, n))
+            fut.add_done_callback(functools.partial(settle, n=size))
             acks[reply] = fut
             pending.append(fut)
             await nc.publish(subj, bytes(piece), reply=reply)
@@ -400,18 +401,35 @@ async def read_object(
 # --------------------------------------------------------------------------- versions
 
 
-async def ensure_ckpt_stream(nc: Client) -> None:
-    cfg = api.StreamConfig(
-        name=CKPT_STREAM,
-        subjects=[CKPT_WILDCARD],
-        duplicate_window=3600.0,
-        storage=api.StorageType.FILE,
-    )
+async def ensure_ckpt_stream(nc: Client, model: str = "") -> None:
+    """Make sure ``ROLLBUS_CKPT`` exists and captures ``rollbus.ckpt.*.published``.
+
+    (The events stream lists one ``rollbus.<instance>.events.>`` per instance, so the two
+    streams never overlap; the instance name ``ckpt`` is refused at start.)
+    """
     js = nc.jetstream()
-    try:
-        await js.add_stream(cfg)
-    except BadRequestError:
+    for _ in range(5):
+        try:
+            info = await js.stream_info(CKPT_STREAM)
+        except NotFoundError:
+            try:
+                await js.add_stream(
+                    api.StreamConfig(
+                        name=CKPT_STREAM,
+                        subjects=[CKPT_WILDCARD],
+                        duplicate_window=3600.0,
+                        storage=api.StorageType.FILE,
+                    )
+                )
+                return
+            except BadRequestError:
+                continue  # created concurrently: look again
+        cfg = info.config
+        if cfg.subjects == [CKPT_WILDCARD]:
+            return
+        cfg.subjects = [CKPT_WILDCARD]  # older per-model subject lists are folded in
         await js.update_stream(cfg)
+    raise ObjectReadError(f"cannot configure stream {CKPT_STREAM}")
 
 
 async def publish_version(nc: Client, ev: VersionPublished) -> int:
@@ -437,6 +455,12 @@ def _decode(msg: Msg) -> tuple[int, VersionPublished] | None:
 async def list_versions(nc: Client, model: str) -> list[tuple[int, VersionPublished]]:
     """Every published version event of ``model`` in publish order (stream sequence)."""
     js = nc.jetstream()
+    try:
+        info = await js.stream_info(CKPT_STREAM)
+    except NotFoundError:
+        return []
+    if not info.state.messages:
+        return []
     psub = await js.pull_subscribe(
         ckpt_published(model),
         stream=CKPT_STREAM,

@@ -70,6 +70,14 @@ class Settings(BaseSettings):
             return LOAD_STRATEGY_ALIASES.get(v.strip().lower(), v.strip().lower())
         return v
 
+    @field_validator("instance")
+    @classmethod
+    def _instance_token(cls, v: str) -> str:
+        # rollbus.ckpt.* belongs to checkpoint events
+        if v == "ckpt":
+            raise ValueError("'ckpt' is reserved (rollbus.ckpt.* carries checkpoint events)")
+        return v
+
     @property
     def embedded_nats(self) -> bool:
         return not self.nats_url.strip()

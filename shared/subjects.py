@@ -63,10 +63,6 @@ class Subjects:
     def event(self, kind: str) -> str:
         return f"{self.prefix}.events.{kind}"
 
-    @property
-    def events_wildcard(self) -> str:
-        return f"{ROOT}.*.events.>"
-
 
 def ckpt_published(model: str) -> str:
     return f"{ROOT}.ckpt.{escape_token(model)}.published"

@@ -103,7 +103,7 @@ async def track(engine: Engine) -> None:
     model = engine.settings.served_model_name
     while True:
         try:
-            await objstore.ensure_ckpt_stream(nc)
+            await objstore.ensure_ckpt_stream(nc, model)
 
             async def on_event(seq: int, ev: VersionPublished) -> None:
                 _learn(engine, seq, ev.version)
@@ -170,7 +170,7 @@ async def follow(engine: Engine) -> None:
     feed = objstore.VersionFeed(nc, model, durable_name(engine.settings.instance, model))
     while True:
         try:
-            await objstore.ensure_ckpt_stream(nc)
+            await objstore.ensure_ckpt_stream(nc, model)
             await feed.start()
             past = await objstore.list_versions(nc, model)
             break

@@ -18,9 +18,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from nats.js.api import StreamConfig
-from nats.js.errors import BadRequestError
+from nats.js.errors import BadRequestError, NotFoundError
 
-from services.engine import control
+from services.engine import autoupdate, control
 from services.engine.generation import Generation
 from services.engine.ranks import Ranks
 from services.engine.state import EngineState
@@ -48,17 +48,35 @@ METHODS: dict[str, tuple[Method, type, bool]] = {
 }
 
 
-async def ensure_events_stream(bus: Bus) -> None:
-    cfg = StreamConfig(
-        name=EVENTS_STREAM,
-        subjects=["rollbus.*.events.>"],
-        max_age=7 * 24 * 3600.0,
-        max_msgs=1_000_000,
-    )
-    try:
-        await bus.nc.jetstream().add_stream(cfg)
-    except BadRequestError:
-        await bus.nc.jetstream().update_stream(cfg)
+async def ensure_events_stream(bus: Bus, subject: str) -> None:
+    """Make ``ROLLBUS_EVENTS`` capture this instance's ``rollbus.<i>.events.>``.
+
+    One subject per instance, not ``rollbus.*.events.>``: that wildcard would overlap
+    the checkpoint stream's ``rollbus.ckpt.*.published`` and JetStream refuses
+    overlapping streams.
+    """
+    js = bus.nc.jetstream()
+    for _ in range(5):
+        try:
+            info = await js.stream_info(EVENTS_STREAM)
+        except NotFoundError:
+            try:
+                await js.add_stream(
+                    StreamConfig(
+                        name=EVENTS_STREAM, subjects=[subject], max_age=7 * 24 * 3600.0,
+                        max_msgs=1_000_000,
+                    )
+                )
+                return
+            except BadRequestError:
+                continue  # created concurrently: look again
+        cfg = info.config
+        subjects = [x for x in cfg.subjects or [] if x != "rollbus.*.events.>"]
+        if subject in subjects and subjects == (cfg.subjects or []):
+            return
+        cfg.subjects = subjects if subject in subjects else [*subjects, subject]
+        await js.update_stream(cfg)
+    raise ControlError(INTERNAL, f"cannot add {subject} to stream {EVENTS_STREAM}")
 
 
 class Engine:
@@ -145,7 +163,7 @@ class Engine:
         return out
 
     async def start(self) -> None:
-        await ensure_events_stream(self.bus)
+        await ensure_events_stream(self.bus, self.subjects.event(">"))
         svc = await self.bus.add_service(
             "rollbus-engine", "0.1.0", f"rollbus engine ({self.settings.instance})"
         )
@@ -211,7 +229,7 @@ async def amain(settings: Settings) -> int:
     await engine.wait_ranks()
     log.info("engine ready: %d ranks, version %s", settings.tp, engine.state.weight_version)
     tasks = [asyncio.create_task(engine.watch_ranks()), *engine.scheduler.background()]
-    tasks += __import__("services.engine.autoupdate", fromlist=["tasks"]).tasks(engine)
+    tasks += autoupdate.tasks(engine)
     await stop.wait()
     for t in tasks:
         t.cancel()

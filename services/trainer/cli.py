@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import warnings
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -63,6 +64,8 @@ def publish(args: argparse.Namespace, settings: Settings) -> int:
         return _fail("publish", f"no such directory: {d}")
     if not (d / "config.json").is_file() or not any(d.glob("*.safetensors")):
         return _fail("publish", f"{d} is not an HF model dir (needs config.json and *.safetensors)")
+    # paddle (imported for the sharding rules) warns about ccache on import: not ours
+    warnings.filterwarnings("ignore", message="No ccache found")
     from services.trainer.publisher import CheckpointPublisher, NotAModelDir, VersionConflict
 
     tp = args.tp or settings.tp
@@ -88,6 +91,7 @@ def publish(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def versions(args: argparse.Namespace, settings: Settings) -> int:
+    warnings.filterwarnings("ignore", message="No ccache found")
     from services.trainer.publisher import CheckpointPublisher
 
     pub = CheckpointPublisher(nats_url_of(args, settings), bucket=settings.ckpt_bucket)

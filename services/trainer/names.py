@@ -98,10 +98,17 @@ def to_inference(
 ) -> dict[str, np.ndarray]:
     """A training-named state dict (paddle or numpy) as HF-named, HF-layout numpy arrays.
 
-    Raises ``ValueError`` naming unknown or missing tensors. Names already in inference
-    form pass through unchanged (so an HF state dict is accepted too).
+    Raises ``ValueError`` naming unknown or missing tensors. A dict with no
+    ``llama.``/``qwen2.`` name is taken as HF-named and HF-layout and passes through.
     """
-    p = prefix or detect_prefix(state) or default_prefix(cfg)
+    p = prefix or detect_prefix(state)
+    if p is None:
+        # no training-prefixed name: an HF-named state dict (``lm_head.weight`` alone
+        # cannot tell the layouts apart, so the prefix decides)
+        unknown = sorted(set(state) - set(mdl.full_shapes(cfg)))
+        if unknown:
+            raise ValueError(f"unknown tensors (no inference name): {unknown[:5]}")
+        return {k: to_numpy(v) for k, v in state.items()}
     to_inf = get_name_mappings_to_inference(cfg, p)
     wanted = set(to_inf.values())
     out: dict[str, np.ndarray] = {}

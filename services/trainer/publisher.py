@@ -175,7 +175,7 @@ class CheckpointPublisher:
                 raise ValueError("a state-dict source needs config= (HF config or config.json)")
             cfg = load_config(config)
             state = dict(source)
-        state = names.to_inference(state, cfg)
+            state = names.to_inference(state, cfg)
         return serialize(cfg, state, tp, model, version)
 
     async def apublish(
@@ -194,7 +194,7 @@ class CheckpointPublisher:
         bus = await Bus.connect(self.nats_url, "rollbus-publisher", timeout=self.connect_timeout)
         try:
             nc = bus.nc
-            await objstore.ensure_ckpt_stream(nc)
+            await objstore.ensure_ckpt_stream(nc, model)
             if ipc:
                 uploaded = self._write_ipc(model, version, blobs, man, progress)
             else:
@@ -210,7 +210,7 @@ class CheckpointPublisher:
     async def aversions(self, model: str) -> list[VersionInfo]:
         bus = await Bus.connect(self.nats_url, "rollbus-versions", timeout=self.connect_timeout)
         try:
-            await objstore.ensure_ckpt_stream(bus.nc)
+            await objstore.ensure_ckpt_stream(bus.nc, model)
             evs = await objstore.list_versions(bus.nc, model)
         finally:
             await bus.close()

@@ -31,6 +31,10 @@ def main() -> None:
             from tests.bench import generation
 
             out.append(generation.run(tmp, server.url))
+        if "checkpoint" in args.parts:
+            from tests.bench import checkpoint
+
+            out.append(checkpoint.run(tmp, server.url))
     finally:
         server.stop()
         shutil.rmtree(tmp, ignore_errors=True)

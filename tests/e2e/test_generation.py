@@ -376,3 +376,27 @@ def test_client_disconnect_frees_the_request(stack: Stack) -> None:
     st = stack.status()
     assert st["requests"] == 0 and st["running"] == 0
     assert st["free_blocks"] == 512
+
+
+def test_kept_request_survives_sleep_and_wakeup(stack: Stack, aclient: Any) -> None:
+    """keep, then sleep (KV freed), then wakeup: the request is recomputed and its greedy
+    tokens are exactly those of an uninterrupted run."""
+    n = 30
+
+    async def go() -> dict[str, Any]:
+        seen = [0]
+        task = asyncio.create_task(_stream(aclient, n, seen, 3))
+        while seen[0] < 5:
+            await asyncio.sleep(0.01)
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as c:
+            assert (await c.post("/v1/pause?mode=keep")).status_code == 200
+            assert (await c.post("/v1/sleep")).status_code == 200
+            await asyncio.sleep(0.3)
+            assert not task.done()
+            assert (await c.post("/v1/wakeup")).status_code == 200
+        return await asyncio.wait_for(task, 60)
+
+    res = asyncio.run(go())
+    assert res["finish"] == "length"
+    assert res["tokens"] == greedy(stack.model_dir, prompt_ids(f"{PROMPT} 3"), n)
+    assert "weight_versions" not in res["extra"]

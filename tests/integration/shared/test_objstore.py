@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import subprocess
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -67,8 +69,8 @@ async def test_digest_and_size_mismatch_and_unknown(nc: Client) -> None:
 
 
 async def test_version_stream_dedup_and_order(nc: Client) -> None:
-    await objstore.ensure_ckpt_stream(nc)
     model = f"Qwen2.5-{uuid.uuid4().hex[:6]}"  # a '.' in the id: escaped subject token
+    await objstore.ensure_ckpt_stream(nc, model)
     seqs = []
     for v in ("a", "b", "a", "c"):
         seqs.append(await objstore.publish_version(nc, VersionPublished(model, v, 2)))
@@ -78,39 +80,59 @@ async def test_version_stream_dedup_and_order(nc: Client) -> None:
     assert await objstore.list_versions(nc, model + "-none") == []
 
 
+def _nats_server(store: Path, port: int) -> subprocess.Popen[bytes]:
+    # the binary directly: natsd.start refuses a port still in TIME_WAIT
+    return subprocess.Popen(
+        [natsd.find_binary(), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
 async def test_server_restart_mid_read_fails_cleanly(tmp_path: Path) -> None:
     """A NATS restart mid-pull ends the read with an error, never partial bytes."""
-    port = natsd.start(tmp_path / "probe", port=0)
-    url, p = port.url, port.port
-    port.stop()
-    server = natsd.start(tmp_path / "store", port=p)
+    from tests.e2e.stack import free_port
+
+    port = free_port()
+    server = _nats_server(tmp_path, port)
     try:
-        c = await nats.connect(url, max_reconnect_attempts=-1, reconnect_time_wait=0.2)
+        c = None
+        for _ in range(100):
+            try:
+                c = await nats.connect(f"nats://127.0.0.1:{port}", reconnect_time_wait=0.2,
+                                       max_reconnect_attempts=-1)
+                break
+            except Exception:  # noqa: BLE001 - not up yet
+                await asyncio.sleep(0.05)
+        assert c is not None
         await objstore.ensure_bucket(c, BUCKET)
         data = os.urandom(64 * MIB)
         await objstore.put_object(c, BUCKET, "big", data)
         restarted = asyncio.Event()
 
-        def slow(n: int) -> None:
+        def restart(n: int) -> None:
             # the first chunks arrived: restart the server under the reader
+            nonlocal server
             if not restarted.is_set():
                 restarted.set()
-                nonlocal server
-                server.stop()
-                server = natsd.start(tmp_path / "store", port=p)
+                server.terminate()
+                server.wait()
+                server = _nats_server(tmp_path, port)
 
         with pytest.raises(objstore.ObjectReadError):
-            await objstore.read_object(c, BUCKET, "big", progress=slow, stall_timeout=2.0)
+            await objstore.read_object(c, BUCKET, "big", progress=restart, stall_timeout=2.0)
         assert restarted.is_set()
         # after the restart (JetStream recovers its store) the object is intact
         sha = hashlib.sha256(data).hexdigest()
-        for _ in range(40):
+        buf = None
+        deadline = time.monotonic() + 30
+        while buf is None and time.monotonic() < deadline:
             try:
                 buf = await objstore.read_object(c, BUCKET, "big", expect_sha256=sha)
-                break
             except objstore.ObjectReadError:
                 await asyncio.sleep(0.25)
-        assert buf[:] == data
+        assert buf is not None and buf[:] == data
         await c.close()
     finally:
-        server.stop()
+        server.terminate()
+        server.wait()

@@ -106,3 +106,10 @@ def test_durable_names_are_valid_and_distinct() -> None:
     assert a != b
     for n in (a, b, durable_name("x y", "org/model*>")):
         assert not set(n) & set(". */\\>") and len(n) <= 80
+
+
+def test_hf_named_state_passes_through_untransposed() -> None:
+    hf = mdl.init_weights(CFG, seed=5)
+    back = names.to_inference(hf, CFG)
+    assert all(np.array_equal(back[k], hf[k]) for k in hf)
+    assert back["lm_head.weight"].shape == (64, 16)

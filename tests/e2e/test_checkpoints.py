@@ -1,0 +1,349 @@
+"""Checkpoint distribution through real stacks: SDK/CLI publish, object_store and ipc
+load strategies, every failure of the contract, auto-update on trainer events."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import nats
+import numpy as np
+import pytest
+
+from services.tiny_model import create_model_dir
+from services.trainer import names
+from services.trainer.publisher import CheckpointPublisher, VersionConflict
+from services.worker import model as mdl
+from services.worker.sources import ipc_version_dir, parse_safetensors
+from shared import manifest as mf
+from shared import objstore
+from shared.messages import VersionPublished
+from shared.subjects import ckpt_object_name
+from tests.e2e.stack import Stack, model_config, start_stack
+from tests.e2e.test_control import digests
+
+BUCKET = "rollbus_ckpt"
+
+
+def post(stack: Stack, path: str, **kw: Any) -> httpx.Response:
+    with stack.client() as c:
+        return c.post(path, **kw)
+
+
+def model_of(stack: Stack) -> str:
+    return stack.model_dir.name
+
+
+def training_state(stack: Stack, seed: int) -> dict[str, np.ndarray]:
+    """What a paddle trainer would hand us: training names, [in, out] Linear weights."""
+    cfg = mdl.ModelConfig.from_hf(model_config(stack.model_dir))
+    return names.to_training(mdl.init_weights(cfg, seed), cfg)
+
+
+def expected_digests(blobs: list[bytes]) -> dict[int, str]:
+    """services.worker.weights.digest computed straight from the published shards."""
+    out = {}
+    for r, blob in enumerate(blobs):
+        arrays = parse_safetensors(blob, f"rank {r}")
+        h = hashlib.sha256()
+        for name in sorted(arrays):
+            h.update(name.encode())
+            h.update(np.ascontiguousarray(arrays[name]).tobytes())
+        out[r] = h.hexdigest()
+    return out
+
+
+def publish(stack: Stack, version: str, seed: int, **kw: Any) -> dict[int, str]:
+    """Publish through the SDK; return the per-rank digests the ranks should then have."""
+    pub = CheckpointPublisher(stack.nats_url, ipc_dir=kw.pop("ipc_dir", "/dev/shm/rollbus"))
+    state = training_state(stack, seed)
+    cfg = model_config(stack.model_dir)
+    res = pub.publish(model_of(stack), version, state, tp=2, config=cfg, **kw)
+    assert res.version == version and res.seq > 0
+    blobs, _ = pub.prepare(model_of(stack), version, state, 2, cfg)
+    return expected_digests(blobs)
+
+
+def update(stack: Stack, version: str | None, verify: bool = True) -> httpx.Response:
+    body: dict[str, Any] = {"verify_checksum": verify}
+    if version:
+        body["version"] = version
+    return post(stack, "/v1/update_weights", json=body)
+
+
+async def _raw(nats_url: str, fn: Any) -> Any:
+    nc = await nats.connect(nats_url)
+    try:
+        return await fn(nc)
+    finally:
+        await nc.close()
+
+
+def upload_raw(stack: Stack, version: str, blobs: list[bytes], man: mf.Manifest) -> None:
+    """Objects straight into the bucket (no SDK checks, no event): to plant bad versions."""
+
+    async def go(nc: Any) -> None:
+        await objstore.ensure_bucket(nc, BUCKET)
+        for spec, blob in zip(man.shards, blobs, strict=True):
+            await objstore.put_object(
+                nc, BUCKET, ckpt_object_name(model_of(stack), version, spec.file), blob
+            )
+        await objstore.put_object(
+            nc, BUCKET, ckpt_object_name(model_of(stack), version, "manifest.json"),
+            mf.encode(man),
+        )
+
+    asyncio.run(_raw(stack.nats_url, go))
+
+
+# --------------------------------------------------------------------------- object_store
+
+
+@pytest.fixture(scope="module")
+def ostack(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = start_stack(
+        Path(tmp_path_factory.mktemp("ckpt")),
+        nats_url,
+        tp=2,
+        model_name=f"ck-{uuid.uuid4().hex[:6]}.v1",  # a '.' in the id: escaped subjects
+        env={"ROLLBUS_LOAD_STRATEGY": "object_store", "ROLLBUS_CONTROL_TIMEOUT_S": "5"},
+    )
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(autouse=True)
+def _resume_after(request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    for name in ("ostack", "astack"):
+        if name in request.fixturenames:
+            post(request.getfixturevalue(name), "/v1/resume")
+
+
+def test_publish_update_serves_exactly_the_published_shards(ostack: Stack) -> None:
+    before = digests(ostack)
+    want = publish(ostack, "s1", seed=11)
+    assert want != before
+    assert post(ostack, "/v1/pause").status_code == 200
+    r = update(ostack, "s1", verify=True)
+    assert r.status_code == 200, r.text
+    res = r.json()["result"]
+    assert res["version"] == "s1" and [x["rank"] for x in res["ranks"]] == [0, 1]
+    assert all(x["verified"] and x["pull_mib_s"] > 0 for x in res["ranks"])
+    assert digests(ostack) == want
+    st = ostack.status()
+    assert st["weight_version"] == "s1" and {x["version"] for x in st["ranks"]} == {"s1"}
+    # the initial version still loads locally (version.txt), and back again
+    assert update(ostack, "v0", verify=False).status_code == 200
+    assert digests(ostack) == before
+    assert update(ostack, "s1", verify=False).status_code == 200
+    assert digests(ostack) == want
+
+
+def test_republish_is_idempotent_and_versions_are_immutable(ostack: Stack) -> None:
+    pub = CheckpointPublisher(ostack.nats_url)
+    cfg = model_config(ostack.model_dir)
+    state = training_state(ostack, 12)
+    first = pub.publish(model_of(ostack), "s2", state, tp=2, config=cfg)
+    again = pub.publish(model_of(ostack), "s2", state, tp=2, config=cfg)
+    assert first.uploaded and not again.uploaded and again.seq == first.seq
+    versions = [v.version for v in pub.versions(model_of(ostack))]
+    assert versions.count("s2") == 1 and versions.index("s1") < versions.index("s2")
+    with pytest.raises(VersionConflict, match="different content"):
+        pub.publish(model_of(ostack), "s2", training_state(ostack, 13), tp=2, config=cfg)
+
+
+def test_unknown_version_is_404(ostack: Stack) -> None:
+    assert post(ostack, "/v1/pause").status_code == 200
+    r = update(ostack, "never-published")
+    assert r.status_code == 404 and "never-published" in r.json()["error_message"]
+
+
+def test_manifest_digest_mismatch_is_422_naming_rank_and_file(ostack: Stack) -> None:
+    before, version_before = digests(ostack), ostack.status()["weight_version"]
+    pub = CheckpointPublisher(ostack.nats_url)
+    blobs, man = pub.prepare(
+        model_of(ostack), "bad-digest", training_state(ostack, 14), 2,
+        model_config(ostack.model_dir),
+    )
+    man.shards[1].sha256 = "0" * 64
+    upload_raw(ostack, "bad-digest", blobs, man)
+    assert post(ostack, "/v1/pause").status_code == 200
+    r = update(ostack, "bad-digest", verify=True)
+    assert r.status_code == 422, r.text
+    msg = r.json()["error_message"]
+    assert "rank 1" in msg and "rank1-of-2.safetensors" in msg and "SHA-256" in msg
+    assert digests(ostack) == before and ostack.status()["weight_version"] == version_before
+
+
+def test_corrupted_object_is_422_with_and_without_verify(ostack: Stack) -> None:
+    before = digests(ostack)
+    publish(ostack, "s3", seed=15)
+    name = ckpt_object_name(model_of(ostack), "s3", "rank0-of-2.safetensors")
+
+    async def corrupt(nc: Any) -> None:
+        # a corrupt replica: same size, garbage bytes, through the stock client
+        size = (await objstore.get_meta(nc, BUCKET, name)).size
+        store = await nc.jetstream().object_store(BUCKET)
+        await store.put(name, os.urandom(size))
+
+    asyncio.run(_raw(ostack.nats_url, corrupt))
+    assert post(ostack, "/v1/pause").status_code == 200
+    for verify, needle in ((True, "SHA-256"), (False, "safetensors")):
+        r = update(ostack, "s3", verify=verify)
+        assert r.status_code == 422, r.text
+        msg = r.json()["error_message"]
+        assert "rank 0" in msg and "rank0-of-2.safetensors" in msg and needle in msg, msg
+        assert digests(ostack) == before
+
+
+def test_stopped_rank_is_503_and_no_rank_switches(ostack: Stack) -> None:
+    publish(ostack, "s4", seed=16)
+    before, version_before = digests(ostack), ostack.status()["weight_version"]
+    pid = next(r["pid"] for r in ostack.status()["ranks"] if r["rank"] == 1)
+    assert post(ostack, "/v1/pause").status_code == 200
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        r = update(ostack, "s4")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert r.status_code == 503, r.text
+    assert "[1]" in r.json()["error_message"]
+    time.sleep(1.0)  # rank 1 finishes the stale stage, then the abort drops it
+    assert digests(ostack) == before and ostack.status()["weight_version"] == version_before
+    # and the version still applies cleanly afterwards
+    assert update(ostack, "s4").status_code == 200
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    e = {k: v for k, v in os.environ.items() if not k.startswith("ROLLBUS_")}
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli", *args],
+        capture_output=True, text=True, timeout=120, env={**e, **(env or {})},
+    )
+
+
+def test_cli_publish_versions_and_clear_errors(ostack: Stack, tmp_path: Path) -> None:
+    d = create_model_dir(tmp_path / "hf", model_config(ostack.model_dir), seed=21)
+    m = model_of(ostack)
+    r = cli("publish", str(d), "--model", m, "--version", "cli1", "--tp", "2",
+            "--nats-url", ostack.nats_url)
+    assert r.returncode == 0, r.stderr
+    assert "published" in r.stdout and "MiB/s" in r.stderr
+    r = cli("versions", "--model", m, "--nats-url", ostack.nats_url)
+    assert r.returncode == 0 and "cli1" in r.stdout, r.stderr
+    assert post(ostack, "/v1/pause").status_code == 200
+    assert update(ostack, "cli1").status_code == 200
+    # errors: one line, exit 2
+    for argv, needle in (
+        ([str(tmp_path / "missing")], "no such directory"),
+        ([str(tmp_path)], "not an HF model dir"),
+        ([str(d), "--nats-url", "nats://127.0.0.1:1"], "nats://127.0.0.1:1"),
+    ):
+        url = [] if "--nats-url" in argv else ["--nats-url", ostack.nats_url]
+        r = cli("publish", *argv, "--model", m, "--version", "x", *url)
+        assert r.returncode == 2 and needle in r.stderr, (argv, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+# --------------------------------------------------------------------------- ipc + auto-update
+
+
+@pytest.fixture(scope="module")
+def astack(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = start_stack(
+        Path(tmp_path_factory.mktemp("auto")),
+        nats_url,
+        tp=2,
+        model_name=f"au-{uuid.uuid4().hex[:6]}",
+        env={"ROLLBUS_LOAD_STRATEGY": "ipc", "ROLLBUS_AUTO_UPDATE": "true"},
+    )
+    try:
+        yield s
+    finally:
+        s.stop()
+        import shutil
+
+        shutil.rmtree(ipc_version_dir(Path("/dev/shm/rollbus"), model_of(s), "x").parent,
+                      ignore_errors=True)
+
+
+def events(stack: Stack, kind: str) -> list[dict[str, Any]]:
+    async def go(nc: Any) -> list[dict[str, Any]]:
+        js = nc.jetstream()
+        sub = await js.subscribe(f"rollbus.{stack.instance}.events.{kind}", ordered_consumer=True)
+        out = []
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=0.5)
+            except nats.errors.TimeoutError:
+                return out
+            out.append(json.loads(msg.data))
+
+    return list(asyncio.run(_raw(stack.nats_url, go)))
+
+
+def wait_for(pred: Any, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.1)
+    raise AssertionError("condition not reached")
+
+
+def test_ipc_auto_update_burst_ends_at_newest(astack: Stack) -> None:
+    assert astack.status()["weight_version"] == "v0"
+    want = {}
+    for i, v in enumerate(("b1", "b2", "b3")):
+        want[v] = publish(astack, v, seed=31 + i, ipc=True)
+    wait_for(lambda: astack.status()["weight_version"] == "b3"
+             and astack.status()["state"] == "running")
+    assert digests(astack) == want["b3"]
+    seen = [e["data"]["version"] for e in events(astack, "version")]
+    assert seen[-1] == "b3" and seen == sorted(seen)  # in publish order, never back
+    assert all(e["data"]["actor"] == "auto_update" for e in events(astack, "version"))
+    # the old versions' events were acked and ignored or superseded, never re-applied
+    time.sleep(1.5)
+    assert astack.status()["weight_version"] == "b3"
+
+
+def test_auto_update_failure_resumes_on_previous_weights(astack: Stack) -> None:
+    before, version_before = digests(astack), astack.status()["weight_version"]
+    pub = CheckpointPublisher(astack.nats_url)
+    blobs, man = pub.prepare(model_of(astack), "broken", training_state(astack, 41), 2,
+                             model_config(astack.model_dir))
+    man.shards[0].sha256 = "f" * 64
+    d = ipc_version_dir(Path("/dev/shm/rollbus"), model_of(astack), "broken")
+    d.mkdir(parents=True, exist_ok=True)
+    for spec, blob in zip(man.shards, blobs, strict=True):
+        (d / spec.file).write_bytes(blob)
+    (d / "manifest.json").write_bytes(mf.encode(man))
+
+    async def announce(nc: Any) -> None:
+        await objstore.publish_version(nc, VersionPublished(model_of(astack), "broken", 2))
+
+    asyncio.run(_raw(astack.nats_url, announce))
+    wait_for(lambda: any(e["data"]["version"] == "broken" and e["data"].get("action") == "failed"
+                         for e in events(astack, "auto_update")))
+    fail = next(e for e in events(astack, "auto_update") if e["data"]["version"] == "broken")
+    assert fail["data"]["error_code"] == 422 and "rank 0" in fail["data"]["error_message"]
+    st = astack.status()
+    assert st["state"] == "running" and st["weight_version"] == version_before
+    assert digests(astack) == before
