@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import paddle
+import paddle.utils.dlpack
 from safetensors import SafetensorError, safe_open
 
 from services.worker import model as mdl
@@ -175,7 +176,21 @@ def _read_safetensors(path: Path, where: str) -> dict[str, np.ndarray]:
 
 
 def to_paddle(arrays: dict[str, np.ndarray]) -> dict[str, paddle.Tensor]:
-    return {k: paddle.to_tensor(v) for k, v in arrays.items()}
+    """Host arrays -> paddle tensors, without a copy where the memory allows it.
+
+    On CPU a writable, C-contiguous array is handed over through DLPack: the tensor
+    uses the array's memory (which lives until the tensor is freed). ``paddle.to_tensor``
+    would copy at about a third of memcpy speed. Read-only views (an mmap) get one
+    plain copy first. On an accelerator ``to_tensor`` does the host-to-device copy.
+    """
+    if paddle.device.get_device() != "cpu":
+        return {k: paddle.to_tensor(v) for k, v in arrays.items()}
+    out: dict[str, paddle.Tensor] = {}
+    for k, v in arrays.items():
+        if not (v.flags.writeable and v.flags.c_contiguous) or v.dtype.byteorder == ">":
+            v = np.array(v, copy=True, order="C")
+        out[k] = paddle.utils.dlpack.from_dlpack(v)
+    return out
 
 
 def free_tensors(tensors: dict[str, paddle.Tensor] | None) -> None:

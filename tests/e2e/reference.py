@@ -25,9 +25,13 @@ def greedy(
     n: int,
     weights_dir: Path | None = None,
     stop: int | None = None,
+    weights: dict[str, np.ndarray] | None = None,
 ) -> list[int]:
+    """Greedy tokens for ``prompt`` with the HF-named weights of ``weights`` (a dict),
+    ``weights_dir`` or the model dir itself."""
     cfg = mdl.ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
-    w = {k: paddle.to_tensor(v) for k, v in load_weights(weights_dir or model_dir).items()}
+    host = weights if weights is not None else load_weights(weights_dir or model_dir)
+    w = {k: paddle.to_tensor(v) for k, v in host.items()}
     bs = 16
     need = -(-(len(prompt) + n) // bs)
     kv = mdl.KVCache(cfg, need, bs, 1)

@@ -100,7 +100,9 @@ def upload_raw(stack: Stack, version: str, blobs: list[bytes], man: mf.Manifest)
                 nc, BUCKET, ckpt_object_name(model_of(stack), version, spec.file), blob
             )
         await objstore.put_object(
-            nc, BUCKET, ckpt_object_name(model_of(stack), version, "manifest.json"),
+            nc,
+            BUCKET,
+            ckpt_object_name(model_of(stack), version, "manifest.json"),
             mf.encode(man),
         )
 
@@ -176,7 +178,10 @@ def test_manifest_digest_mismatch_is_422_naming_rank_and_file(ostack: Stack) -> 
     before, version_before = digests(ostack), ostack.status()["weight_version"]
     pub = CheckpointPublisher(ostack.nats_url)
     blobs, man = pub.prepare(
-        model_of(ostack), "bad-digest", training_state(ostack, 14), 2,
+        model_of(ostack),
+        "bad-digest",
+        training_state(ostack, 14),
+        2,
         model_config(ostack.model_dir),
     )
     man.shards[1].sha256 = "0" * 64
@@ -235,15 +240,28 @@ def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
     e = {k: v for k, v in os.environ.items() if not k.startswith("ROLLBUS_")}
     return subprocess.run(
         [sys.executable, "-m", "services.cli", *args],
-        capture_output=True, text=True, timeout=120, env={**e, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**e, **(env or {})},
     )
 
 
 def test_cli_publish_versions_and_clear_errors(ostack: Stack, tmp_path: Path) -> None:
     d = create_model_dir(tmp_path / "hf", model_config(ostack.model_dir), seed=21)
     m = model_of(ostack)
-    r = cli("publish", str(d), "--model", m, "--version", "cli1", "--tp", "2",
-            "--nats-url", ostack.nats_url)
+    r = cli(
+        "publish",
+        str(d),
+        "--model",
+        m,
+        "--version",
+        "cli1",
+        "--tp",
+        "2",
+        "--nats-url",
+        ostack.nats_url,
+    )
     assert r.returncode == 0, r.stderr
     assert "published" in r.stdout and "MiB/s" in r.stderr
     r = cli("versions", "--model", m, "--nats-url", ostack.nats_url)
@@ -280,8 +298,9 @@ def astack(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         s.stop()
         import shutil
 
-        shutil.rmtree(ipc_version_dir(Path("/dev/shm/rollbus"), model_of(s), "x").parent,
-                      ignore_errors=True)
+        shutil.rmtree(
+            ipc_version_dir(Path("/dev/shm/rollbus"), model_of(s), "x").parent, ignore_errors=True
+        )
 
 
 def events(stack: Stack, kind: str) -> list[dict[str, Any]]:
@@ -313,8 +332,9 @@ def test_ipc_auto_update_burst_ends_at_newest(astack: Stack) -> None:
     want = {}
     for i, v in enumerate(("b1", "b2", "b3")):
         want[v] = publish(astack, v, seed=31 + i, ipc=True)
-    wait_for(lambda: astack.status()["weight_version"] == "b3"
-             and astack.status()["state"] == "running")
+    wait_for(
+        lambda: astack.status()["weight_version"] == "b3" and astack.status()["state"] == "running"
+    )
     assert digests(astack) == want["b3"]
     seen = [e["data"]["version"] for e in events(astack, "version")]
     assert seen[-1] == "b3" and seen == sorted(seen)  # in publish order, never back
@@ -327,8 +347,9 @@ def test_ipc_auto_update_burst_ends_at_newest(astack: Stack) -> None:
 def test_auto_update_failure_resumes_on_previous_weights(astack: Stack) -> None:
     before, version_before = digests(astack), astack.status()["weight_version"]
     pub = CheckpointPublisher(astack.nats_url)
-    blobs, man = pub.prepare(model_of(astack), "broken", training_state(astack, 41), 2,
-                             model_config(astack.model_dir))
+    blobs, man = pub.prepare(
+        model_of(astack), "broken", training_state(astack, 41), 2, model_config(astack.model_dir)
+    )
     man.shards[0].sha256 = "f" * 64
     d = ipc_version_dir(Path("/dev/shm/rollbus"), model_of(astack), "broken")
     d.mkdir(parents=True, exist_ok=True)
@@ -340,10 +361,45 @@ def test_auto_update_failure_resumes_on_previous_weights(astack: Stack) -> None:
         await objstore.publish_version(nc, VersionPublished(model_of(astack), "broken", 2))
 
     asyncio.run(_raw(astack.nats_url, announce))
-    wait_for(lambda: any(e["data"]["version"] == "broken" and e["data"].get("action") == "failed"
-                         for e in events(astack, "auto_update")))
+    wait_for(
+        lambda: any(
+            e["data"]["version"] == "broken" and e["data"].get("action") == "failed"
+            for e in events(astack, "auto_update")
+        )
+    )
     fail = next(e for e in events(astack, "auto_update") if e["data"]["version"] == "broken")
     assert fail["data"]["error_code"] == 422 and "rank 0" in fail["data"]["error_message"]
     st = astack.status()
     assert st["state"] == "running" and st["weight_version"] == version_before
     assert digests(astack) == before
+
+
+def test_published_version_changes_greedy_output_to_the_new_weights(ostack: Stack) -> None:
+    """A trainer's publish, then pause → update → resume: greedy completions are what an
+    in-process tp=1 model with the published weights says, and differ from before."""
+    from tests.e2e.reference import greedy
+
+    cfg = mdl.ModelConfig.from_hf(model_config(ostack.model_dir))
+    body = {
+        "model": model_of(ostack),
+        "prompt": "rollout",
+        "max_tokens": 12,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    prompt = [256, *b"rollout"]
+    assert post(ostack, "/v1/pause").status_code == 200
+    assert update(ostack, "v0", verify=False).status_code == 200
+    assert post(ostack, "/v1/resume").status_code == 200
+    before = post(ostack, "/v1/completions", json=body).json()
+    assert before["choices"][0]["token_ids"] == greedy(ostack.model_dir, prompt, 12)
+    publish(ostack, "g1", seed=31)
+    assert post(ostack, "/v1/pause").status_code == 200
+    assert update(ostack, "g1").status_code == 200
+    assert post(ostack, "/v1/resume").status_code == 200
+    after = post(ostack, "/v1/completions", json=body).json()
+    assert after["weight_version"] == "g1"
+    want = greedy(ostack.model_dir, prompt, 12, weights=mdl.init_weights(cfg, 31))
+    assert after["choices"][0]["token_ids"] == want
+    assert want != before["choices"][0]["token_ids"]
