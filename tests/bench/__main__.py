@@ -15,7 +15,7 @@ from services import natsd
 
 def main() -> None:
     ap = argparse.ArgumentParser(prog="bench")
-    ap.add_argument("parts", nargs="*", default=["control"])
+    ap.add_argument("parts", nargs="*", default=["control", "generation", "checkpoint"])
     ap.add_argument("--calls", type=int, default=500)
     args = ap.parse_args()
     logging.getLogger("httpx").setLevel(logging.WARNING)
