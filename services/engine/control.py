@@ -21,8 +21,12 @@ if TYPE_CHECKING:
 
 
 async def pause(eng: Engine, args: m.PauseArgs) -> dict[str, Any]:
+    """Idempotent. Pausing an already paused engine with ``abort`` still ends every live
+    request (kept or queued meanwhile): abort means "nothing is left running"."""
     changed = eng.state.pause(args.mode)
-    aborted = await eng.scheduler.pause(args.mode) if changed else 0
+    aborted = 0
+    if changed or args.mode == "abort":
+        aborted = await eng.scheduler.pause(args.mode)
     if changed:
         await eng.state_changed("paused", {"mode": args.mode, "aborted": aborted})
     return {"is_paused": True, "mode": eng.state.pause_mode or args.mode, "aborted": aborted}

@@ -293,7 +293,7 @@ def test_pause_wait_lets_running_finish(stack: Stack, aclient: Any) -> None:
     async def go() -> tuple[dict[str, Any], httpx.Response]:
         seen = [0]
         task = asyncio.create_task(_stream(aclient, 40, seen, 0))
-        while seen[0] < 2:
+        while seen[0] < 2 and not task.done():
             await asyncio.sleep(0.02)
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as c:
             r = await c.post("/v1/pause?mode=wait")
@@ -311,7 +311,7 @@ def test_keep_across_update_spans_both_versions(stack: Stack, aclient: Any) -> N
     async def go() -> dict[str, Any]:
         seen = [0]
         task = asyncio.create_task(_stream(aclient, n, seen, 0))
-        while seen[0] < 8:
+        while seen[0] < 8 and not task.done():
             await asyncio.sleep(0.01)
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as c:
             assert (await c.post("/v1/pause?mode=keep")).status_code == 200
@@ -346,7 +346,7 @@ def test_sleep_aborts_running_and_queued_wait_for_wakeup(stack: Stack, aclient: 
     async def go() -> tuple[list[dict[str, Any]], dict[str, Any]]:
         seen = [0, 0]
         tasks = [asyncio.create_task(_stream(aclient, 1500, seen, i)) for i in range(2)]
-        while min(seen) < 2:
+        while min(seen) < 2 and not any(t.done() for t in tasks):
             await asyncio.sleep(0.02)
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as c:
             assert (await c.post("/v1/sleep")).status_code == 200
@@ -384,9 +384,9 @@ def test_kept_request_survives_sleep_and_wakeup(stack: Stack, aclient: Any) -> N
     n = 30
 
     async def go() -> dict[str, Any]:
-        seen = [0]
+        seen = [0] * 4
         task = asyncio.create_task(_stream(aclient, n, seen, 3))
-        while seen[0] < 5:
+        while seen[3] < 5 and not task.done():
             await asyncio.sleep(0.01)
         async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as c:
             assert (await c.post("/v1/pause?mode=keep")).status_code == 200
