@@ -167,11 +167,12 @@ class Bus:
             else:
                 waiter.set_result(Reply(msg.data, headers))
 
-    def _headers(self, rid: str, extra: dict[str, str] | None) -> dict[str, str]:
-        h = {REQUEST_ID: rid}
-        if extra:
-            h.update(extra)
-        return h
+    async def _send(
+        self, subject: str, data: bytes, rid: str, extra: dict[str, str] | None
+    ) -> None:
+        """Publish a request whose replies come to our inbox under ``rid``."""
+        headers = {REQUEST_ID: rid, **(extra or {})}
+        await self.nc.publish(subject, data, reply=f"{self._inbox_prefix}.{rid}", headers=headers)
 
     async def request(
         self,
@@ -187,12 +188,7 @@ class Bus:
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._pending[rid] = fut  # registered before the publish
         try:
-            await self.nc.publish(
-                subject,
-                data,
-                reply=f"{self._inbox_prefix}.{rid}",
-                headers=self._headers(rid, headers),
-            )
+            await self._send(subject, data, rid, headers)
             return await asyncio.wait_for(fut, timeout)
         except TimeoutError:
             raise Timeout(subject, timeout) from None
@@ -218,12 +214,7 @@ class Bus:
         gather = _Gather(expected)
         self._pending[rid] = gather
         try:
-            await self.nc.publish(
-                subject,
-                data,
-                reply=f"{self._inbox_prefix}.{rid}",
-                headers=self._headers(rid, headers),
-            )
+            await self._send(subject, data, rid, headers)
             await asyncio.wait_for(asyncio.shield(gather.done), timeout)
             return gather.replies
         except TimeoutError:
@@ -252,12 +243,7 @@ class Bus:
         stream = _Stream()
         self._pending[rid] = stream  # registered before the publish
         try:
-            await self.nc.publish(
-                subject,
-                data,
-                reply=f"{self._inbox_prefix}.{rid}",
-                headers=self._headers(rid, headers),
-            )
+            await self._send(subject, data, rid, headers)
             while True:
                 try:
                     item = await asyncio.wait_for(stream.queue.get(), idle_timeout)

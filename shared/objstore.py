@@ -25,7 +25,8 @@ the meta message last, so a reader never sees a half-written object.
 
 Version stream: ``ROLLBUS_CKPT`` holds ``rollbus.ckpt.<model>.published`` events,
 deduplicated by ``Nats-Msg-Id = <model>/<version>``; the JetStream stream sequence of
-an event is the version's place in publish order.
+an event is the version's place in publish order. The audit-log stream
+``ROLLBUS_EVENTS`` is configured here too (:func:`ensure_events_stream`).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from nats.js import api
 from nats.js.errors import BadRequestError, NotFoundError
 
 from shared.messages import VersionPublished
-from shared.subjects import CKPT_STREAM, CKPT_WILDCARD, ckpt_published
+from shared.subjects import CKPT_STREAM, CKPT_WILDCARD, EVENTS_STREAM, ckpt_published
 
 CHUNK_SIZE = 1 << 20  # also capped by the server's max_payload
 PUT_WINDOW = 16  # outstanding chunk publishes (MiB): bounded, well under 64 MiB
@@ -430,6 +431,37 @@ async def ensure_ckpt_stream(nc: Client, model: str = "") -> None:
         cfg.subjects = [CKPT_WILDCARD]  # older per-model subject lists are folded in
         await js.update_stream(cfg)
     raise ObjectReadError(f"cannot configure stream {CKPT_STREAM}")
+
+
+async def ensure_events_stream(nc: Client, subject: str) -> None:
+    """Make ``ROLLBUS_EVENTS`` capture this instance's ``rollbus.<i>.events.>``.
+
+    One subject per instance, not ``rollbus.*.events.>``: that wildcard would overlap
+    the checkpoint stream's ``rollbus.ckpt.*.published`` and JetStream refuses
+    overlapping streams.
+    """
+    js = nc.jetstream()
+    for _ in range(5):
+        try:
+            info = await js.stream_info(EVENTS_STREAM)
+        except NotFoundError:
+            try:
+                await js.add_stream(
+                    api.StreamConfig(
+                        name=EVENTS_STREAM, subjects=[subject], max_age=7 * 24 * 3600.0,
+                        max_msgs=1_000_000,
+                    )
+                )
+                return
+            except BadRequestError:
+                continue  # created concurrently: look again
+        cfg = info.config
+        subjects = [x for x in cfg.subjects or [] if x != "rollbus.*.events.>"]
+        if subject in subjects and subjects == (cfg.subjects or []):
+            return
+        cfg.subjects = subjects if subject in subjects else [*subjects, subject]
+        await js.update_stream(cfg)
+    raise ObjectReadError(f"cannot add {subject} to stream {EVENTS_STREAM}")
 
 
 async def publish_version(nc: Client, ev: VersionPublished) -> int:

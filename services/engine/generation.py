@@ -113,9 +113,7 @@ class Generation:
         self.work.set()
 
     async def _send(self, reply: str, chunk: m.GenChunk) -> None:
-        await self.engine.bus.nc.publish(
-            reply, m.pack(chunk), headers={REQUEST_ID: chunk.request_id}
-        )
+        await self.engine.bus.publish(reply, m.pack(chunk), headers={REQUEST_ID: chunk.request_id})
 
     def _chunk(self, out: Output) -> m.GenChunk:
         seq = out.seq

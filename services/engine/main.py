@@ -17,18 +17,16 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from nats.js.api import StreamConfig
-from nats.js.errors import BadRequestError, NotFoundError
-
 from services.engine import autoupdate, control
 from services.engine.generation import Generation
 from services.engine.ranks import Ranks
 from services.engine.state import EngineState
 from shared import messages as m
+from shared import objstore
 from shared.bus import REQUEST_ID, Bus, new_request_id
 from shared.errors import CONFLICT, INTERNAL, ControlError
 from shared.settings import Settings, settings_or_exit
-from shared.subjects import EVENTS_STREAM, Subjects
+from shared.subjects import Subjects
 
 log = logging.getLogger("rollbus.engine")
 
@@ -46,37 +44,6 @@ METHODS: dict[str, tuple[Method, type, bool]] = {
     "status": (control.status, m.NoArgs, False),
     "health": (control.health, m.NoArgs, False),
 }
-
-
-async def ensure_events_stream(bus: Bus, subject: str) -> None:
-    """Make ``ROLLBUS_EVENTS`` capture this instance's ``rollbus.<i>.events.>``.
-
-    One subject per instance, not ``rollbus.*.events.>``: that wildcard would overlap
-    the checkpoint stream's ``rollbus.ckpt.*.published`` and JetStream refuses
-    overlapping streams.
-    """
-    js = bus.nc.jetstream()
-    for _ in range(5):
-        try:
-            info = await js.stream_info(EVENTS_STREAM)
-        except NotFoundError:
-            try:
-                await js.add_stream(
-                    StreamConfig(
-                        name=EVENTS_STREAM, subjects=[subject], max_age=7 * 24 * 3600.0,
-                        max_msgs=1_000_000,
-                    )
-                )
-                return
-            except BadRequestError:
-                continue  # created concurrently: look again
-        cfg = info.config
-        subjects = [x for x in cfg.subjects or [] if x != "rollbus.*.events.>"]
-        if subject in subjects and subjects == (cfg.subjects or []):
-            return
-        cfg.subjects = subjects if subject in subjects else [*subjects, subject]
-        await js.update_stream(cfg)
-    raise ControlError(INTERNAL, f"cannot add {subject} to stream {EVENTS_STREAM}")
 
 
 class Engine:
@@ -163,7 +130,7 @@ class Engine:
         return out
 
     async def start(self) -> None:
-        await ensure_events_stream(self.bus, self.subjects.event(">"))
+        await objstore.ensure_events_stream(self.bus.nc, self.subjects.event(">"))
         svc = await self.bus.add_service(
             "rollbus-engine", "0.1.0", f"rollbus engine ({self.settings.instance})"
         )

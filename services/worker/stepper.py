@@ -39,7 +39,7 @@ class Stepper:
             reply = m.StepReply(req.step, [], [], [], error=f"rank {self.rank}: {e!r}")
         if self.rank == 0 and msg.reply:
             headers = {REQUEST_ID: (msg.headers or {}).get(REQUEST_ID, "")}
-            await self.bus.nc.publish(msg.reply, m.pack(reply), headers=headers)
+            await self.bus.publish(msg.reply, m.pack(reply), headers=headers)
 
     def run(self, req: m.StepRequest) -> m.StepReply:
         t0 = time.perf_counter()
