@@ -78,6 +78,10 @@ class Launcher:
         s = self.settings
         if s.model and not (s.model_dir / "config.json").is_file():
             raise LaunchError(f"ROLLBUS_MODEL={s.model}: no config.json there")
+        if not natsd.port_is_free(s.api_host, s.api_port):
+            raise LaunchError(
+                f"API port {s.api_host}:{s.api_port} is busy: set ROLLBUS_API_PORT to a free port"
+            )
         if s.embedded_nats:
             try:
                 self.nats = natsd.start(

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -48,7 +49,15 @@ def create_app(settings: Settings, bus: Bus | None = None) -> Starlette:
             if owned and deps.bus is not None:
                 await deps.bus.close()
 
+    async def http_error(request: Request, exc: Exception) -> Response:
+        # unknown routes and wrong methods answer JSON like every other error
+        assert isinstance(exc, HTTPException)
+        body = {"error": {"message": f"{exc.detail}: {request.method} {request.url.path}",
+                          "type": "invalid_request_error", "code": exc.status_code}}
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
     app = Starlette(
+        exception_handlers={HTTPException: http_error},
         routes=[
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),

@@ -52,7 +52,14 @@ def _client(request: Request) -> str:
 
 
 def _query_args(request: Request, *names: str) -> dict[str, Any]:
-    return {n: request.query_params[n] for n in names if n in request.query_params}
+    """Query parameters as control arguments. A repeated one is joined with commas
+    (``tags=weight&tags=kv_cache``); an empty one counts as absent (``mode=``)."""
+    out: dict[str, Any] = {}
+    for n in names:
+        values = [v for v in request.query_params.getlist(n) if v.strip()]
+        if values:
+            out[n] = ",".join(values)
+    return out
 
 
 async def _body(request: Request) -> bytes:
@@ -87,6 +94,7 @@ def routes(deps: Deps) -> list[Route]:
 
     async def update_weights(request: Request) -> Response:
         try:
+            admin_check(deps, request)  # 401 before the body is even looked at
             body = await _body(request)
         except ControlError as e:
             return reply_response(m.ControlReply(new_request_id(), e.code, e.message))

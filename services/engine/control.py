@@ -7,6 +7,7 @@ second one arriving meanwhile gets 409 at once instead of queueing behind it.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -100,8 +101,9 @@ def default_version(eng: Engine) -> str:
 
 
 async def update_weights(eng: Engine, args: m.UpdateWeightsArgs, actor: str = "") -> dict[str, Any]:
-    eng.state.begin_update()
+    eng.state.check_update()  # the 409 comes before anything else is looked at
     version = args.version or default_version(eng)
+    eng.state.begin_update()
     previous = eng.state.weight_version
     t0 = time.perf_counter()
     await eng.state_changed("updating", {"version": version, "from": previous})
@@ -152,6 +154,12 @@ async def status(eng: Engine, _: object = None) -> dict[str, Any]:
         "nats_url": eng.bus.url,
         **eng.scheduler.counts(),
     }
+
+
+def model_config(eng: Engine, _: object = None) -> dict[str, Any]:
+    """The served model's HF ``config.json``: what a trainer shards a state dict by."""
+    cfg = json.loads((Path(eng.settings.model_dir) / "config.json").read_text())
+    return {"model": eng.settings.served_model_name, "tp": eng.settings.tp, "config": cfg}
 
 
 def health(eng: Engine, _: object = None) -> dict[str, Any]:

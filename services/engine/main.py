@@ -43,6 +43,7 @@ METHODS: dict[str, tuple[Method, type, bool]] = {
     "update_weights": (control.update_weights, m.UpdateWeightsArgs, True),
     "status": (control.status, m.NoArgs, False),
     "health": (control.health, m.NoArgs, False),
+    "model_config": (control.model_config, m.NoArgs, False),
 }
 
 

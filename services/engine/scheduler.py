@@ -203,7 +203,13 @@ class Scheduler:
         return m.StepRow(seq.seq_id, new, seq.num_computed, list(seq.blocks), sample)
 
     def schedule(self, *, admit: bool = True, run: bool = True) -> Plan | None:
-        """The next step, or None when there is nothing to do."""
+        """The next step, or None when there is nothing to do.
+
+        Nothing at all is sent while ``run`` is off (paused or asleep): pending block
+        copies and finished ids wait for the next real step, since the ranks may have
+        freed their KV cache meanwhile."""
+        if not run:
+            return None
         rows: list[m.StepRow] = []
         seqs: list[Seq] = []
         budget = self.max_step_tokens
@@ -223,7 +229,7 @@ class Scheduler:
                 budget -= len(row.token_ids)
                 rows.append(row)
                 seqs.append(seq)
-        if admit and run:
+        if admit:
             while self.waiting and len(rows) < self.max_batch and budget > 0:
                 seq = self.waiting[0]
                 upto = min(len(seq.tokens), seq.num_computed + budget)

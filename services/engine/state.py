@@ -63,6 +63,11 @@ class EngineState:
         return False
 
     def begin_update(self) -> None:
+        self.check_update()
+        self.state = State.UPDATING
+
+    def check_update(self) -> None:
+        """Raise the 409 ``begin_update`` would, without changing anything."""
         if self.state is State.RUNNING:
             raise ControlError(
                 CONFLICT, "update_weights requires a paused engine: call pause first"
@@ -73,7 +78,6 @@ class EngineState:
             )
         if self.state is State.UPDATING:
             raise ControlError(CONFLICT, "another update_weights is in progress")
-        self.state = State.UPDATING
 
     def end_update(self, version: str | None) -> None:
         """Back to paused; ``version`` is the committed one, ``None`` after a failure."""
@@ -88,7 +92,8 @@ class EngineState:
         self.asleep |= set(tags)
 
     def check_wakeup(self, tags: tuple[str, ...], use_cudagraph: bool) -> None:
-        if use_cudagraph and "weight" in tags and "kv_cache" not in tags:
+        kv_still_asleep = "kv_cache" in self.asleep or self.state is not State.SLEEPING
+        if use_cudagraph and "weight" in tags and "kv_cache" not in tags and kv_still_asleep:
             raise ControlError(
                 BAD_REQUEST,
                 "with USE_CUDAGRAPH the KV cache must wake up with (or before) the weights: "

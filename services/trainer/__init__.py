@@ -8,7 +8,21 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["CheckpointPublisher", "rollout_state_dict"]
+__all__ = ["CheckpointPublisher", "publish", "rollout_state_dict"]
+
+
+def publish(
+    model: str, version: str, source: Any, *, tp: int, nats_url: str = "nats://127.0.0.1:4222",
+    config: Any = None, instance: str = "default", ipc: bool = False,
+) -> Any:
+    """``publish(model, version, state_dict | dir, tp=...)``: one call, as in the design.
+
+    A state dict without ``config`` is sharded by the config the rollout instance serves.
+    Returns the :class:`~services.trainer.publisher.PublishResult`."""
+    from services.trainer.publisher import CheckpointPublisher
+
+    pub = CheckpointPublisher(nats_url, instance=instance)
+    return pub.publish(model, version, source, tp=tp, config=config, ipc=ipc)
 
 
 def __getattr__(name: str) -> Any:

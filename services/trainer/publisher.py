@@ -49,8 +49,8 @@ from services.worker.sources import ipc_version_dir
 from shared import manifest as mf
 from shared import objstore
 from shared.bus import Bus
-from shared.messages import VersionPublished
-from shared.subjects import ckpt_object_name
+from shared.messages import ControlReply, VersionPublished, json_decode
+from shared.subjects import Subjects, ckpt_object_name
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 DEFAULT_IPC_DIR = Path("/dev/shm/rollbus")
@@ -127,8 +127,10 @@ class CheckpointPublisher:
         bucket: str = "rollbus_ckpt",
         ipc_dir: Path | str = DEFAULT_IPC_DIR,
         connect_timeout: float = 5.0,
+        instance: str = "default",
     ) -> None:
         self.nats_url = nats_url
+        self.instance = instance  # asked for the served config when a state dict has none
         self.bucket = bucket
         self.ipc_dir = Path(ipc_dir)
         self.connect_timeout = connect_timeout
@@ -172,7 +174,10 @@ class CheckpointPublisher:
                 cfg = load_config(config)
         else:
             if config is None:
-                raise ValueError("a state-dict source needs config= (HF config or config.json)")
+                raise ValueError(
+                    "a state-dict source needs config= (HF config or config.json) when no "
+                    "rollout instance is there to ask"
+                )
             cfg = load_config(config)
             state = dict(source)
             state = names.to_inference(state, cfg)
@@ -190,6 +195,8 @@ class CheckpointPublisher:
         progress: Progress | None = None,
     ) -> PublishResult:
         t0 = time.perf_counter()
+        if config is None and not isinstance(source, str | Path):
+            config = await self.served_config()
         blobs, man = self.prepare(model, version, source, tp, config)
         bus = await Bus.connect(self.nats_url, "rollbus-publisher", timeout=self.connect_timeout)
         try:
@@ -206,6 +213,21 @@ class CheckpointPublisher:
         return PublishResult(
             model, version, tp, man.total_bytes, seq, uploaded, time.perf_counter() - t0, ipc
         )
+
+    async def served_config(self) -> dict[str, Any]:
+        """The HF config of the model the rollout instance serves (``ctl.model_config``):
+        what a state dict is sharded by when the trainer passes no ``config``."""
+        bus = await Bus.connect(self.nats_url, "rollbus-publisher", timeout=self.connect_timeout)
+        try:
+            rep = await bus.request(
+                Subjects(self.instance).ctl("model_config"), b"{}", timeout=10.0
+            )
+        finally:
+            await bus.close()
+        reply = json_decode(rep.data, type=ControlReply)
+        if reply.error_code != 200 or not reply.result:
+            raise ValueError(f"cannot get the served model config: {reply.error_message}")
+        return dict(reply.result["config"])
 
     async def aversions(self, model: str) -> list[VersionInfo]:
         bus = await Bus.connect(self.nats_url, "rollbus-versions", timeout=self.connect_timeout)

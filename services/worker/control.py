@@ -67,7 +67,7 @@ class Rank:
             "weights_loaded": self.weights.current is not None,
             "weight_bytes": self.weights.nbytes,
             "kv_allocated": self.kv.allocated,
-            "kv_bytes": self.kv.nbytes,
+            "kv_bytes": self.kv.nbytes if self.kv.allocated else 0,
             "comm_group": self.comm.alive,
             "rss_bytes": rss_bytes(),
             "strategy": self.strategy,

@@ -25,7 +25,7 @@ from services.worker import control
 from services.worker import model as mdl
 from services.worker.comm import CommGroup, configure_env
 from services.worker.sources import make_source
-from services.worker.weights import WeightStore, load_config, read_version_txt
+from services.worker.weights import WeightStore, load_config, model_dir_version
 from shared import messages as m
 from shared.bus import RANK, Bus
 from shared.errors import INTERNAL, ControlError
@@ -61,7 +61,7 @@ def build_rank(settings: Settings, rank: int) -> control.Rank:
     comm.init()
     source = make_source(settings, cfg, rank)
     weights = WeightStore(rank, source)
-    weights.load_initial(read_version_txt(model_dir) or "v0")
+    weights.load_initial(model_dir_version(model_dir))
     kv = mdl.KVCache(cfg, settings.kv_cache_blocks, settings.kv_block_size, settings.tp)
     model = mdl.TPModel(cfg, rank, settings.tp, comm.group)
     return control.Rank(rank, settings.tp, cfg, weights, kv, comm, settings.load_strategy, model)

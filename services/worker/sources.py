@@ -41,7 +41,7 @@ from urllib.parse import quote
 import numpy as np
 
 from services.worker import model as mdl
-from services.worker.weights import LoadedShard, SnapshotSource, Source, read_version_txt
+from services.worker.weights import LoadedShard, SnapshotSource, Source, model_dir_version
 from shared import manifest as mf
 from shared import objstore
 from shared.bus import Bus
@@ -146,7 +146,7 @@ class ObjectStoreSource:
         self._bus: Bus | None = None
 
     def __call__(self, version: str, verify_checksum: bool) -> LoadedShard:
-        if version == read_version_txt(self.settings.model_dir):
+        if version == model_dir_version(self.settings.model_dir):
             return self.fallback(version, verify_checksum)
         _check_version_name(version)
         if self._io is None:
@@ -233,7 +233,7 @@ class IpcSource:
         self.model = settings.served_model_name
 
     def __call__(self, version: str, verify_checksum: bool) -> LoadedShard:
-        if version == read_version_txt(self.settings.model_dir):
+        if version == model_dir_version(self.settings.model_dir):
             return self.fallback(version, verify_checksum)
         _check_version_name(version)
         t0 = time.perf_counter()
@@ -271,10 +271,38 @@ class IpcSource:
         return LoadedShard(version, arrays, [str(path)], size, timings)
 
 
+class FallbackSource:
+    """Try ``first``; when it does not know the version (404), try ``second``.
+
+    So every strategy can load every version this host can reach: a version published
+    to the object store loads under ``snapshot`` too, and a local ``versions/V`` dir under
+    ``object_store``; the strategy only sets which place is looked at first.
+    """
+
+    def __init__(self, first: Source, second: Source) -> None:
+        self.first, self.second = first, second
+
+    def __call__(self, version: str, verify_checksum: bool) -> LoadedShard:
+        try:
+            return self.first(version, verify_checksum)
+        except ControlError as e:
+            if e.code != NOT_FOUND:
+                raise
+            first_error = e.message
+        try:
+            return self.second(version, verify_checksum)
+        except ControlError as e:
+            if e.code == NOT_FOUND:
+                raise ControlError(NOT_FOUND, f"{first_error}; {e.message}") from None
+            raise
+
+
 def make_source(settings: Settings, cfg: mdl.ModelConfig, rank: int) -> Source:
     snap = SnapshotSource(cfg, settings.model_dir, rank, settings.tp)
+    store = ObjectStoreSource(settings, snap, rank, settings.tp)  # connects on first use
     if settings.load_strategy == "object_store":
-        return ObjectStoreSource(settings, snap, rank, settings.tp)
+        return FallbackSource(store, snap)
     if settings.load_strategy == "ipc":
-        return IpcSource(settings, snap, rank, settings.tp)
-    return snap
+        return FallbackSource(IpcSource(settings, snap, rank, settings.tp),
+                              FallbackSource(snap, store))
+    return FallbackSource(snap, store)

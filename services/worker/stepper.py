@@ -46,6 +46,8 @@ class Stepper:
         st = self.state
         for seq_id in req.finished:
             self.generators.pop(seq_id, None)
+        if not req.rows and not req.copies:
+            return m.StepReply(req.step, [], [], [], seconds=time.perf_counter() - t0)
         if st.weights.current is None or not st.kv.allocated or st.model is None:
             raise RuntimeError("weights or KV cache are asleep")
         for src, dst in req.copies:

@@ -57,9 +57,14 @@ def read_version_txt(model_dir: Path) -> str | None:
     return None
 
 
+def model_dir_version(model_dir: Path) -> str:
+    """The version the model dir itself holds: its ``version.txt``, else ``v0``."""
+    return read_version_txt(model_dir) or "v0"
+
+
 def snapshot_dir(model_dir: Path, version: str) -> Path:
     """Where version ``version`` lives, or a 404 naming what was looked for."""
-    if version == read_version_txt(model_dir):
+    if version == model_dir_version(model_dir):
         return model_dir
     if "/" in version or version in ("", ".", ".."):
         raise ControlError(BAD_REQUEST, f"bad version name {version!r}")

@@ -266,6 +266,20 @@ def test_wakeup_reloads_the_current_version(stack: Stack) -> None:
     assert post(stack, "/v1/update_weights", json={"version": "v0"}).status_code == 200
 
 
+def test_query_forms_and_json_errors(stack: Stack) -> None:
+    # repeated tags are joined; an empty mode means the default (abort)
+    r = post(stack, "/v1/sleep?tags=weight&tags=kv_cache")
+    assert r.status_code == 200 and r.json()["result"]["tags"] == ["weight", "kv_cache"]
+    assert post(stack, "/v1/wakeup?tags=").status_code == 200
+    r = post(stack, "/v1/pause?mode=")
+    assert r.status_code == 200 and r.json()["result"]["mode"] == "abort"
+    # unknown routes and wrong methods answer JSON too
+    r = get(stack, "/v1/nope")
+    assert r.status_code == 404 and r.json()["error"]["code"] == 404
+    r = get(stack, "/v1/pause")
+    assert r.status_code == 405 and r.json()["error"]["code"] == 405
+
+
 def test_legacy_routes(stack: Stack) -> None:
     r = get(stack, "/clear_load_weight")
     assert r.status_code == 200 and stack.status()["state"] == "sleeping"
@@ -370,6 +384,8 @@ def test_admin_token_and_dynamic_load_off(stack: Stack, tmp_path: Path) -> None:
             assert c.post("/v1/pause").status_code == 401
             assert c.post("/v1/pause", headers={"Authorization": "Bearer nope"}).status_code == 401
             assert c.get("/v1/is_paused").status_code == 401
+            r = c.post("/v1/update_weights", content=b"{bad json")
+            assert r.status_code == 401  # auth is checked before the body
             auth = {"Authorization": "Bearer s3cret"}
             assert c.post("/v1/pause", headers=auth).status_code == 200
             assert c.post("/v1/resume", headers=auth).status_code == 200

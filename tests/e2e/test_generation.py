@@ -363,8 +363,13 @@ def test_sleep_aborts_running_and_queued_wait_for_wakeup(stack: Stack, aclient: 
 
 
 def test_client_disconnect_frees_the_request(stack: Stack) -> None:
-    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 1500, "stream": True,
-            "ignore_eos": True}
+    body = {
+        "model": "tiny",
+        "prompt": PROMPT,
+        "max_tokens": 1500,
+        "stream": True,
+        "ignore_eos": True,
+    }
     with httpx.Client(base_url=stack.base_url, timeout=30) as c:
         with c.stream("POST", "/v1/completions", json=body) as r:
             for line in r.iter_lines():
@@ -400,3 +405,30 @@ def test_kept_request_survives_sleep_and_wakeup(stack: Stack, aclient: Any) -> N
     assert res["finish"] == "length"
     assert res["tokens"] == greedy(stack.model_dir, prompt_ids(f"{PROMPT} 3"), n)
     assert "weight_versions" not in res["extra"]
+
+
+def test_kept_request_survives_a_cancel_while_asleep(stack: Stack, aclient: Any) -> None:
+    """keep, sleep, then another client comes and goes while asleep: nothing is sent to
+    the sleeping ranks, and the kept request still completes after wakeup."""
+    n = 20
+
+    async def go() -> dict[str, Any]:
+        seen = [0] * 6
+        task = asyncio.create_task(_stream(aclient, n, seen, 5))
+        while seen[5] < 3 and not task.done():
+            await asyncio.sleep(0.01)
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as c:
+            assert (await c.post("/v1/pause?mode=keep")).status_code == 200
+            assert (await c.post("/v1/sleep")).status_code == 200
+            body = {"model": "tiny", "prompt": "x", "max_tokens": 5, "stream": True}
+            try:
+                await c.post("/v1/completions", json=body, timeout=1.0)
+            except httpx.TimeoutException:
+                pass  # it waits while asleep; we leave: the API cancels it
+            await asyncio.sleep(0.5)
+            assert (await c.post("/v1/wakeup")).status_code == 200
+        return await asyncio.wait_for(task, 60)
+
+    res = asyncio.run(go())
+    assert res["finish"] == "length" and len(res["tokens"]) == n
+    assert res["tokens"] == greedy(stack.model_dir, prompt_ids(f"{PROMPT} 5"), n)

@@ -132,3 +132,67 @@ def test_bad_setting_is_one_line(tmp_path: Path) -> None:
     assert code == 2
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert len(lines) == 1 and "ROLLBUS_TP" in lines[0] and "ROLLBUS_LOAD_STRATEGY" in lines[0]
+
+
+def test_busy_api_port_is_one_clear_line(tmp_path: Path, nats_url: str) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        code, err = _run_fail(tmp_path, _env(ROLLBUS_API_PORT=str(port), ROLLBUS_NATS_URL=nats_url))
+    assert code == 2
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and f"{port} is busy" in lines[0] and "ready" not in err
+
+
+def test_plain_hf_dir_without_version_txt(tmp_path: Path, nats_url: str) -> None:
+    """A model dir with no version.txt serves as v0; the default version of
+    update_weights is then the newest published one; a state dict published without a
+    config is sharded by what the instance serves; the default snapshot strategy still
+    loads a version published to the object store."""
+    import numpy as np
+
+    from services import trainer
+    from services.tiny_model import create_model_dir
+    from services.worker import model as mdl
+
+    model_dir = create_model_dir(tmp_path / "Qwen2.5-0.5B", seed=0)
+    (model_dir / "version.txt").unlink()
+    api = free_port()
+    instance = f"plain{api}"
+    log = tmp_path / "serve.log"
+    env = _env(
+        ROLLBUS_API_PORT=str(api),
+        ROLLBUS_NATS_URL=nats_url,
+        ROLLBUS_TP="1",
+        ROLLBUS_INSTANCE=instance,
+        ROLLBUS_MODEL=str(model_dir),
+        ROLLBUS_DATA_DIR=str(tmp_path / "d"),
+    )
+    proc = _serve(tmp_path, env, log)
+    base = f"http://127.0.0.1:{api}"
+    try:
+        wait_healthy(base, proc, log)
+        with httpx.Client(base_url=base, timeout=60) as c:
+            st = c.get("/v1/status").json()
+            assert st["weight_version"] == "v0" and st["model"] == "Qwen2.5-0.5B"
+            assert c.post("/v1/pause").status_code == 200
+            r = c.post("/v1/update_weights")  # nothing published, no version.txt
+            assert r.status_code == 404
+            assert c.get("/v1/status").json()["state"] == "paused"  # not stuck in updating
+            cfg = mdl.ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+            state = {k: np.asarray(v) for k, v in mdl.init_weights(cfg, 5).items()}
+            res = trainer.publish(
+                "Qwen2.5-0.5B", "p1", state, tp=1, nats_url=nats_url, instance=instance
+            )
+            assert res.version == "p1"
+            r = c.post("/v1/update_weights")  # default: the newest published
+            assert r.status_code == 200, r.text
+            assert r.json()["result"]["version"] == "p1"
+            assert c.post("/v1/resume").status_code == 200
+            body = {"model": "Qwen2.5-0.5B", "prompt": "x", "max_tokens": 3}
+            out = c.post("/v1/completions", json=body).json()
+            assert out["weight_version"] == "p1" and out["usage"]["completion_tokens"] == 3
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)

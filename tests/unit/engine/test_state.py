@@ -62,3 +62,20 @@ def test_cudagraph_wakeup_rule() -> None:
     assert e.value.code == 400
     s.check_wakeup(("weight",), use_cudagraph=False)
     s.check_wakeup(("weight", "kv_cache"), use_cudagraph=True)
+
+
+def test_cudagraph_weight_after_kv_woke_first() -> None:
+    s = EngineState()
+    s.sleep(("weight", "kv_cache"))
+    s.check_wakeup(("kv_cache",), use_cudagraph=True)
+    s.woke(("kv_cache",))
+    s.check_wakeup(("weight",), use_cudagraph=True)  # KV already back: allowed
+
+
+def test_check_update_changes_nothing() -> None:
+    s = EngineState()
+    with pytest.raises(ControlError):
+        s.check_update()
+    s.pause("keep")
+    s.check_update()
+    assert s.state is State.PAUSED
