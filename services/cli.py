@@ -16,11 +16,15 @@ from shared.settings import Settings, describe_error
 
 def _settings_flags(p: argparse.ArgumentParser) -> None:
     for name, field in Settings.model_fields.items():
+        is_bool = field.annotation is bool
         p.add_argument(
             "--" + name.replace("_", "-"),
             dest=name,
             default=None,
             metavar="VALUE",
+            # a bare boolean flag means true (`--auto-update`); `--auto-update false` works too
+            nargs="?" if is_bool else None,
+            const="true" if is_bool else None,
             help=f"{field.description or ''} (env ROLLBUS_{name.upper()})".strip(),
         )
 

@@ -28,6 +28,10 @@ from shared.settings import Settings
 
 PR_SET_PDEATHSIG = 1
 
+# paddle's import-time chatter (glog INFO lines, the ccache warning) is not the user's
+# business; an explicit setting in the environment still wins
+QUIET_ENV = {"GLOG_minloglevel": "2", "PYTHONWARNINGS": "ignore:No ccache found"}
+
 
 def _die_with_parent() -> None:
     try:
@@ -105,7 +109,7 @@ class Launcher:
         return s
 
     def spawn(self, name: str, args: list[str]) -> None:
-        env = {**os.environ, **self.settings.to_env()}
+        env = {**QUIET_ENV, **os.environ, **self.settings.to_env()}
         proc = subprocess.Popen([sys.executable, "-m", *args], env=env, preexec_fn=_die_with_parent)
         self.children.append(Child(name, proc))
 

@@ -72,6 +72,18 @@ def _get(body: dict[str, Any], name: str, kinds: type | tuple[type, ...], defaul
     return v
 
 
+class _FirstToken:
+    """Observes time-to-first-token once per request."""
+
+    def __init__(self, deps: Deps) -> None:
+        self.deps, self.t0, self.done = deps, time.perf_counter(), False
+
+    def seen(self, d: Delta) -> None:
+        if not self.done and d.token_ids:
+            self.done = True
+            self.deps.metrics.ttft.observe(time.perf_counter() - self.t0)
+
+
 class OpenAIRoutes:
     def __init__(self, deps: Deps) -> None:
         from services.engine.generation import max_model_len
@@ -242,9 +254,11 @@ class OpenAIRoutes:
             for i in range(job.gen.n)
         }
         assert self.deps.bus is not None
+        first = _FirstToken(self.deps)
         async for d in generate(
             self.deps.bus, self.deps.subjects, self.tokenizer, job.gen, job.stops, self._seen
         ):
+            first.seen(d)
             a = acc[d.index]
             a["text"] += d.text
             a["token_ids"] += d.token_ids
@@ -294,10 +308,12 @@ class OpenAIRoutes:
         started: set[int] = set()
         out_tokens = 0
         assert self.deps.bus is not None
+        first = _FirstToken(self.deps)
         try:
             async for d in generate(
                 self.deps.bus, self.deps.subjects, self.tokenizer, job.gen, job.stops, self._seen
             ):
+                first.seen(d)
                 out_tokens += len(d.token_ids)
                 yield self._sse_chunk(job, rid, created, obj, d, started)
         except ControlError as e:

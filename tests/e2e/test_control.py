@@ -358,6 +358,14 @@ def test_metrics(stack: Stack) -> None:
     assert 'rollbus_control_requests_total{code="200",method="pause"}' in text
     assert "rollbus_is_paused 1.0" in text
     assert "rollbus_ranks_alive 1.0" in text
+    with stack.client() as c:
+        c.post("/v1/resume")
+        c.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+    text = get(stack, "/metrics").text
+    count = next(ln for ln in text.splitlines()
+                 if ln.startswith("rollbus_time_to_first_token_seconds_count"))
+    assert float(count.split()[-1]) >= 1
+    assert 'rollbus_generation_requests_total{finish_reason="length",route="completions"}' in text
 
 
 def test_admin_token_and_dynamic_load_off(stack: Stack, tmp_path: Path) -> None:
