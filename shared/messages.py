@@ -101,10 +101,18 @@ class StageArgs(msgspec.Struct):
     version: str
     verify_checksum: bool = False
     strategy: str = "snapshot"
+    update_id: str = ""
 
 
 class CommitArgs(msgspec.Struct):
     version: str
+    update_id: str = ""
+
+
+class UpdateIdArgs(msgspec.Struct):
+    """``finalize`` (free the previous weights) or ``rollback`` (swap them back)."""
+
+    update_id: str
 
 
 class SelfBenchArgs(msgspec.Struct):

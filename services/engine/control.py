@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from services.engine.ranks import RankError
 from services.engine.state import State
 from shared import messages as m
+from shared.bus import new_request_id
 from shared.errors import NOT_FOUND, ControlError
 
 if TYPE_CHECKING:
@@ -108,18 +109,32 @@ async def update_weights(eng: Engine, args: m.UpdateWeightsArgs, actor: str = ""
     t0 = time.perf_counter()
     await eng.state_changed("updating", {"version": version, "from": previous})
     committed: str | None = None
+    uid = new_request_id()
     try:
-        staged = await eng.ranks.call(
-            "stage", m.StageArgs(version, args.verify_checksum, eng.settings.load_strategy)
-        )
+        try:
+            staged = await eng.ranks.call(
+                "stage",
+                m.StageArgs(version, args.verify_checksum, eng.settings.load_strategy, uid),
+            )
+        except RankError:
+            # no rank got a commit; those that staged drop it now (fire and forget: a
+            # rank that misses this drops it at its next stage anyway)
+            await eng.ranks.broadcast("abort")
+            raise
         t_staged = time.perf_counter()
-        await eng.ranks.call("commit", m.CommitArgs(version))
+        try:
+            await eng.ranks.call("commit", m.CommitArgs(version, uid))
+        except RankError as e:
+            # some ranks may have switched: every one of them swaps back, and a late
+            # commit for this update is refused, so no rank serves the new version alone
+            await eng.ranks.broadcast("rollback", m.UpdateIdArgs(uid))
+            raise RankError(
+                e.code,
+                f"{e.message}; ranks that had committed were rolled back to {previous!r}",
+                e.replies,
+            ) from None
         committed = version
-    except RankError:
-        # all-or-nothing: no rank got a commit; tell those that staged to drop it now
-        # (fire and forget: a rank that missed this drops it at its next stage anyway)
-        await eng.ranks.broadcast("abort")
-        raise
+        await eng.ranks.broadcast("finalize", m.UpdateIdArgs(uid))
     finally:
         eng.state.end_update(committed)
         await eng.state_changed("paused", {"version": eng.state.weight_version})

@@ -23,6 +23,7 @@ from shared.messages import (
     SelfBenchArgs,
     SleepWorkerArgs,
     StageArgs,
+    UpdateIdArgs,
     WakeupWorkerArgs,
 )
 
@@ -85,13 +86,24 @@ def status(r: Rank, _: object = None) -> dict[str, Any]:
 def stage(r: Rank, args: StageArgs) -> dict[str, Any]:
     if r.weights.current is None:
         raise ControlError(CONFLICT, f"rank {r.rank}: weights are asleep; wake up first")
-    return {"rank": r.rank, **r.weights.stage(args.version, args.verify_checksum)}
+    return {"rank": r.rank, **r.weights.stage(args.version, args.verify_checksum, args.update_id)}
 
 
 def commit(r: Rank, args: CommitArgs) -> dict[str, Any]:
-    r.weights.commit(args.version)
+    r.weights.commit(args.version, args.update_id)
+    return {"rank": r.rank, "version": r.weights.version}
+
+
+def finalize(r: Rank, args: UpdateIdArgs) -> dict[str, Any]:
+    r.weights.finalize(args.update_id)
     release_memory()
     return {"rank": r.rank, "version": r.weights.version}
+
+
+def rollback(r: Rank, args: UpdateIdArgs) -> dict[str, Any]:
+    rolled = r.weights.rollback(args.update_id)
+    release_memory()
+    return {"rank": r.rank, "version": r.weights.version, "rolled_back": rolled}
 
 
 def abort(r: Rank, _: object = None) -> dict[str, Any]:

@@ -41,6 +41,8 @@ METHODS: dict[str, tuple[Callable[[control.Rank, Any], dict[str, Any]], type | N
     "stage": (control.stage, m.StageArgs),
     "commit": (control.commit, m.CommitArgs),
     "abort": (control.abort, None),
+    "finalize": (control.finalize, m.UpdateIdArgs),
+    "rollback": (control.rollback, m.UpdateIdArgs),
     "sleep": (control.sleep, m.SleepWorkerArgs),
     "wakeup": (control.wakeup, m.WakeupWorkerArgs),
     "digest": (control.weights_digest, None),

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -217,7 +218,15 @@ def digest(tensors: dict[str, paddle.Tensor]) -> str:
 
 
 class WeightStore:
-    """Current weights, staged weights and the tensor spec every version must match."""
+    """Current weights, staged weights and the tensor spec every version must match.
+
+    An update is identified by its ``update_id`` and goes stage → commit → finalize.
+    ``commit`` swaps the staged tensors in but keeps the previous ones until
+    ``finalize``, so the engine can ``rollback`` the ranks that committed when another
+    rank failed to: all ranks end on the new version, or all on the old one. A rolled
+    back id is remembered, so a commit that arrives late (a rank that was stalled) is
+    refused instead of switching one rank alone.
+    """
 
     def __init__(self, rank: int, source: Source) -> None:
         self.rank = rank
@@ -225,7 +234,9 @@ class WeightStore:
         self.current: dict[str, paddle.Tensor] | None = None
         self.version = ""
         self.spec: dict[str, mf.TensorSpec] = {}
-        self._staged: tuple[str, dict[str, paddle.Tensor]] | None = None
+        self._staged: tuple[str, str, dict[str, paddle.Tensor]] | None = None  # id, version
+        self._previous: tuple[str, str, dict[str, paddle.Tensor] | None] | None = None
+        self._rolled_back: deque[str] = deque(maxlen=64)
 
     @property
     def nbytes(self) -> int:
@@ -240,33 +251,55 @@ class WeightStore:
         self.version = version
         return shard
 
-    def stage(self, version: str, verify_checksum: bool) -> dict[str, object]:
+    def stage(self, version: str, verify_checksum: bool, update_id: str = "") -> dict[str, object]:
         """Load and validate ``version``; keep it staged. Raises ``ControlError``."""
         self.abort()
+        self.finalize()
         shard = self.source(version, verify_checksum)
         got = {k: _spec_of(v) for k, v in shard.arrays.items()}
         mf.check_tensors(self.spec, got, f"rank {self.rank}: version {version!r}")
         t0 = time.perf_counter()
-        self._staged = (version, to_paddle(shard.arrays))
+        self._staged = (update_id, version, to_paddle(shard.arrays))
         shard.timings["to_device_s"] = time.perf_counter() - t0
         return {"version": version, "bytes": shard.nbytes, "files": shard.files, **shard.timings}
 
-    def commit(self, version: str) -> None:
-        if self._staged is None or self._staged[0] != version:
+    def commit(self, version: str, update_id: str = "") -> None:
+        if update_id and update_id in self._rolled_back:
+            raise ControlError(409, f"rank {self.rank}: update {update_id} was rolled back")
+        if self._staged is None or self._staged[:2] != (update_id, version):
             raise ControlError(409, f"rank {self.rank}: nothing staged for version {version!r}")
-        old = self.current
-        self.current = self._staged[1]
+        self._previous = (update_id, self.version, self.current)
+        self.current = self._staged[2]
         self.version = version
         self._staged = None
-        free_tensors(old)
+
+    def finalize(self, update_id: str | None = None) -> None:
+        """Free the previous weights of a committed update (``None``: whichever)."""
+        if self._previous is not None and update_id in (None, self._previous[0]):
+            free_tensors(self._previous[2])
+            self._previous = None
+
+    def rollback(self, update_id: str) -> bool:
+        """Undo ``update_id`` here: drop it if staged, swap back if committed."""
+        self._rolled_back.append(update_id)
+        if self._staged is not None and self._staged[0] == update_id:
+            self.abort()
+        if self._previous is None or self._previous[0] != update_id:
+            return False
+        _, version, tensors = self._previous
+        self._previous = None
+        free_tensors(self.current)
+        self.current, self.version = tensors, version
+        return True
 
     def abort(self) -> None:
         if self._staged is not None:
-            free_tensors(self._staged[1])
+            free_tensors(self._staged[2])
             self._staged = None
 
     def free(self) -> None:
         self.abort()
+        self.finalize()
         free_tensors(self.current)
         self.current = None
 

@@ -14,8 +14,12 @@ from shared.errors import ControlError
 from shared.messages import VersionPublished
 
 CFG = mdl.ModelConfig(
-    vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=64,
+    hidden_size=16,
+    intermediate_size=24,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
 )
 
 
@@ -64,8 +68,9 @@ def test_to_inference_accepts_paddle_and_names_problems() -> None:
     hf = mdl.init_weights(CFG, seed=4)
     train = {k: paddle.to_tensor(v) for k, v in names.to_training(hf, CFG).items()}
     back = names.to_inference(train, CFG)
-    assert np.array_equal(back["model.layers.1.mlp.up_proj.weight"],
-                          hf["model.layers.1.mlp.up_proj.weight"])
+    assert np.array_equal(
+        back["model.layers.1.mlp.up_proj.weight"], hf["model.layers.1.mlp.up_proj.weight"]
+    )
     train.pop("llama.norm.weight")
     with pytest.raises(ValueError, match="llama.norm.weight"):
         names.to_inference(train, CFG)

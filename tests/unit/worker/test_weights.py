@@ -1,0 +1,95 @@
+"""WeightStore: stage, commit, finalize, rollback on real paddle tensors (no bus)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from services.worker.weights import LoadedShard, WeightStore
+from shared.errors import ControlError
+
+VERSIONS = {
+    "v0": {"w": np.zeros((2, 3), np.float32)},
+    "v1": {"w": np.ones((2, 3), np.float32)},
+    "v2": {"w": np.full((2, 3), 2.0, np.float32)},
+    "bad": {"w": np.ones((3, 3), np.float32)},
+}
+
+
+def source(version: str, verify: bool) -> LoadedShard:
+    if version not in VERSIONS:
+        raise ControlError(404, f"unknown version {version!r}")
+    arrays = {k: v.copy() for k, v in VERSIONS[version].items()}
+    return LoadedShard(version, arrays, [], sum(a.nbytes for a in arrays.values()))
+
+
+def value(store: WeightStore) -> float:
+    assert store.current is not None
+    return float(store.current["w"].numpy()[0, 0])
+
+
+@pytest.fixture
+def store() -> WeightStore:
+    s = WeightStore(0, source)
+    s.load_initial("v0")
+    return s
+
+
+def test_commit_then_finalize(store: WeightStore) -> None:
+    store.stage("v1", False, "u1")
+    assert value(store) == 0.0  # staged only
+    store.commit("v1", "u1")
+    assert (store.version, value(store)) == ("v1", 1.0)
+    assert store._previous is not None
+    store.finalize("u1")
+    assert store._previous is None
+
+
+def test_rollback_after_commit_restores_previous(store: WeightStore) -> None:
+    store.stage("v1", False, "u1")
+    store.commit("v1", "u1")
+    assert store.rollback("u1") is True
+    assert (store.version, value(store)) == ("v0", 0.0)
+
+
+def test_late_commit_after_rollback_is_refused(store: WeightStore) -> None:
+    store.stage("v1", False, "u1")
+    assert store.rollback("u1") is False  # not committed yet: staging dropped
+    with pytest.raises(ControlError) as e:
+        store.commit("v1", "u1")
+    assert e.value.code == 409 and (store.version, value(store)) == ("v0", 0.0)
+
+
+def test_commit_needs_matching_stage(store: WeightStore) -> None:
+    store.stage("v1", False, "u1")
+    with pytest.raises(ControlError):
+        store.commit("v1", "other")
+    with pytest.raises(ControlError):
+        store.commit("v2", "u1")
+    assert value(store) == 0.0
+
+
+def test_bad_shape_never_reaches_current(store: WeightStore) -> None:
+    with pytest.raises(ControlError) as e:
+        store.stage("bad", False, "u1")
+    assert e.value.code == 422 and "shape" in e.value.message
+    assert value(store) == 0.0 and store._staged is None
+
+
+def test_next_stage_finalizes_the_previous_update(store: WeightStore) -> None:
+    store.stage("v1", False, "u1")
+    store.commit("v1", "u1")  # finalize never arrived
+    store.stage("v2", False, "u2")
+    assert store._previous is None
+    store.commit("v2", "u2")
+    assert value(store) == 2.0
+
+
+def test_free_releases_everything(store: WeightStore) -> None:
+    store.stage("v1", False, "u1")
+    store.commit("v1", "u1")
+    store.stage("v2", False, "u2")
+    store.free()
+    assert store.current is None and store._staged is None and store._previous is None
+    store.reload()
+    assert value(store) == 1.0  # the current version (v1) comes back
