@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -44,6 +45,28 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def rendezvous_port(host: str = "127.0.0.1") -> int:
+    """A free port *below* the ephemeral range for paddle's rendezvous.
+
+    A port from ``bind(0)`` is ephemeral: between our check and paddle's bind, any
+    outgoing connection on the host may take it, and the ranks then wait for each other
+    forever. Ports under ``ip_local_port_range`` are never handed out that way.
+    """
+    try:
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(200):
+        port = random.randint(max(1024, low - 12000), low - 1)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        return port
+    return free_port(host)
 
 
 @dataclass
@@ -115,7 +138,11 @@ class Launcher:
 
     def start(self) -> None:
         s = self.prepare()
-        endpoints = ",".join(f"127.0.0.1:{free_port()}" for _ in range(s.tp))
+        ports: list[int] = []
+        while len(ports) < s.tp:
+            if (p := rendezvous_port()) not in ports:
+                ports.append(p)
+        endpoints = ",".join(f"127.0.0.1:{p}" for p in ports)
         self.spawn("engine", ["services.engine"])
         for r in range(s.tp):
             self.spawn(

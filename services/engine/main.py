@@ -194,7 +194,16 @@ async def amain(settings: Settings) -> int:
     bus = await Bus.connect(settings.nats_url, "rollbus-engine")
     engine = Engine(settings, bus)
     await engine.start()
-    await engine.wait_ranks()
+    # wait for the ranks, but a stop request must end the engine even if none ever comes
+    ready = asyncio.ensure_future(engine.wait_ranks())
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({ready, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if not ready.done():
+        ready.cancel()
+        await bus.close()
+        return 0
+    stopping.cancel()
+    ready.result()
     log.info("engine ready: %d ranks, version %s", settings.tp, engine.state.weight_version)
     tasks = [asyncio.create_task(engine.watch_ranks()), *engine.scheduler.background()]
     tasks += autoupdate.tasks(engine)

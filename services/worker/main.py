@@ -49,6 +49,7 @@ METHODS: dict[str, tuple[Callable[[control.Rank, Any], dict[str, Any]], type | N
     "comm_check": (control.comm_check, None),
     "selfbench": (control.selfbench, m.SelfBenchArgs),
 }
+INIT_TIMEOUT_S = 600.0  # rendezvous + loading one shard of a large model
 # answered on the event loop, not queued behind paddle work
 INLINE = {"ping", "status"}
 
@@ -129,8 +130,26 @@ async def amain(settings: Settings, rank: int) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     bus = await Bus.connect(settings.nats_url, f"rollbus-worker-{rank}")
-    # paddle init (gloo rendezvous, weight load) blocks: keep the bus connection alive
-    state = await loop.run_in_executor(None, build_rank, settings, rank)
+    # paddle init (gloo rendezvous, weight load) blocks in C code: run it on a thread,
+    # and if it hangs (a peer rank never came) or we are told to stop meanwhile, leave
+    # the process outright; such a thread cannot be joined
+    build = loop.run_in_executor(None, build_rank, settings, rank)
+    stopping = asyncio.ensure_future(stop.wait())
+    done, _ = await asyncio.wait(
+        {build, stopping}, timeout=INIT_TIMEOUT_S, return_when=asyncio.FIRST_COMPLETED
+    )
+    if build not in done:
+        if stopping not in done:
+            print(
+                f"rollbus-worker rank {rank}: not ready within {INIT_TIMEOUT_S:g}s "
+                f"(paddle.distributed rendezvous of {settings.tp} ranks or the weight load "
+                "hung)",
+                file=sys.stderr,
+                flush=True,
+            )
+        os._exit(0 if stopping in done else 1)
+    stopping.cancel()
+    state = build.result()
     server = WorkerServer(settings, rank, state, bus)
     await server.start()
     log.info("rank %d ready: version %s", rank, state.weights.version)
