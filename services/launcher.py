@@ -28,6 +28,9 @@ from shared.errors import BusUnreachable
 from shared.settings import Settings
 
 PR_SET_PDEATHSIG = 1
+RANK = "worker rank"
+RANK_RETRIES = 2
+RANK_INIT_FAILED = 3  # services.worker.main.INIT_FAILED
 
 # paddle's import-time chatter (glog INFO lines, the ccache warning) is not the user's
 # business; an explicit setting in the environment still wins
@@ -100,6 +103,7 @@ class Launcher:
         self.children: list[Child] = []
         self.nats: natsd.NatsServer | None = None
         self._stopping = False
+        self.rank_retries = 0
 
     def prepare(self) -> Settings:
         s = self.settings
@@ -137,18 +141,31 @@ class Launcher:
         self.children.append(Child(name, proc))
 
     def start(self) -> None:
-        s = self.prepare()
+        self.prepare()
+        self.spawn("engine", ["services.engine"])
+        self._spawn_ranks()
+        self.spawn("api", ["services.api"])
+
+    def _spawn_ranks(self) -> None:
         ports: list[int] = []
-        while len(ports) < s.tp:
+        while len(ports) < self.settings.tp:
             if (p := rendezvous_port()) not in ports:
                 ports.append(p)
         endpoints = ",".join(f"127.0.0.1:{p}" for p in ports)
-        self.spawn("engine", ["services.engine"])
-        for r in range(s.tp):
+        for r in range(self.settings.tp):
             self.spawn(
-                f"worker rank {r}", ["services.worker", "--rank", str(r), "--endpoints", endpoints]
+                f"{RANK} {r}", ["services.worker", "--rank", str(r), "--endpoints", endpoints]
             )
-        self.spawn("api", ["services.api"])
+
+    def _restart_ranks(self) -> None:
+        """All ranks again, on new rendezvous ports (the engine waits for them)."""
+        ranks = [c for c in self.children if c.name.startswith(RANK)]
+        for c in ranks:
+            if c.proc.poll() is None:
+                c.proc.kill()
+            c.proc.wait()
+        self.children = [c for c in self.children if c not in ranks]
+        self._spawn_ranks()
 
     def _health(self) -> bool:
         url = f"http://{self.settings.api_host}:{self.settings.api_port}/health"
@@ -165,9 +182,24 @@ class Launcher:
         while not self._stopping:
             for c in self.children:
                 code = c.proc.poll()
-                if code is not None:
-                    _say(f"{c.name} exited with code {code}; stopping the others")
-                    return 1
+                if code is None:
+                    continue
+                if (
+                    c.name.startswith(RANK)
+                    and code == RANK_INIT_FAILED
+                    and self.rank_retries < RANK_RETRIES
+                ):
+                    # seen here under load: paddle's gloo group setup now and then fails
+                    # with "Connection refused" at start; the ranks start again together
+                    self.rank_retries += 1
+                    _say(
+                        f"{c.name} failed to start (exit code {code}); restarting the "
+                        f"ranks ({self.rank_retries}/{RANK_RETRIES})"
+                    )
+                    self._restart_ranks()
+                    break
+                _say(f"{c.name} exited with code {code}; stopping the others")
+                return 1
             if self.nats is not None and self.nats.proc.poll() is not None:
                 _say("embedded nats-server exited; stopping the others")
                 return 1

@@ -52,8 +52,13 @@ def create_app(settings: Settings, bus: Bus | None = None) -> Starlette:
     async def http_error(request: Request, exc: Exception) -> Response:
         # unknown routes and wrong methods answer JSON like every other error
         assert isinstance(exc, HTTPException)
-        body = {"error": {"message": f"{exc.detail}: {request.method} {request.url.path}",
-                          "type": "invalid_request_error", "code": exc.status_code}}
+        body = {
+            "error": {
+                "message": f"{exc.detail}: {request.method} {request.url.path}",
+                "type": "invalid_request_error",
+                "code": exc.status_code,
+            }
+        }
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     app = Starlette(

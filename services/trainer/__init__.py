@@ -12,8 +12,15 @@ __all__ = ["CheckpointPublisher", "publish", "rollout_state_dict"]
 
 
 def publish(
-    model: str, version: str, source: Any, *, tp: int, nats_url: str = "nats://127.0.0.1:4222",
-    config: Any = None, instance: str = "default", ipc: bool = False,
+    model: str,
+    version: str,
+    source: Any,
+    *,
+    tp: int,
+    nats_url: str = "nats://127.0.0.1:4222",
+    config: Any = None,
+    instance: str = "default",
+    ipc: bool = False,
 ) -> Any:
     """``publish(model, version, state_dict | dir, tp=...)``: one call, as in the design.
 

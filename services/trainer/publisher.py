@@ -162,7 +162,11 @@ class CheckpointPublisher:
     # ------------------------------------------------------------------ async API
 
     def prepare(
-        self, model: str, version: str, source: Path | str | Mapping[str, Any], tp: int,
+        self,
+        model: str,
+        version: str,
+        source: Path | str | Mapping[str, Any],
+        tp: int,
         config: Any = None,
     ) -> tuple[list[bytes], mf.Manifest]:
         """Map names, shard and serialize: (safetensors bytes per rank, manifest)."""

@@ -11,8 +11,9 @@ from shared.bus import Bus
 from shared.subjects import Subjects
 
 
-async def astate_dict(nats_url: str, instance: str, tp: int, timeout: float = 10.0
-                      ) -> dict[int, dict[str, Any]]:
+async def astate_dict(
+    nats_url: str, instance: str, tp: int, timeout: float = 10.0
+) -> dict[int, dict[str, Any]]:
     bus = await Bus.connect(nats_url, "rollbus-state-dict")
     try:
         reps = await bus.scatter(
@@ -27,7 +28,8 @@ async def astate_dict(nats_url: str, instance: str, tp: int, timeout: float = 10
     return out
 
 
-def rollout_state_dict(nats_url: str, instance: str = "default", tp: int = 2
-                       ) -> dict[int, dict[str, Any]]:
+def rollout_state_dict(
+    nats_url: str, instance: str = "default", tp: int = 2
+) -> dict[int, dict[str, Any]]:
     """``{rank: {"version", "tensors": {inference name: {"shape", "dtype"}}}}``."""
     return asyncio.run(astate_dict(nats_url, instance, tp))

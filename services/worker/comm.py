@@ -53,6 +53,7 @@ class CommGroup:
             return
         import paddle.distributed as dist
 
+        dist.barrier()  # on the global group: every rank is here before the full-mesh connect
         self.group = dist.new_group(list(range(self.tp)))
 
     def destroy(self) -> None:

@@ -49,6 +49,7 @@ METHODS: dict[str, tuple[Callable[[control.Rank, Any], dict[str, Any]], type | N
     "comm_check": (control.comm_check, None),
     "selfbench": (control.selfbench, m.SelfBenchArgs),
 }
+INIT_FAILED = 3  # exit code: a start that failed for a reason a restart may clear
 INIT_TIMEOUT_S = 600.0  # rendezvous + loading one shard of a large model
 # answered on the event loop, not queued behind paddle work
 INLINE = {"ping", "status"}
@@ -149,7 +150,14 @@ async def amain(settings: Settings, rank: int) -> int:
             )
         os._exit(0 if stopping in done else 1)
     stopping.cancel()
-    state = build.result()
+    try:
+        state = build.result()
+    except ControlError:
+        raise  # a real problem (bad model dir, bad shard): main() prints it, exit 1
+    except Exception as e:  # e.g. gloo's full-mesh connect refused: worth a restart
+        print(f"rollbus-worker rank {rank}: start failed: {e}", file=sys.stderr, flush=True)
+        await bus.close()
+        return INIT_FAILED
     server = WorkerServer(settings, rank, state, bus)
     await server.start()
     log.info("rank %d ready: version %s", rank, state.weights.version)

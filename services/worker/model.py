@@ -47,8 +47,13 @@ _prefer_avx2_mkl_on_amd()
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 _ROW = ("o_proj", "down_proj")
 _REPLICATED = ("input_layernorm", "post_attention_layernorm", "norm", "embed_tokens", "lm_head")
-_HF_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                "num_attention_heads")
+_HF_REQUIRED = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
 
 
 @dataclass(frozen=True)
@@ -68,8 +73,14 @@ class ModelConfig:
     eos_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.hidden_size % self.num_attention_heads:
@@ -187,9 +198,7 @@ def shard_shape(
     return tuple(shape)
 
 
-def shard_tensor(
-    cfg: ModelConfig, name: str, full: np.ndarray, rank: int, tp: int
-) -> np.ndarray:
+def shard_tensor(cfg: ModelConfig, name: str, full: np.ndarray, rank: int, tp: int) -> np.ndarray:
     local = shard_shape(cfg, name, full.shape, rank, tp)
     axis = _split_axis(name)
     if axis is None:
@@ -374,8 +383,9 @@ class TPModel:
             up = _linear(x, weights[p + "mlp.up_proj.weight"])
             h = h + self._all_reduce(_linear(gate * up, weights[p + "mlp.down_proj.weight"]))
         # Only the last position of each sequence is sampled: norm and project just those.
-        h = _rms_norm(paddle.gather(h, plan.last_rows), weights["model.norm.weight"],
-                      cfg.rms_norm_eps)
+        h = _rms_norm(
+            paddle.gather(h, plan.last_rows), weights["model.norm.weight"], cfg.rms_norm_eps
+        )
         head = weights["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
         return _linear(h, head)
 
@@ -385,8 +395,13 @@ class TPModel:
         return t
 
     def _attention(
-        self, weights: dict[str, paddle.Tensor], prefix: str, x: paddle.Tensor,
-        kv: KVCache, layer: int, plan: _Plan,
+        self,
+        weights: dict[str, paddle.Tensor],
+        prefix: str,
+        x: paddle.Tensor,
+        kv: KVCache,
+        layer: int,
+        plan: _Plan,
     ) -> paddle.Tensor:
         d = self.cfg.head_dim
 
@@ -405,8 +420,14 @@ class TPModel:
         for g in plan.groups:
             seqs, new_tokens = g.mask.shape[0], g.mask.shape[3]
             qg = paddle.gather(q, g.rows).reshape([seqs, new_tokens, self.heads, d])
-            outs.append(_attend(qg * (d ** -0.5), k_cache[g.key_block, g.key_slot],
-                                v_cache[g.key_block, g.key_slot], g.mask))
+            outs.append(
+                _attend(
+                    qg * (d**-0.5),
+                    k_cache[g.key_block, g.key_slot],
+                    v_cache[g.key_block, g.key_slot],
+                    g.mask,
+                )
+            )
         out = outs[0] if len(outs) == 1 else paddle.concat(outs, axis=0)
         return out if plan.restore is None else paddle.gather(out, plan.restore)
 
@@ -439,12 +460,16 @@ def _attention_groups(
             mask[i, 0, 0] = np.where(kpos[None, :] <= qpos[:, None], 0.0, -np.inf)
             rows.extend(range(firsts[s], firsts[s] + n))
         order.extend(rows)
-        groups.append(_Group(
-            rows=paddle.to_tensor(np.asarray(rows, np.int64)),
-            key_block=paddle.to_tensor(key_block),
-            key_slot=paddle.to_tensor(np.broadcast_to(kpos % block_size, key_block.shape).copy()),
-            mask=paddle.to_tensor(mask),
-        ))
+        groups.append(
+            _Group(
+                rows=paddle.to_tensor(np.asarray(rows, np.int64)),
+                key_block=paddle.to_tensor(key_block),
+                key_slot=paddle.to_tensor(
+                    np.broadcast_to(kpos % block_size, key_block.shape).copy()
+                ),
+                mask=paddle.to_tensor(mask),
+            )
+        )
     if order == list(range(len(order))):
         return groups, None
     return groups, paddle.to_tensor(np.argsort(np.asarray(order)).astype(np.int64))

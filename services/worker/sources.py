@@ -52,9 +52,18 @@ from shared.subjects import ckpt_object_name
 T = TypeVar("T")
 
 _DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
-    "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U64": np.uint64,
+    "U32": np.uint32,
+    "U16": np.uint16,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
 }
 
 
@@ -152,8 +161,7 @@ class ObjectStoreSource:
         if self._io is None:
             self._io = _LoopThread(f"objstore-rank{self.rank}")
         # bound the whole pull a little under the engine's scatter timeout
-        return self._io.run(self._pull(version, verify_checksum),
-                            self.settings.control_timeout_s)
+        return self._io.run(self._pull(version, verify_checksum), self.settings.control_timeout_s)
 
     async def _connect(self) -> Bus:
         if self._bus is None or self._bus.nc.is_closed:
@@ -255,8 +263,9 @@ class IpcSource:
             if size != spec.size:
                 raise ControlError(UNPROCESSABLE, f"{where}: size {size} != manifest {spec.size}")
             # MAP_POPULATE: map every page now, in one kernel call, not one fault a page
-            buf = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
-                            prot=mmap.PROT_READ)
+            buf = mmap.mmap(
+                fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ
+            )
         finally:
             os.close(fd)
         timings: dict[str, Any] = {}
@@ -303,6 +312,7 @@ def make_source(settings: Settings, cfg: mdl.ModelConfig, rank: int) -> Source:
     if settings.load_strategy == "object_store":
         return FallbackSource(store, snap)
     if settings.load_strategy == "ipc":
-        return FallbackSource(IpcSource(settings, snap, rank, settings.tp),
-                              FallbackSource(snap, store))
+        return FallbackSource(
+            IpcSource(settings, snap, rank, settings.tp), FallbackSource(snap, store)
+        )
     return FallbackSource(snap, store)

@@ -123,10 +123,15 @@ class HFTokenizer:
         mcfg = _read_json(model_dir / "config.json")
         gcfg = _read_json(model_dir / "generation_config.json")
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self.eos_token, self.bos_token = _token_text(tcfg.get("eos_token")), _token_text(
-            tcfg.get("bos_token"))
-        eos = [self._id_of(self.eos_token)] + _ids(gcfg.get("eos_token_id")) + _ids(
-            mcfg.get("eos_token_id"))
+        self.eos_token, self.bos_token = (
+            _token_text(tcfg.get("eos_token")),
+            _token_text(tcfg.get("bos_token")),
+        )
+        eos = (
+            [self._id_of(self.eos_token)]
+            + _ids(gcfg.get("eos_token_id"))
+            + _ids(mcfg.get("eos_token_id"))
+        )
         stops = list(dict.fromkeys(i for i in eos if i is not None))
         if not stops:
             raise ValueError(f"{model_dir}: no eos token in tokenizer_config.json or config.json")
@@ -173,11 +178,14 @@ class HFTokenizer:
         # Same environment options as HF transformers so templates render identically.
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.filters["tojson"] = lambda x, indent=None: json.dumps(
-            x, ensure_ascii=False, indent=indent)
+            x, ensure_ascii=False, indent=indent
+        )
         env.globals["raise_exception"] = raise_exception
         return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
         )
 
 
@@ -189,7 +197,10 @@ def load_tokenizer(model_dir: Path) -> Tokenizer:
 
 
 def decode_incremental(
-    tokenizer: Tokenizer, ids: Sequence[int], prefix_offset: int, read_offset: int,
+    tokenizer: Tokenizer,
+    ids: Sequence[int],
+    prefix_offset: int,
+    read_offset: int,
     final: bool = False,
 ) -> tuple[str, int, int]:
     """New text for ``ids[read_offset:]`` given that everything before ``read_offset`` has
@@ -200,7 +211,7 @@ def decode_incremental(
     prefix_text = tokenizer.decode(ids[prefix_offset:read_offset])
     new_text = tokenizer.decode(ids[prefix_offset:])
     if len(new_text) > len(prefix_text) and (final or not new_text.endswith(_REPLACEMENT)):
-        return new_text[len(prefix_text):], read_offset, len(ids)
+        return new_text[len(prefix_text) :], read_offset, len(ids)
     return "", prefix_offset, read_offset
 
 
@@ -224,6 +235,7 @@ class IncrementalDecoder:
 
     def _step(self, final: bool) -> str:
         delta, self.prefix_offset, self.read_offset = decode_incremental(
-            self.tokenizer, self.ids, self.prefix_offset, self.read_offset, final)
+            self.tokenizer, self.ids, self.prefix_offset, self.read_offset, final
+        )
         self.text += delta
         return delta
