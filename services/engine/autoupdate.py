@@ -28,8 +28,9 @@ import hashlib
 import logging
 import re
 import weakref
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from services.engine import control
 from services.engine.state import State
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rollbus.autoupdate")
 
+T = TypeVar("T")
 ACTOR = "auto_update"
 RETRY_S = 1.0
 
@@ -97,24 +99,31 @@ def _learn(engine: Engine, seq: int, version: str) -> None:
     engine.latest_published = idx.latest
 
 
+async def _until_ok(what: str, fn: Callable[[], Awaitable[T]]) -> T:
+    """``fn()`` until it succeeds: JetStream may come up after the engine."""
+    while True:
+        try:
+            return await fn()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - retried, and said so
+            log.warning("%s cannot start yet: %r", what, e)
+            await asyncio.sleep(RETRY_S)
+
+
 async def track(engine: Engine) -> None:
     """Keep ``engine.latest_published`` and the version index current, forever."""
     nc = engine.bus.nc
     model = engine.settings.served_model_name
-    while True:
-        try:
-            await objstore.ensure_ckpt_stream(nc, model)
 
-            async def on_event(seq: int, ev: VersionPublished) -> None:
-                _learn(engine, seq, ev.version)
+    async def on_event(seq: int, ev: VersionPublished) -> None:
+        _learn(engine, seq, ev.version)
 
-            sub = await objstore.watch_versions(nc, model, on_event)
-            break
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - JetStream may come up after us
-            log.warning("cannot follow version events yet: %r", e)
-            await asyncio.sleep(RETRY_S)
+    async def setup() -> Any:
+        await objstore.ensure_ckpt_stream(nc, model)
+        return await objstore.watch_versions(nc, model, on_event)
+
+    sub = await _until_ok("version tracking", setup)
     try:
         await asyncio.Event().wait()
     finally:
@@ -168,17 +177,13 @@ async def follow(engine: Engine) -> None:
     nc = engine.bus.nc
     model = engine.settings.served_model_name
     feed = objstore.VersionFeed(nc, model, durable_name(engine.settings.instance, model))
-    while True:
-        try:
-            await objstore.ensure_ckpt_stream(nc, model)
-            await feed.start()
-            past = await objstore.list_versions(nc, model)
-            break
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - JetStream may come up after us
-            log.warning("auto-update cannot start yet: %r", e)
-            await asyncio.sleep(RETRY_S)
+
+    async def setup() -> list[tuple[int, VersionPublished]]:
+        await objstore.ensure_ckpt_stream(nc, model)
+        await feed.start()
+        return await objstore.list_versions(nc, model)
+
+    past = await _until_ok("auto-update", setup)
     for seq, ev in past:
         _learn(engine, seq, ev.version)
     catch_up = newest(past)
