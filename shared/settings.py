@@ -109,11 +109,6 @@ def describe_error(err: ValidationError) -> str:
     return "bad setting: " + "; ".join(parts)
 
 
-def load_settings(**overrides: object) -> Settings:
-    """Settings from the environment, with explicit overrides (CLI flags) on top."""
-    return Settings(**{k: v for k, v in overrides.items() if v is not None})  # type: ignore[arg-type]
-
-
 def settings_or_exit(prog: str) -> Settings:
     """Settings for a process entry point: a bad value is one line on stderr, exit 2."""
     import sys

@@ -133,7 +133,3 @@ async def generate(
         if not finished_cleanly:
             # the client left, a stop string ended it here, or it failed: free the engine
             await bus.publish(subjects.gen + ".cancel", m.json_encode(m.GenCancel(gen.request_id)))
-
-
-def choice_spans(deltas_spans: list[m.VersionSpan] | None) -> list[dict[str, object]]:
-    return [{"version": s.version, "start": s.start, "end": s.end} for s in deltas_spans or []]

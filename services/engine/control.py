@@ -75,8 +75,6 @@ async def wakeup(eng: Engine, args: m.TagArgs) -> dict[str, Any]:
         "wakeup",
         m.WakeupWorkerArgs(list(tags), eng.state.weight_version, eng.settings.load_strategy),
     )
-    if "kv_cache" in tags:
-        eng.scheduler.restore_kv()
     resumed = eng.state.woke(tags)
     if resumed:
         eng.scheduler.resume()

@@ -237,9 +237,6 @@ class Generation:
         self.sched.reset_blocks()
         self.recompute = True
 
-    def restore_kv(self) -> None:
-        return None
-
     def weights_changed(self, version: str) -> None:
         if self.sched.running:
             self.recompute = True

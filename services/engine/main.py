@@ -122,7 +122,7 @@ class Engine:
         return m.json_encode(reply)
 
     async def _call(self, fn: Method, args: Any, actor: str) -> dict[str, Any]:
-        if "actor" in inspect.signature(fn).parameters:
+        if fn in TAKES_ACTOR:
             out = fn(self, args, actor=actor)
         else:
             out = fn(self, args)
@@ -184,6 +184,10 @@ def _jsonable(result: dict[str, Any] | None) -> dict[str, Any] | None:
     if not result:
         return None
     return {k: v for k, v in result.items() if k != "replies"}
+
+
+# control functions that record who called them (looked up once, not per call)
+TAKES_ACTOR = {fn for fn, _, _ in METHODS.values() if "actor" in inspect.signature(fn).parameters}
 
 
 async def amain(settings: Settings) -> int:

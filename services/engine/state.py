@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from shared.errors import BAD_REQUEST, CONFLICT, ControlError
-from shared.messages import SLEEP_TAGS
 
 
 class State(StrEnum):
@@ -110,7 +109,3 @@ class EngineState:
         self.state = State.RUNNING
         self.pause_mode = ""
         return True
-
-
-def all_tags() -> tuple[str, ...]:
-    return SLEEP_TAGS

@@ -199,11 +199,13 @@ class CheckpointPublisher:
         progress: Progress | None = None,
     ) -> PublishResult:
         t0 = time.perf_counter()
-        if config is None and not isinstance(source, str | Path):
-            config = await self.served_config()
-        blobs, man = self.prepare(model, version, source, tp, config)
-        bus = await Bus.connect(self.nats_url, "rollbus-publisher", timeout=self.connect_timeout)
+        bus: Bus | None = None
         try:
+            if config is None and not isinstance(source, str | Path):
+                bus = await self._connect()
+                config = await self._served_config(bus)
+            blobs, man = self.prepare(model, version, source, tp, config)
+            bus = bus or await self._connect()  # one connection for the whole publish
             nc = bus.nc
             await objstore.ensure_ckpt_stream(nc, model)
             if ipc:
@@ -213,21 +215,26 @@ class CheckpointPublisher:
                 uploaded = await self._upload(nc, model, version, blobs, man, progress)
             seq = await self._announce(nc, man)
         finally:
-            await bus.close()
+            if bus is not None:
+                await bus.close()
         return PublishResult(
             model, version, tp, man.total_bytes, seq, uploaded, time.perf_counter() - t0, ipc
         )
 
+    async def _connect(self) -> Bus:
+        return await Bus.connect(self.nats_url, "rollbus-publisher", timeout=self.connect_timeout)
+
     async def served_config(self) -> dict[str, Any]:
         """The HF config of the model the rollout instance serves (``ctl.model_config``):
         what a state dict is sharded by when the trainer passes no ``config``."""
-        bus = await Bus.connect(self.nats_url, "rollbus-publisher", timeout=self.connect_timeout)
+        bus = await self._connect()
         try:
-            rep = await bus.request(
-                Subjects(self.instance).ctl("model_config"), b"{}", timeout=10.0
-            )
+            return await self._served_config(bus)
         finally:
             await bus.close()
+
+    async def _served_config(self, bus: Bus) -> dict[str, Any]:
+        rep = await bus.request(Subjects(self.instance).ctl("model_config"), b"{}", timeout=10.0)
         reply = json_decode(rep.data, type=ControlReply)
         if reply.error_code != 200 or not reply.result:
             raise ValueError(f"cannot get the served model config: {reply.error_message}")
