@@ -1,8 +1,10 @@
 """``rollbus serve``: the embedded nats-server, the engine, the worker ranks and the API.
 
 Children get the launcher's settings as ``ROLLBUS_*`` variables. Ctrl-C / SIGTERM stops
-every child; a child that dies is reported by name and the rest are stopped. Children
-also get ``PR_SET_PDEATHSIG``, so even a ``kill -9`` of the launcher leaves no orphans.
+every child. Once the stack has been ready, a child that dies is restarted (see
+:meth:`Launcher.monitor`); before that, a death is reported by name and the rest are
+stopped. Children also get ``PR_SET_PDEATHSIG``, so even a ``kill -9`` of the launcher
+leaves no orphans.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import sys
 import time
 import urllib.request
 import warnings
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from services import natsd
@@ -31,6 +34,7 @@ PR_SET_PDEATHSIG = 1
 RANK = "worker rank"
 RANK_RETRIES = 2
 RANK_INIT_FAILED = 3  # services.worker.main.INIT_FAILED
+NATS_RESTART_S = 90.0  # how long a dead embedded nats-server is tried again on its port
 
 # paddle's import-time chatter (glog INFO lines, the ccache warning) is not the user's
 # business; an explicit setting in the environment still wins
@@ -76,6 +80,26 @@ def rendezvous_port(host: str = "127.0.0.1") -> int:
 class Child:
     name: str
     proc: subprocess.Popen[bytes]
+    args: list[str] = field(default_factory=list)
+
+
+class RestartBudget:
+    """At most ``limit`` restarts per process within ``window`` seconds."""
+
+    def __init__(self, limit: int = 5, window: float = 60.0) -> None:
+        self.limit, self.window = limit, window
+        self.times: dict[str, deque[float]] = {}
+
+    def take(self, what: str, now: float | None = None) -> bool:
+        """Record a restart of ``what``; False when it is over budget (do not restart)."""
+        now = time.monotonic() if now is None else now
+        q = self.times.setdefault(what, deque())
+        while q and q[0] <= now - self.window:
+            q.popleft()
+        if len(q) >= self.limit:
+            return False
+        q.append(now)
+        return True
 
 
 class LaunchError(RuntimeError):
@@ -104,6 +128,8 @@ class Launcher:
         self.nats: natsd.NatsServer | None = None
         self._stopping = False
         self.rank_retries = 0
+        self.budget = RestartBudget(settings.restart_limit, settings.restart_window_s)
+        self.restarts = 0
 
     def prepare(self) -> Settings:
         s = self.settings
@@ -138,7 +164,7 @@ class Launcher:
     def spawn(self, name: str, args: list[str]) -> None:
         env = {**QUIET_ENV, **os.environ, **self.settings.to_env()}
         proc = subprocess.Popen([sys.executable, "-m", *args], env=env, preexec_fn=_die_with_parent)
-        self.children.append(Child(name, proc))
+        self.children.append(Child(name, proc, args))
 
     def start(self) -> None:
         self.prepare()
@@ -175,43 +201,108 @@ class Launcher:
         except OSError:
             return False
 
+    def _respawn(self, c: Child) -> None:
+        """The same process again, in the same place of the children list."""
+        env = {**QUIET_ENV, **os.environ, **self.settings.to_env()}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", *c.args], env=env, preexec_fn=_die_with_parent
+        )
+        self.children[self.children.index(c)] = Child(c.name, proc, c.args)
+
+    def _restart_nats(self) -> bool:
+        """The embedded nats-server again, on its port and store (clients reconnect)."""
+        assert self.nats is not None
+        s = self.settings
+        deadline = time.monotonic() + NATS_RESTART_S
+        while not self._stopping:
+            try:
+                self.nats = natsd.start(
+                    s.data_dir / "nats", port=self.nats.port, log_file=s.data_dir / "nats.log"
+                )
+                return True
+            except natsd.NatsServerError as e:
+                if time.monotonic() > deadline:
+                    _say(f"embedded nats-server cannot start again: {e}")
+                    return False
+                time.sleep(1.0)  # e.g. its port is still held by closing connections
+        return False
+
+    def _child_died(self, c: Child, code: int, ready_once: bool) -> str:
+        """Handle one dead child: "" (restarted), else why the stack must stop."""
+        is_rank = c.name.startswith(RANK)
+        if not ready_once:
+            if is_rank and code == RANK_INIT_FAILED and self.rank_retries < RANK_RETRIES:
+                # seen here under load: paddle's gloo group setup now and then fails
+                # with "Connection refused" at start; the ranks start again together
+                self.rank_retries += 1
+                _say(
+                    f"{c.name} failed to start (exit code {code}); restarting the "
+                    f"ranks ({self.rank_retries}/{RANK_RETRIES})"
+                )
+                self._restart_ranks()
+                return ""
+            # never ready: a config error or a crash at start, which a restart repeats
+            return f"{c.name} exited with code {code}; stopping the others"
+        what = "worker ranks" if is_rank else c.name
+        if not self.budget.take(what):
+            return (
+                f"{c.name} exited with code {code}; {what} restarted "
+                f"{self.budget.limit} times within {self.budget.window:g}s already: "
+                "stopping the others"
+            )
+        self.restarts += 1
+        if is_rank:
+            # the gloo group needs every rank: all of them start again, and the engine
+            # brings them to its version and sleep state
+            _say(f"{c.name} exited with code {code}; restarting all worker ranks")
+            self._restart_ranks()
+        else:
+            _say(f"{c.name} exited with code {code}; restarting it")
+            self._respawn(c)
+        return ""
+
     def monitor(self) -> int:
-        """Wait until a signal (exit 0) or a child's death (exit 1)."""
-        ready = False
+        """Wait until a signal (exit 0) or a death the policy does not restart (exit 1).
+
+        Before the stack is first ready, only a transient rank start failure is retried
+        (``RANK_RETRIES``). Once it has been ready: a dead engine is restarted (it restores
+        its state from the KV bucket), a dead rank restarts all ranks, a dead API or
+        embedded nats-server is restarted; more than ``ROLLBUS_RESTART_LIMIT`` restarts of one
+        process within ``ROLLBUS_RESTART_WINDOW_S`` stop the stack, naming the process.
+        """
+        ready = ready_once = False
         next_probe = 0.0
         while not self._stopping:
-            for c in self.children:
+            for c in list(self.children):
                 code = c.proc.poll()
-                if code is None:
+                if code is None or self._stopping:
                     continue
-                if (
-                    c.name.startswith(RANK)
-                    and code == RANK_INIT_FAILED
-                    and self.rank_retries < RANK_RETRIES
-                ):
-                    # seen here under load: paddle's gloo group setup now and then fails
-                    # with "Connection refused" at start; the ranks start again together
-                    self.rank_retries += 1
-                    _say(
-                        f"{c.name} failed to start (exit code {code}); restarting the "
-                        f"ranks ({self.rank_retries}/{RANK_RETRIES})"
-                    )
-                    self._restart_ranks()
-                    break
-                _say(f"{c.name} exited with code {code}; stopping the others")
-                return 1
-            if self.nats is not None and self.nats.proc.poll() is not None:
-                _say("embedded nats-server exited; stopping the others")
-                return 1
+                why = self._child_died(c, code, ready_once)
+                if why:
+                    _say(why)
+                    return 1
+                ready = False
+                break  # the children list changed
+            if self.nats is not None and self.nats.proc.poll() is not None and not self._stopping:
+                code = self.nats.proc.returncode
+                if not ready_once or not self.budget.take("nats-server"):
+                    _say(f"embedded nats-server exited with code {code}; stopping the others")
+                    return 1
+                _say(f"embedded nats-server exited with code {code}; restarting it")
+                self.restarts += 1
+                if not self._restart_nats():
+                    return 1
+                ready = False
             if not ready and time.monotonic() >= next_probe:
                 ready = self._health()
                 next_probe = time.monotonic() + 0.5
                 if ready:
                     s = self.settings
                     _say(
-                        f"ready: http://{s.api_host}:{s.api_port} (model "
-                        f"{s.served_model_name}, tp={s.tp}, nats {s.nats_url})"
+                        f"{'recovered' if ready_once else 'ready'}: http://{s.api_host}:"
+                        f"{s.api_port} (model {s.served_model_name}, tp={s.tp}, nats {s.nats_url})"
                     )
+                    ready_once = True
             time.sleep(0.1)
         return 0
 

@@ -208,6 +208,7 @@ class StepRequest(msgspec.Struct, array_like=True):
     rows: list[StepRow]
     copies: list[tuple[int, int]] = msgspec.field(default_factory=list)  # KV block src->dst
     finished: list[int] = msgspec.field(default_factory=list)  # seq ids rank 0 may forget
+    version: str = ""  # the engine's weight version: a rank serving another refuses the step
 
 
 class StepReply(msgspec.Struct, array_like=True):

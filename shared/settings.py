@@ -63,6 +63,17 @@ class Settings(BaseSettings):
 
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
+    # launcher restart policy (after the stack was ready once)
+    restart_limit: int = Field(
+        5, ge=0, description="restarts of one process per window before the stack stops"
+    )
+    restart_window_s: float = Field(60.0, gt=0, description="window of restart_limit")
+
+    # test-only (tests/faults): a rank waits this long before it runs a stage / commit it
+    # received, so a fault test can signal it inside that window. Never set in production.
+    test_stage_delay_s: float = Field(0.0, ge=0, le=600, description="test only")
+    test_commit_delay_s: float = Field(0.0, ge=0, le=600, description="test only")
+
     @field_validator("load_strategy", mode="before")
     @classmethod
     def _alias_strategy(cls, v: object) -> object:

@@ -8,6 +8,7 @@ second one arriving meanwhile gets 409 at once instead of queueing behind it.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -105,9 +106,9 @@ async def update_weights(eng: Engine, args: m.UpdateWeightsArgs, actor: str = ""
     eng.state.begin_update()
     previous = eng.state.weight_version
     t0 = time.perf_counter()
-    await eng.state_changed("updating", {"version": version, "from": previous})
+    uid = new_request_id()  # in the state record: a restarted engine rolls it back by id
+    await eng.state_changed("updating", {"version": version, "from": previous, "update_id": uid})
     committed: str | None = None
-    uid = new_request_id()
     try:
         try:
             staged = await eng.ranks.call(
@@ -158,6 +159,7 @@ async def status(eng: Engine, _: object = None) -> dict[str, Any]:
         "weight_version": eng.state.weight_version,
         "model": eng.settings.served_model_name,
         "instance": eng.settings.instance,
+        "engine_pid": os.getpid(),
         "tp": eng.settings.tp,
         "load_strategy": eng.settings.load_strategy,
         "asleep": sorted(eng.state.asleep),

@@ -161,6 +161,7 @@ class Generation:
     async def _step(self, plan: Any) -> list[Output]:
         eng = self.engine
         t0 = time.perf_counter()
+        plan.step.version = eng.state.weight_version  # no rank steps on another version
         rep = await eng.bus.request(
             eng.subjects.worker_step, m.pack(plan.step), timeout=eng.settings.control_timeout_s
         )

@@ -17,7 +17,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from services.engine import autoupdate, control
+from services.engine import autoupdate, control, persist
 from services.engine.generation import Generation
 from services.engine.ranks import Ranks
 from services.engine.state import EngineState
@@ -60,6 +60,8 @@ class Engine:
         self.latest_published = ""
         self.max_model_len = 0
         self.scheduler = Generation(self)
+        self.persist = persist.Persister(self)
+        self.rank_pids: dict[int, int] = {}  # the ranks last brought to the engine's state
 
     # ------------------------------------------------------------------ events
 
@@ -80,6 +82,8 @@ class Engine:
 
     async def state_changed(self, to: str, data: dict[str, Any]) -> None:
         await self.event("state", {"state": to, **data})
+        self.persist.state_changed(to, data)
+        await self.persist.save()
 
     # ------------------------------------------------------------------ control
 
@@ -107,6 +111,7 @@ class Engine:
             log.exception("%s failed", method)
             reply = m.ControlReply(rid, INTERNAL, f"{method}: internal error: {e!r}")
         if exclusive:
+            await self.persist.save()  # e.g. a partial wakeup changes no state name
             await self.event(
                 "control",
                 {
@@ -148,35 +153,64 @@ class Engine:
         await self.bus.flush()
 
     async def wait_ranks(self) -> None:
-        """Ping until every rank answers once; learn the serving version from them."""
+        """Ping until every rank answers once. Then take the stored state (KV bucket
+        ``rollbus_state``) and bring the ranks to it; on a first start (nothing stored)
+        learn the serving version from the ranks."""
+        record = await self.persist.load()
+        update = persist.apply(self, record) if record is not None else None
         while True:
             try:
                 replies = await self.ranks.call("ping", timeout=1.0)
             except ControlError:
                 await asyncio.sleep(0.2)
                 continue
-            versions = {rep.result.get("version") for rep in replies.values()}
-            if len(versions) != 1:
-                raise ControlError(INTERNAL, f"ranks serve different versions: {versions}")
-            self.state.weight_version = versions.pop() or ""
-            self.ready = self.ranks_alive = True
-            await self.event(
-                "ready", {"version": self.state.weight_version, "tp": self.settings.tp}
-            )
-            return
+            if record is None:
+                versions = {rep.result.get("version") for rep in replies.values()}
+                if len(versions) != 1:
+                    raise ControlError(INTERNAL, f"ranks serve different versions: {versions}")
+                self.state.weight_version = versions.pop() or ""
+                self.rank_pids = {r: int(rep.result.get("pid", 0)) for r, rep in replies.items()}
+                break
+            log.info("restoring %s on %s", self.state.state.value, self.state.weight_version)
+            if await self.bring_ranks(update, "restore"):
+                break
+            await asyncio.sleep(1.0)
+        await self.persist.save()
+        self.ready = self.ranks_alive = True
+        await self.event("ready", {"version": self.state.weight_version, "tp": self.settings.tp})
+
+    async def bring_ranks(self, update: persist.Update | None, why: str) -> bool:
+        """:func:`persist.reconcile` under the control lock; False (logged) if it failed."""
+        async with self.lock:
+            try:
+                done = await persist.reconcile(self, update)
+            except ControlError as e:
+                log.warning("could not bring the ranks to the engine's state (%s): %s", why, e)
+                await self.event("reconcile", {"ok": False, "why": why, "error": e.message})
+                return False
+        log.info("ranks brought to the engine's state (%s): %s", why, done)
+        await self.event("reconcile", {"ok": True, "why": why, **done})
+        return True
 
     async def watch_ranks(self, period: float = 2.0) -> None:
-        """Keep ``ranks_alive`` true only while every rank answers a ping."""
+        """Keep ``ranks_alive`` true only while every rank answers a ping and serves the
+        engine's state; ranks that come back restarted are brought to it first."""
         while True:
             await asyncio.sleep(period)
             try:
-                await self.ranks.call("ping", timeout=period)
+                replies = await self.ranks.call("ping", timeout=period)
                 alive = True
             except ControlError as e:
                 alive = False
                 if self.ranks_alive:
                     log.warning("ranks lost: %s", e.message)
                     await self.event("ranks", {"alive": False, "error": e.message})
+            if alive:
+                changed = persist.ranks_changed(self, replies)
+                if changed and not self.lock.locked():
+                    alive = await self.bring_ranks(None, changed)
+                elif changed == "restarted":
+                    alive = False  # an operation holds the lock: next round
             self.ranks_alive = alive
 
 
@@ -210,6 +244,7 @@ async def amain(settings: Settings) -> int:
     ready.result()
     log.info("engine ready: %d ranks, version %s", settings.tp, engine.state.weight_version)
     tasks = [asyncio.create_task(engine.watch_ranks()), *engine.scheduler.background()]
+    tasks.append(asyncio.create_task(engine.persist.run()))
     tasks += autoupdate.tasks(engine)
     await stop.wait()
     for t in tasks:

@@ -76,7 +76,7 @@ class Rank:
 
 
 def ping(r: Rank, _: object = None) -> dict[str, Any]:
-    return {"rank": r.rank, "version": r.weights.version}
+    return {"rank": r.rank, "version": r.weights.version, "pid": os.getpid()}
 
 
 def status(r: Rank, _: object = None) -> dict[str, Any]:

@@ -76,6 +76,11 @@ class WorkerServer:
         self.settings, self.rank, self.state, self.bus = settings, rank, state, bus
         self.subjects = Subjects(settings.instance)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"paddle-rank{rank}")
+        # test-only windows (ROLLBUS_TEST_*_DELAY_S) for tests/faults
+        self.test_delays = {
+            "stage": settings.test_stage_delay_s,
+            "commit": settings.test_commit_delay_s,
+        }
 
     def reply(self, result: dict[str, Any] | None = None, err: ControlError | None = None) -> bytes:
         if err is not None:
@@ -90,6 +95,9 @@ class WorkerServer:
                 args = m.decode_args(data, argtype) if argtype else None
                 if method in INLINE:
                     return self.reply(fn(self.state, args))
+                if delay := self.test_delays.get(method):
+                    log.warning("rank %d: test delay before %s: %gs", self.rank, method, delay)
+                    await asyncio.sleep(delay)
                 loop = asyncio.get_running_loop()
                 result = await loop.run_in_executor(self.pool, fn, self.state, args)
                 return self.reply(result)

@@ -46,6 +46,10 @@ class Stepper:
         st = self.state
         for seq_id in req.finished:
             self.generators.pop(seq_id, None)
+        if req.version and req.version != st.weights.version:
+            # e.g. a restarted rank on the model dir's version, not yet brought to the
+            # engine's: never serve a version alone
+            raise RuntimeError(f"serves {st.weights.version!r}, the engine {req.version!r}")
         if not req.rows and not req.copies:
             return m.StepReply(req.step, [], [], [], seconds=time.perf_counter() - t0)
         if st.weights.current is None or not st.kv.allocated or st.model is None:

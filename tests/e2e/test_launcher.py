@@ -74,9 +74,11 @@ def test_embedded_start_defaults_and_sigterm(tmp_path: Path) -> None:
 
 
 def test_dead_child_is_named_and_the_rest_stop(tmp_path: Path, nats_url: str) -> None:
+    """Over the restart budget (0 here), a dead child stops the stack, named."""
     api = free_port()
     log = tmp_path / "serve.log"
     env = _env(
+        ROLLBUS_RESTART_LIMIT="0",
         ROLLBUS_API_PORT=str(api),
         ROLLBUS_NATS_URL=nats_url,
         ROLLBUS_INSTANCE=f"launch{api}",
@@ -94,6 +96,7 @@ def test_dead_child_is_named_and_the_rest_stop(tmp_path: Path, nats_url: str) ->
             proc.kill()
     assert code == 1
     assert "worker rank 1 exited" in log.read_text()
+    assert "worker ranks restarted 0 times within 60s already" in log.read_text()
     time.sleep(0.5)
     assert not [k for k in kids if _alive(k)]
 

@@ -1,0 +1,233 @@
+"""The engine's state, kept in the JetStream KV bucket ``rollbus_state`` (one key per
+instance, see ``shared.statekv``), and what a restarted engine or restarted ranks do
+with it.
+
+* :class:`Record` — state (running / paused / sleeping / updating), the freed tags, the
+  serving version, the pause mode and, while ``update_weights`` runs, the update in
+  progress (id, version, previous version). Written on every state change and after
+  every mutating control call (:meth:`Persister.save`); a write that fails (NATS down)
+  is retried every second until it lands.
+* :func:`restore` — at engine start: the record, if any, becomes the engine's state. An
+  update that was in progress is resolved: the engine comes back paused on the
+  *previous* version and :func:`reconcile` rolls every rank back to it.
+* :func:`reconcile` — brings every rank to the engine's version and sleep state: rolls
+  back an interrupted update by id, wakes ranks that are asleep while the engine is
+  awake, stages + commits the engine's version on all ranks if any rank serves another
+  one (restarted ranks load the model dir's version), then frees what the engine has
+  asleep. Runs at start and whenever the ranks come back with new pids (the launcher
+  restarted them) or a rank's version differs from the engine's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from services.engine.ranks import RankError
+from services.engine.state import State
+from shared import messages as m
+from shared.bus import new_request_id
+from shared.errors import ControlError
+from shared.statekv import StateBucket
+
+if TYPE_CHECKING:
+    from services.engine.main import Engine
+
+log = logging.getLogger("rollbus.engine.persist")
+
+RETRY_S = 1.0
+TAGS = ("weight", "kv_cache")
+
+
+class Update(msgspec.Struct):
+    update_id: str
+    version: str
+    previous: str
+
+
+class Record(msgspec.Struct):
+    state: str
+    weight_version: str
+    asleep: list[str] = msgspec.field(default_factory=list)
+    pause_mode: str = ""
+    update: Update | None = None
+    saved_at: float = 0.0
+
+
+def encode(rec: Record) -> bytes:
+    return msgspec.json.encode(rec)
+
+
+def decode(data: bytes) -> Record:
+    """Raises ``ValueError`` naming the problem for a record this version cannot read."""
+    try:
+        rec = msgspec.json.decode(data, type=Record)
+        State(rec.state)
+    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
+        raise ValueError(f"unreadable engine state record: {e}") from None
+    return rec
+
+
+def snapshot(eng: Engine, update: Update | None = None) -> Record:
+    st = eng.state
+    return Record(
+        state=st.state.value,
+        weight_version=st.weight_version,
+        asleep=sorted(st.asleep),
+        pause_mode=st.pause_mode,
+        update=update if st.state is State.UPDATING else None,
+        saved_at=time.time(),
+    )
+
+
+def apply(eng: Engine, rec: Record) -> Update | None:
+    """Make ``rec`` the engine's state; returns the interrupted update, if any.
+
+    An interrupted update leaves the engine paused on the previous version (the record's
+    ``weight_version``: it only moves when a commit succeeded everywhere)."""
+    st = eng.state
+    st.weight_version = rec.weight_version
+    st.asleep = set(rec.asleep) & set(TAGS)
+    st.pause_mode = rec.pause_mode
+    state = State(rec.state)
+    if state is State.UPDATING:
+        state = State.SLEEPING if st.asleep else State.PAUSED
+        st.pause_mode = st.pause_mode or "abort"
+    st.state = state
+    if state is not State.RUNNING:
+        eng.scheduler.admit = eng.scheduler.run = False
+    if "kv_cache" in st.asleep:
+        eng.scheduler.drop_kv()
+    return rec.update
+
+
+class Persister:
+    """Writes the engine's record; keeps the last failed write to retry it."""
+
+    def __init__(self, eng: Engine) -> None:
+        self.eng = eng
+        self.bucket = StateBucket(eng.bus.nc, eng.settings.instance)
+        self.update: Update | None = None  # the update in progress, while updating
+        self._dirty = False
+        self.writes = 0
+        self.failures = 0
+
+    def state_changed(self, to: str, data: dict[str, Any]) -> None:
+        """Learn the update in progress from the ``updating`` state event."""
+        if to == State.UPDATING.value:
+            uid, ver, prev = (str(data.get(k, "")) for k in ("update_id", "version", "from"))
+            self.update = Update(uid, ver, prev)
+        elif self.eng.state.state is not State.UPDATING:
+            self.update = None
+
+    async def save(self) -> bool:
+        rec = snapshot(self.eng, self.update)
+        try:
+            await self.bucket.put(encode(rec))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - retried by run(), never fails a control call
+            self.failures += 1
+            if not self._dirty:
+                log.warning("could not save the engine state (retrying): %r", e)
+            self._dirty = True
+            return False
+        self.writes += 1
+        self._dirty = False
+        return True
+
+    async def load(self) -> Record | None:
+        """The stored record; waits for the bucket while NATS is not there yet."""
+        while True:
+            try:
+                data = await self.bucket.get()
+                break
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - JetStream may come up after us
+                log.warning("cannot read the engine state yet: %r", e)
+                await asyncio.sleep(RETRY_S)
+        if data is None:
+            return None
+        try:
+            return decode(data)
+        except ValueError as e:
+            log.error("%s; starting from the ranks' state", e)
+            return None
+
+    async def run(self) -> None:
+        """Retry a failed write until it lands (background task)."""
+        while True:
+            await asyncio.sleep(RETRY_S)
+            if self._dirty:
+                await self.save()
+
+
+async def reconcile(eng: Engine, update: Update | None = None) -> dict[str, Any]:
+    """Bring every rank to the engine's version and sleep state (caller holds the
+    control lock). Raises ``ControlError`` naming the rank and step that failed."""
+    st, s = eng.state, eng.settings
+    target = st.weight_version
+    done: dict[str, Any] = {"version": target}
+    if update is not None and update.update_id:
+        reps = await eng.ranks.call("rollback", m.UpdateIdArgs(update.update_id))
+        done["rolled_back"] = sorted(r for r, rep in reps.items() if rep.result.get("rolled_back"))
+    ranks = await eng.ranks.statuses(timeout=min(5.0, s.control_timeout_s))
+    dead = [r["rank"] for r in ranks if not r.get("alive")]
+    if dead:
+        raise RankError(503, f"reconcile: ranks {dead} did not answer", {})
+    versions = {int(r["rank"]): str(r["version"]) for r in ranks}
+    mismatch = any(v != target for v in versions.values()) and bool(target)
+    unloaded = any(not r["weights_loaded"] for r in ranks)
+    awake = ("weights_loaded", "kv_allocated", "comm_group")
+    not_awake = any(not all(r[k] for k in awake) for r in ranks)
+    if (mismatch and unloaded) or (not st.asleep and not_awake):
+        # stage needs loaded weights; an awake engine needs awake ranks
+        await eng.ranks.call("wakeup", m.WakeupWorkerArgs(list(TAGS), target, s.load_strategy))
+        done["woke"] = True
+    if mismatch:
+        uid = new_request_id()
+        log.warning("ranks serve %s, the engine %r: bringing them to it", versions, target)
+        try:
+            await eng.ranks.call("stage", m.StageArgs(target, False, s.load_strategy, uid))
+        except RankError:
+            await eng.ranks.broadcast("abort")
+            raise
+        try:
+            await eng.ranks.call("commit", m.CommitArgs(target, uid))
+        except RankError:
+            await eng.ranks.broadcast("rollback", m.UpdateIdArgs(uid))
+            raise
+        await eng.ranks.broadcast("finalize", m.UpdateIdArgs(uid))
+        done["from"] = versions
+    if st.asleep:
+        await eng.ranks.call(
+            "sleep", m.SleepWorkerArgs(sorted(st.asleep), s.shutdown_comm_group_if_worker_idle)
+        )
+        done["asleep"] = sorted(st.asleep)
+    # the ranks' KV cache is not the one the scheduler planned for any more
+    async with eng.scheduler.step_lock:
+        eng.scheduler.drop_kv()
+    final = await eng.ranks.call("ping", timeout=min(5.0, s.control_timeout_s))
+    eng.rank_pids = {r: int(rep.result.get("pid", 0)) for r, rep in final.items()}
+    bad = {r: rep.result.get("version") for r, rep in final.items()}
+    if target and any(v != target for v in bad.values()):
+        raise ControlError(503, f"reconcile: ranks still serve {bad}, the engine {target!r}")
+    return done
+
+
+def ranks_changed(eng: Engine, replies: dict[int, m.WorkerReply]) -> str:
+    """Why pinged ranks need :func:`reconcile`: ``"restarted"`` (not the pids the engine
+    reconciled: the launcher restarted them), ``"version"`` (a rank serves another
+    version than the engine), else ``""``."""
+    pids = {r: int(rep.result.get("pid", 0)) for r, rep in replies.items()}
+    if eng.rank_pids and pids != eng.rank_pids:
+        return "restarted"
+    target = eng.state.weight_version
+    if target and any(rep.result.get("version") != target for rep in replies.values()):
+        return "version"
+    return ""
