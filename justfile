@@ -12,7 +12,11 @@ run *ARGS:
 
 # the full test suite (unit, integration, e2e) against a real nats-server
 test *ARGS:
-    python -m pytest -q -m "not bench" {{ARGS}}
+    python -m pytest -q -m "not bench and not faults" --ignore=tests/faults {{ARGS}}
+
+# fault injection with real signals: ranks, engine and nats-server killed / stopped
+faults *ARGS:
+    python -m pytest -q tests/faults {{ARGS}}
 
 # benchmarks with their baselines, same run; prints tables with ratios
 bench *ARGS:

@@ -1,0 +1,81 @@
+"""The engine SIGKILLed: the API answers 503 at once (no hang) while it is down, the
+launcher restarts it, and it comes back in the state and version it had (read from the
+KV bucket ``rollbus_state``) — an update it was running is rolled back everywhere."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from tests.faults import common as c
+from tests.faults.common import Faults
+
+pytestmark = pytest.mark.faults
+
+
+def _engine_pid(f: Faults) -> int:
+    return int(c.status(f.stack)["engine_pid"])
+
+
+def _wait_new_engine(f: Faults, old: int) -> dict[str, object]:
+    deadline = time.monotonic() + 120
+    while True:
+        st = c.wait_recovered(f.stack)
+        if st["engine_pid"] != old:
+            return st
+        assert time.monotonic() < deadline, "the engine was not restarted"
+        time.sleep(0.3)
+
+
+def test_engine_killed_comes_back_in_its_state_and_version(faults: Faults) -> None:
+    f = faults
+    assert c.ctl(f.stack, "/v1/pause").status_code == 200
+    assert c.ctl(f.stack, "/v1/update_weights", json={"version": "v2"}).status_code == 200
+    r = c.ctl(f.stack, "/v1/sleep", params={"tags": "weight,kv_cache"})
+    assert r.status_code == 200, r.text
+    old = _engine_pid(f)
+    c.signal_quietly(old, signal.SIGKILL)
+    # while it is down: answers, not hangs (503 naming the engine, or the new engine's
+    # answer once it is back)
+    for path in ("/health", "/v1/is_paused"):
+        t0 = time.monotonic()
+        r = c.get(f.stack, path, timeout=c.CONTROL_BOUND)
+        assert time.monotonic() - t0 < c.CONTROL_BOUND
+        assert r.status_code in (200, 503), r.text
+        if r.status_code == 503:
+            assert "engine" in r.text, r.text
+    st = _wait_new_engine(f, old)
+    assert st["state"] == "sleeping" and st["asleep"] == ["kv_cache", "weight"], st
+    assert st["weight_version"] == "v2"
+    assert [r["version"] for r in st["ranks"]] == ["v2", "v2"]
+    assert not any(r["weights_loaded"] or r["kv_allocated"] for r in st["ranks"]), st
+    r = c.ctl(f.stack, "/v1/wakeup")
+    assert r.status_code == 200, r.text
+    c.assert_consistent(f.stack, "v2")
+
+
+def test_engine_killed_during_commit_rolls_back_everywhere(faults: Faults) -> None:
+    """Killed while every rank sits in its commit window: the ranks commit with no
+    engine left to roll them back; the restarted engine finds the update in progress in
+    its record and rolls it back by id — all ranks on v1 again, never half-applied."""
+    f = faults
+    assert c.ctl(f.stack, "/v1/pause").status_code == 200
+    assert c.ctl(f.stack, "/v1/update_weights", json={"version": "v1"}).status_code == 200
+    needle = "rank 1: test delay before commit"
+    before = c.log_count(f.stack, needle)
+    old = _engine_pid(f)
+    call = c.Call(f.stack, "/v1/update_weights", json={"version": "v2"})
+    c.wait_log(f.stack, needle, before)
+    c.signal_quietly(old, signal.SIGKILL)
+    r = call.result(c.CONTROL_BOUND)
+    assert r.status_code == 503, r.text
+    st = _wait_new_engine(f, old)
+    assert st["state"] == "paused" and st["weight_version"] == "v1", st
+    assert [r["version"] for r in st["ranks"]] == ["v1", "v1"], st
+    time.sleep(c.DELAY + 1)  # past the commit window: nothing moved meanwhile
+    st = c.wait_recovered(f.stack)
+    assert st["weight_version"] == "v1" and [r["version"] for r in st["ranks"]] == ["v1"] * 2
+    assert c.ctl(f.stack, "/v1/resume").status_code == 200
+    c.assert_consistent(f.stack, "v1")

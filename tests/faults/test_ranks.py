@@ -1,0 +1,144 @@
+"""A worker rank SIGKILLed or SIGSTOPped during stage, during commit and during
+generation: the call answers in bounded time naming the rank, no rank serves a version
+alone (per-rank versions, greedy output = the version's reference), and the stack
+recovers by itself (the launcher restarts killed ranks; the engine brings them back to
+its version)."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from tests.faults import common as c
+from tests.faults.common import Faults
+
+pytestmark = pytest.mark.faults
+
+
+def _update_until(f: Faults, version: str, phase: str, rank: int = 1) -> c.Call:
+    """Start ``update_weights(version)`` (engine paused first) and return once ``rank``
+    sits in the test window before ``phase``."""
+    needle = f"rank {rank}: test delay before {phase}"
+    before = c.log_count(f.stack, needle)
+    assert c.ctl(f.stack, "/v1/pause").status_code == 200
+    call = c.Call(f.stack, "/v1/update_weights", json={"version": version})
+    c.wait_log(f.stack, needle, before)
+    return call
+
+
+def _assert_failed_naming_rank(call: c.Call, method: str, bound: float) -> None:
+    r = call.result(bound)
+    assert r.status_code == 503, r.text
+    msg = r.json()["error_message"]
+    assert method in msg and "[1]" in msg, msg
+
+
+# ---------------------------------------------------------------- during stage
+
+
+@pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL], ids=c.sig_name)
+def test_rank_fault_during_stage_changes_nothing(faults: Faults, sig: int) -> None:
+    f = faults
+    pid = c.rank_pid(f.stack, 1)
+    call = _update_until(f, "v1", "stage")
+    c.signal_quietly(pid, sig)
+    try:
+        # stage scatter: one control timeout (plus the test window) and a clear 503
+        _assert_failed_naming_rank(call, "stage", c.CT + 2 * c.DELAY + c.MARGIN)
+    finally:
+        c.signal_quietly(pid, signal.SIGCONT)
+    if sig == signal.SIGKILL:
+        # the launcher restarted every rank: new pids
+        st = c.wait_recovered(f.stack)
+        assert pid not in [r["pid"] for r in st["ranks"]]
+    time.sleep(c.DELAY + 1)  # a stopped rank finishes its stale stage; abort drops it
+    st = c.wait_recovered(f.stack)
+    assert st["state"] == "paused" and st["weight_version"] == "v0", st
+    assert c.ctl(f.stack, "/v1/resume").status_code == 200
+    c.assert_consistent(f.stack, "v0")
+    # and the same version applies cleanly afterwards
+    assert c.ctl(f.stack, "/v1/pause").status_code == 200
+    r = c.ctl(f.stack, "/v1/update_weights", json={"version": "v1"})
+    assert r.status_code == 200, r.text
+    assert c.ctl(f.stack, "/v1/resume").status_code == 200
+    c.assert_consistent(f.stack, "v1")
+
+
+# ---------------------------------------------------------------- during commit
+
+
+def test_rank_stopped_during_commit_rolls_back_and_refuses_late_commit(faults: Faults) -> None:
+    """Rank 0 commits, rank 1 is stopped inside its commit window: the engine times out,
+    rolls rank 0 back, and rank 1's late commit (it runs after SIGCONT) is refused."""
+    f = faults
+    pid = c.rank_pid(f.stack, 1)
+    call = _update_until(f, "v1", "commit")
+    c.signal_quietly(pid, signal.SIGSTOP)
+    try:
+        _assert_failed_naming_rank(call, "commit", 2 * c.DELAY + c.CT + c.MARGIN)
+        msg = call.response.json()["error_message"] if call.response else ""
+        assert "rolled back to 'v0'" in msg, msg
+        # rank 0 had switched; the rollback (a broadcast) puts it back on v0 while rank 1
+        # is still stopped
+        deadline = time.monotonic() + 5
+        while True:
+            st = c.status(f.stack)
+            live = [r.get("version") for r in st["ranks"] if r.get("alive")]
+            if live == ["v0"] or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert st["weight_version"] == "v0" and live == ["v0"], st
+    finally:
+        c.signal_quietly(pid, signal.SIGCONT)
+    # rank 1 now runs its late commit: refused, it stays on v0 (watched past the window)
+    deadline = time.monotonic() + c.DELAY + 3
+    while time.monotonic() < deadline:
+        st = c.status(f.stack)
+        assert {r.get("version") for r in st["ranks"] if r.get("alive")} <= {"v0"}, st
+        time.sleep(0.2)
+    assert c.ctl(f.stack, "/v1/resume").status_code == 200
+    c.assert_consistent(f.stack, "v0")
+
+
+def test_rank_killed_during_commit_recovers_on_the_old_version(faults: Faults) -> None:
+    f = faults
+    pid = c.rank_pid(f.stack, 1)
+    call = _update_until(f, "v1", "commit")
+    c.signal_quietly(pid, signal.SIGKILL)
+    _assert_failed_naming_rank(call, "commit", 2 * c.DELAY + c.CT + c.MARGIN)
+    st = c.wait_recovered(f.stack)
+    assert pid not in [r["pid"] for r in st["ranks"]]
+    assert st["state"] == "paused" and st["weight_version"] == "v0", st
+    assert c.ctl(f.stack, "/v1/resume").status_code == 200
+    c.assert_consistent(f.stack, "v0")
+
+
+# ---------------------------------------------------------------- during generation
+
+
+@pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL], ids=c.sig_name)
+def test_rank_fault_during_generation(faults: Faults, sig: int) -> None:
+    """Serving v1 (not the model dir's version): the stream ends with an error naming the
+    failed step; killed ranks come back on v0 from disk and the engine brings them to v1
+    before anything is served."""
+    f = faults
+    assert c.ctl(f.stack, "/v1/pause").status_code == 200
+    assert c.ctl(f.stack, "/v1/update_weights", json={"version": "v1"}).status_code == 200
+    assert c.ctl(f.stack, "/v1/resume").status_code == 200
+    pid = c.rank_pid(f.stack, 1)
+    stream = c.Stream(f.stack)
+    assert stream.started.wait(c.GEN_BOUND)
+    assert stream.outcome == "", (stream.outcome, stream.error)  # still streaming
+    c.signal_quietly(pid, sig)
+    try:
+        s = stream.result()
+        assert s.outcome == "error", (s.outcome, s.error, s.tokens)
+        assert "step" in str(s.error) or "rank" in str(s.error), s.error
+    finally:
+        c.signal_quietly(pid, signal.SIGCONT)
+    st = c.wait_recovered(f.stack)
+    if sig == signal.SIGKILL:
+        assert pid not in [r["pid"] for r in st["ranks"]]
+    c.assert_consistent(f.stack, "v1")
