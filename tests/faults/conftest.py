@@ -44,6 +44,7 @@ def faults(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Faults]:
     except Exception:
         nats.stop()
         raise
+    c.wait_log(stack, "rollbus: ready:", 0)  # the launcher saw it ready: restarts apply
     write_version(stack.model_dir, "v1", seed=1)
     write_version(stack.model_dir, "v2", seed=2)
     try:

@@ -79,3 +79,25 @@ def test_engine_killed_during_commit_rolls_back_everywhere(faults: Faults) -> No
     assert st["weight_version"] == "v1" and [r["version"] for r in st["ranks"]] == ["v1"] * 2
     assert c.ctl(f.stack, "/v1/resume").status_code == 200
     c.assert_consistent(f.stack, "v1")
+
+
+def test_engine_killed_mid_stream_every_request_is_answered(faults: Faults) -> None:
+    """The stream it was serving ends with an error (the API stops waiting when the
+    engine's heartbeats stop); a request sent while it is down gets 503 at once (or is
+    served by the restarted engine); then it serves again."""
+    f = faults
+    stream = c.Stream(f.stack)
+    assert stream.started.wait(c.GEN_BOUND)
+    old = _engine_pid(f)
+    c.signal_quietly(old, signal.SIGKILL)
+    t0 = time.monotonic()
+    body = {"model": "tiny", "prompt": c.PROMPT, "max_tokens": 4, "temperature": 0}
+    r = c.ctl(f.stack, "/v1/completions", json=body, timeout=c.GEN_BOUND)
+    assert time.monotonic() - t0 < c.GEN_BOUND
+    assert r.status_code in (200, 503), r.text
+    s = stream.result()
+    assert s.outcome in ("done", "error"), (s.outcome, s.error, s.tokens)
+    if s.outcome == "error":
+        assert "engine" in str(s.error) or "no reply" in str(s.error), s.error
+    _wait_new_engine(f, old)
+    c.assert_consistent(f.stack, "v0")

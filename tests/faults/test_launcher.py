@@ -1,0 +1,57 @@
+"""``rollbus serve`` with its embedded nats-server: the launcher restarts a dead
+nats-server (same port, same store), API and engine; over the restart budget
+(``ROLLBUS_RESTART_LIMIT``, 1 here) it stops the stack, naming the process."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.stack import free_port, start_stack
+from tests.faults import common as c
+
+pytestmark = pytest.mark.faults
+
+
+def _child(launcher: int, pattern: str) -> int:
+    out = subprocess.run(
+        ["pgrep", "-P", str(launcher), "-f", pattern], capture_output=True, text=True
+    ).stdout.split()
+    assert len(out) == 1, (pattern, out)
+    return int(out[0])
+
+
+def test_launcher_restarts_children_then_stops_over_budget(tmp_path: Path) -> None:
+    stack = start_stack(
+        tmp_path,
+        None,  # embedded nats-server
+        tp=2,
+        env={"ROLLBUS_NATS_PORT": str(free_port()), "ROLLBUS_RESTART_LIMIT": "1"},
+    )
+    try:
+        c.wait_log(stack, "rollbus: ready:", 0)  # the launcher saw it ready: restarts apply
+        pid = stack.proc.pid
+        for what, pattern in (("nats-server", "nats-server"), ("api", "services.api")):
+            old = _child(pid, pattern)
+            c.signal_quietly(old, signal.SIGKILL)
+            c.wait_recovered(stack)
+            assert _child(pid, pattern) != old
+            assert f"{what} exited with code -9; restarting it" in stack.log.read_text()
+        c.assert_consistent(stack, "v0")
+        engine = int(c.status(stack)["engine_pid"])
+        c.signal_quietly(engine, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while c.wait_recovered(stack)["engine_pid"] == engine:
+            assert time.monotonic() < deadline, stack.log_tail()
+            time.sleep(0.3)
+        # the second death within the window is one too many: the stack stops, named
+        c.signal_quietly(int(c.status(stack)["engine_pid"]), signal.SIGKILL)
+        assert stack.proc.wait(60) == 1
+        log = stack.log.read_text()
+        assert "engine exited with code -9; engine restarted 1 times within 60s" in log, log
+    finally:
+        stack.stop()
