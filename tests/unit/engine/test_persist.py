@@ -1,0 +1,145 @@
+"""The engine's state record: encoding, restore, and bringing ranks to it (scripted ranks)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import msgspec
+import pytest
+
+from services.engine import persist
+from services.engine.state import EngineState, State
+from shared import messages as m
+from shared.statekv import key_for
+
+
+class Ranks:
+    """Scripted ranks: each reports ``versions[r]`` and the ``loaded`` flags."""
+
+    def __init__(self, versions: list[str], loaded: bool = True) -> None:
+        self.versions, self.loaded = versions, loaded
+        self.calls: list[tuple[str, Any]] = []
+        self.broadcasts: list[tuple[str, Any]] = []
+        self.staged = ""
+
+    async def call(self, method: str, args: msgspec.Struct | None = None, **_: Any) -> Any:
+        self.calls.append((method, args))
+        if method == "stage":
+            assert isinstance(args, m.StageArgs)
+            self.staged = args.version
+        if method == "commit":
+            self.versions = [self.staged] * len(self.versions)
+        if method == "wakeup":
+            self.loaded = True
+        res = {
+            r: {"rank": r, "version": v, "pid": 100 + r, "rolled_back": False}
+            for r, v in enumerate(self.versions)
+        }
+        return {r: m.WorkerReply(r, result=x) for r, x in res.items()}
+
+    async def broadcast(self, method: str, args: msgspec.Struct | None = None) -> None:
+        self.broadcasts.append((method, args))
+
+    async def statuses(self, timeout: float = 1.0) -> list[dict[str, Any]]:
+        flags = {"weights_loaded": self.loaded, "kv_allocated": self.loaded, "comm_group": True}
+        return [
+            {"rank": r, "alive": True, "version": v, **flags} for r, v in enumerate(self.versions)
+        ]
+
+
+def engine(ranks: Ranks, **state: Any) -> Any:
+    sched = SimpleNamespace(admit=True, run=True, dropped=0, step_lock=asyncio.Lock())
+
+    def drop_kv() -> None:
+        sched.dropped += 1
+
+    sched.drop_kv = drop_kv
+    return SimpleNamespace(
+        state=EngineState(**state),
+        ranks=ranks,
+        scheduler=sched,
+        rank_pids={},
+        settings=SimpleNamespace(
+            load_strategy="snapshot",
+            control_timeout_s=5.0,
+            shutdown_comm_group_if_worker_idle=False,
+        ),
+    )
+
+
+def test_record_round_trip_and_bad_records() -> None:
+    rec = persist.Record("updating", "v1", ["kv_cache"], "keep", persist.Update("u", "v2", "v1"))
+    assert persist.decode(persist.encode(rec)) == rec
+    for bad in (b"{", b'{"state": "dancing", "weight_version": "v1"}', b"[]"):
+        with pytest.raises(ValueError, match="unreadable engine state"):
+            persist.decode(bad)
+
+
+def test_snapshot_keeps_the_update_only_while_updating() -> None:
+    eng = engine(Ranks(["v1"]), weight_version="v1")
+    upd = persist.Update("u", "v2", "v1")
+    assert persist.snapshot(eng, upd).update is None  # running
+    eng.state.state = State.UPDATING
+    rec = persist.snapshot(eng, upd)
+    assert rec.state == "updating" and rec.update == upd and rec.weight_version == "v1"
+
+
+def test_apply_an_interrupted_update_comes_back_paused_on_the_previous_version() -> None:
+    eng = engine(Ranks(["v0"]))
+    upd = persist.Update("u", "v2", "v1")
+    got = persist.apply(eng, persist.Record("updating", "v1", update=upd))
+    assert got == upd
+    assert eng.state.state is State.PAUSED and eng.state.weight_version == "v1"
+    assert not eng.scheduler.admit and not eng.scheduler.run
+
+
+def test_apply_sleeping_closes_the_gates_and_drops_the_kv_plan() -> None:
+    eng = engine(Ranks(["v0"]))
+    assert persist.apply(eng, persist.Record("sleeping", "v3", ["kv_cache", "weight"])) is None
+    assert eng.state.state is State.SLEEPING and eng.state.asleep == {"kv_cache", "weight"}
+    assert eng.scheduler.dropped == 1 and not eng.scheduler.run
+
+
+def test_reconcile_rolls_back_by_id_then_brings_restarted_ranks_to_the_version() -> None:
+    ranks = Ranks(["v0", "v0"])  # restarted: the model dir's version
+    eng = engine(ranks, state=State.PAUSED, weight_version="v1")
+    done = asyncio.run(persist.reconcile(eng, persist.Update("u1", "v2", "v1")))
+    methods = [c[0] for c in ranks.calls]
+    assert methods[:2] == ["rollback", "stage"] and "commit" in methods
+    assert ranks.calls[0][1] == m.UpdateIdArgs("u1")
+    assert ranks.versions == ["v1", "v1"] and done["from"] == {0: "v0", 1: "v0"}
+    assert [b[0] for b in ranks.broadcasts] == ["finalize"]
+    assert eng.rank_pids == {0: 100, 1: 101} and eng.scheduler.dropped == 1
+
+
+def test_reconcile_reapplies_sleep_and_wakes_ranks_for_an_awake_engine() -> None:
+    ranks = Ranks(["v1", "v1"])
+    eng = engine(ranks, state=State.SLEEPING, weight_version="v1", asleep={"kv_cache"})
+    asyncio.run(persist.reconcile(eng))
+    assert [c[0] for c in ranks.calls if c[0] != "ping"] == ["sleep"]
+    assert ranks.calls[0][1] == m.SleepWorkerArgs(["kv_cache"], False)
+    asleep = Ranks(["v1", "v1"], loaded=False)
+    eng = engine(asleep, weight_version="v1")  # running, but the ranks are asleep
+    asyncio.run(persist.reconcile(eng))
+    assert [c[0] for c in asleep.calls if c[0] != "ping"] == ["wakeup"]
+
+
+def test_ranks_changed() -> None:
+    eng = engine(Ranks(["v1"]), weight_version="v1")
+    reps = {0: m.WorkerReply(0, result={"version": "v1", "pid": 5})}
+    assert persist.ranks_changed(eng, reps) == ""  # nothing known yet, same version
+    eng.rank_pids = {0: 5}
+    assert persist.ranks_changed(eng, reps) == ""
+    eng.rank_pids = {0: 4}
+    assert persist.ranks_changed(eng, reps) == "restarted"
+    eng.rank_pids = {0: 5}
+    eng.state.weight_version = "v2"
+    assert persist.ranks_changed(eng, reps) == "version"
+
+
+def test_key_for_escapes_what_kv_keys_cannot_hold() -> None:
+    assert key_for("default") == "default"
+    assert key_for("a.b c/é") == "a=2Eb=20c=2F=C3=A9"
+    assert key_for("x=1") == "x=3D1"  # '=' is the escape: escaped itself
