@@ -24,7 +24,14 @@ from services.engine.state import EngineState
 from shared import messages as m
 from shared import objstore
 from shared.bus import REQUEST_ID, Bus, new_request_id
-from shared.errors import CONFLICT, INTERNAL, ControlError
+from shared.errors import (
+    BAD_REQUEST,
+    CONFLICT,
+    INTERNAL,
+    NOT_FOUND,
+    UNPROCESSABLE,
+    ControlError,
+)
 from shared.settings import Settings, settings_or_exit
 from shared.subjects import Subjects
 
@@ -174,23 +181,48 @@ class Engine:
             log.info("restoring %s on %s", self.state.state.value, self.state.weight_version)
             if await self.bring_ranks(update, "restore"):
                 break
+            update = None  # rolled back (or tried): the ranks' versions decide from here
             await asyncio.sleep(1.0)
         await self.persist.save()
         self.ready = self.ranks_alive = True
         await self.event("ready", {"version": self.state.weight_version, "tp": self.settings.tp})
 
     async def bring_ranks(self, update: persist.Update | None, why: str) -> bool:
-        """:func:`persist.reconcile` under the control lock; False (logged) if it failed."""
+        """:func:`persist.reconcile` under the control lock; False (logged) if it failed.
+
+        If the engine's version cannot be loaded any more (deleted: 400/404/422), the
+        engine takes the version every rank serves instead (logged at ERROR, event
+        ``version_lost``): serving on, with truthful version labels, beats a stack that
+        can never be ready."""
         async with self.lock:
             try:
                 done = await persist.reconcile(self, update)
             except ControlError as e:
                 log.warning("could not bring the ranks to the engine's state (%s): %s", why, e)
                 await self.event("reconcile", {"ok": False, "why": why, "error": e.message})
+                if e.code in (BAD_REQUEST, NOT_FOUND, UNPROCESSABLE):
+                    await self._adopt_ranks_version(e)
                 return False
         log.info("ranks brought to the engine's state (%s): %s", why, done)
         await self.event("reconcile", {"ok": True, "why": why, **done})
         return True
+
+    async def _adopt_ranks_version(self, err: ControlError) -> None:
+        try:
+            replies = await self.ranks.call("ping", timeout=2.0)
+        except ControlError:
+            return
+        versions = {str(rep.result.get("version") or "") for rep in replies.values()}
+        lost = self.state.weight_version
+        if len(versions) != 1 or lost in versions:
+            return
+        self.state.weight_version = versions.pop()
+        log.error(
+            "version %r cannot be loaded (%s): serving the ranks' %r instead",
+            lost, err.message, self.state.weight_version,
+        )
+        await self.event("version_lost", {"lost": lost, "version": self.state.weight_version})
+        await self.persist.save()
 
     async def watch_ranks(self, period: float = 2.0) -> None:
         """Keep ``ranks_alive`` true only while every rank answers a ping and serves the

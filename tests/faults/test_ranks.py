@@ -7,11 +7,13 @@ its version)."""
 from __future__ import annotations
 
 import re
+import shutil
 import signal
 import time
 
 import pytest
 
+from services.tiny_model import write_version
 from tests.faults import common as c
 from tests.faults.common import Faults
 
@@ -140,9 +142,35 @@ def test_rank_fault_during_generation(faults: Faults, sig: int) -> None:
         s = stream.result()
         assert s.outcome == "error", (s.outcome, s.error, s.tokens)
         assert "step" in str(s.error) or "rank" in str(s.error), s.error
+        # while a rank is stopped or the ranks restart, /health says so
+        deadline = time.monotonic() + 10
+        while c.get(f.stack, "/health").status_code == 200:
+            assert time.monotonic() < deadline, "/health stayed 200 with a rank down"
+            time.sleep(0.2)
     finally:
         c.signal_quietly(pid, signal.SIGCONT)
     st = c.wait_recovered(f.stack)
     if sig == signal.SIGKILL:
         assert pid not in [r["pid"] for r in st["ranks"]]
     c.assert_consistent(f.stack, "v1")
+
+
+def test_ranks_restarted_after_the_engine_version_was_deleted(faults: Faults) -> None:
+    """The engine serves v2, v2's files are deleted, then a rank dies: the restarted ranks
+    cannot load v2, so the engine takes their version (v0) — logged, evented and labelled
+    truthfully — instead of never being ready again."""
+    f = faults
+    assert c.ctl(f.stack, "/v1/pause").status_code == 200
+    assert c.ctl(f.stack, "/v1/update_weights", json={"version": "v2"}).status_code == 200
+    assert c.ctl(f.stack, "/v1/resume").status_code == 200
+    v2 = f.stack.model_dir / "versions" / "v2"
+    shutil.rmtree(v2)
+    try:
+        pid = c.rank_pid(f.stack, 0)
+        c.signal_quietly(pid, signal.SIGKILL)
+        st = c.wait_recovered(f.stack)
+        assert pid not in [r["pid"] for r in st["ranks"]]
+        assert "version 'v2' cannot be loaded" in f.stack.log.read_text()
+        c.assert_consistent(f.stack, "v0")
+    finally:
+        write_version(f.stack.model_dir, "v2", seed=2)
