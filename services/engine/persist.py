@@ -4,7 +4,7 @@ with it.
 
 * :class:`Record` — state (running / paused / sleeping / updating), the freed tags, the
   serving version, the pause mode and, while ``update_weights`` runs, the update in
-  progress (id, version, previous version). Written on every state change and after
+  progress (id, version, previous version). Saved on every state change and after
   every mutating control call (:meth:`Persister.save`); a write that fails (NATS down)
   is retried every second until it lands.
 * :func:`restore` — at engine start: the record, if any, becomes the engine's state. An
@@ -106,13 +106,23 @@ def apply(eng: Engine, rec: Record) -> Update | None:
 
 
 class Persister:
-    """Writes the engine's record; keeps the last failed write to retry it."""
+    """Writes the engine's record, one write at a time, skipping unchanged records.
+
+    A change of version or of the update in progress is written before :meth:`save`
+    returns (a restart must know what to roll back). Other changes (pause, resume,
+    sleep, wakeup) are handed to the background writer (:meth:`run`), so the control
+    path does not wait for a JetStream ack. A failed write is retried every second.
+    """
 
     def __init__(self, eng: Engine) -> None:
         self.eng = eng
         self.bucket = StateBucket(eng.bus.nc, eng.settings.instance)
         self.update: Update | None = None  # the update in progress, while updating
-        self._dirty = False
+        self._written: Record | None = None
+        self._pending: Record | None = None
+        self._kick = asyncio.Event()
+        self._io = asyncio.Lock()
+        self._failing = False
         self.writes = 0
         self.failures = 0
 
@@ -124,21 +134,37 @@ class Persister:
         elif self.eng.state.state is not State.UPDATING:
             self.update = None
 
-    async def save(self) -> bool:
+    async def save(self) -> None:
         rec = snapshot(self.eng, self.update)
-        try:
-            await self.bucket.put(encode(rec))
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - retried by run(), never fails a control call
-            self.failures += 1
-            if not self._dirty:
-                log.warning("could not save the engine state (retrying): %r", e)
-            self._dirty = True
-            return False
-        self.writes += 1
-        self._dirty = False
-        return True
+        last = self._written
+        if last is not None and _same(rec, last) and self._pending is None:
+            return
+        if last is None or (rec.update, rec.weight_version) != (last.update, last.weight_version):
+            self._pending = None  # this one is newer
+            await self._write(rec)
+        else:
+            self._pending = rec
+            self._kick.set()
+
+    async def _write(self, rec: Record) -> bool:
+        async with self._io:
+            try:
+                await self.bucket.put(encode(rec))
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - retried by run(), never fails a call
+                self.failures += 1
+                self._pending = self._pending or rec
+                if not self._failing:
+                    log.warning("could not save the engine state (retrying): %r", e)
+                self._failing = True
+                return False
+            if self._failing:
+                log.warning("engine state saved again")
+            self._failing = False
+            self._written = rec
+            self.writes += 1
+            return True
 
     async def load(self) -> Record | None:
         """The stored record; waits for the bucket while NATS is not there yet."""
@@ -160,11 +186,26 @@ class Persister:
             return None
 
     async def run(self) -> None:
-        """Retry a failed write until it lands (background task)."""
+        """The background writer: the newest pending record, retried until it lands."""
         while True:
-            await asyncio.sleep(RETRY_S)
-            if self._dirty:
-                await self.save()
+            try:
+                await asyncio.wait_for(self._kick.wait(), RETRY_S)
+            except TimeoutError:
+                pass
+            self._kick.clear()
+            rec, self._pending = self._pending, None
+            if rec is not None and not await self._write(rec):
+                await asyncio.sleep(RETRY_S)
+
+
+def _same(a: Record, b: Record) -> bool:
+    return (a.state, a.weight_version, a.asleep, a.pause_mode, a.update) == (
+        b.state,
+        b.weight_version,
+        b.asleep,
+        b.pause_mode,
+        b.update,
+    )
 
 
 async def reconcile(eng: Engine, update: Update | None = None) -> dict[str, Any]:

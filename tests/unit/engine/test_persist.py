@@ -143,3 +143,46 @@ def test_key_for_escapes_what_kv_keys_cannot_hold() -> None:
     assert key_for("default") == "default"
     assert key_for("a.b c/é") == "a=2Eb=20c=2F=C3=A9"
     assert key_for("x=1") == "x=3D1"  # '=' is the escape: escaped itself
+
+
+class Bucket:
+    def __init__(self) -> None:
+        self.puts: list[persist.Record] = []
+        self.fail = False
+
+    async def put(self, data: bytes) -> None:
+        if self.fail:
+            raise ConnectionError("nats down")
+        self.puts.append(persist.decode(data))
+
+
+def test_persister_writes_versions_at_once_other_changes_in_the_background() -> None:
+    async def go() -> None:
+        eng = engine(Ranks(["v1"]), weight_version="v1")
+        eng.bus = SimpleNamespace(nc=None)
+        eng.settings.instance = "i"
+        p = persist.Persister(eng)
+        p.bucket = bucket = Bucket()  # type: ignore[assignment]
+        await p.save()  # first record: written at once
+        assert [r.state for r in bucket.puts] == ["running"]
+        await p.save()  # unchanged: nothing written
+        eng.state.pause("keep")
+        await p.save()  # a state change: left to the writer
+        assert len(bucket.puts) == 1
+        writer = asyncio.create_task(p.run())
+        await asyncio.sleep(0.05)
+        assert [r.state for r in bucket.puts] == ["running", "paused"]
+        eng.state.begin_update()
+        p.state_changed("updating", {"update_id": "u", "version": "v2", "from": "v1"})
+        await p.save()  # the update in progress: written before save returns
+        assert bucket.puts[-1].update == persist.Update("u", "v2", "v1")
+        bucket.fail = True
+        eng.state.end_update("v2")
+        p.state_changed("paused", {"version": "v2"})
+        await p.save()  # fails: retried by the writer until it lands
+        bucket.fail = False
+        await asyncio.sleep(1.2)
+        assert bucket.puts[-1].weight_version == "v2" and bucket.puts[-1].update is None
+        writer.cancel()
+
+    asyncio.run(go())
