@@ -170,8 +170,14 @@ def test_persister_writes_versions_at_once_other_changes_in_the_background() -> 
         await p.save()  # a state change: left to the writer
         assert len(bucket.puts) == 1
         writer = asyncio.create_task(p.run())
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)
         assert [r.state for r in bucket.puts] == ["running", "paused"]
+        eng.state.resume()
+        await p.save()
+        eng.state.pause("keep")
+        await p.save()
+        await asyncio.sleep(0.3)  # resumed and paused again: nothing new to write
+        assert len(bucket.puts) == 2
         eng.state.begin_update()
         p.state_changed("updating", {"update_id": "u", "version": "v2", "from": "v1"})
         await p.save()  # the update in progress: written before save returns
