@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("rollbus.engine.persist")
 
 RETRY_S = 1.0
-COALESCE_S = 0.05  # background writes wait this long for more changes
+COALESCE_S = 0.0  # background writes yield once: changes made meanwhile are one write
 TAGS = ("weight", "kv_cache")
 
 
@@ -112,9 +112,9 @@ class Persister:
     A change of version or of the update in progress is written before :meth:`save`
     returns (a restart must know what to roll back). Other changes (pause, resume,
     sleep, wakeup) are handed to the background writer (:meth:`run`), so the control
-    path does not wait for a JetStream ack; it writes the newest record 50 ms later, so
-    a burst of changes is one write (none if it ends where it began). A failed write is
-    retried every second.
+    path does not wait for a JetStream ack (the write follows the reply within about a
+    millisecond; changes made meanwhile are one write, none if they end where they
+    began). A failed write is retried every second.
     """
 
     def __init__(self, eng: Engine) -> None:
@@ -196,7 +196,7 @@ class Persister:
             except TimeoutError:
                 pass
             self._kick.clear()
-            await asyncio.sleep(COALESCE_S)  # a burst (pause, resume, ...) is one write
+            await asyncio.sleep(COALESCE_S)
             rec, self._pending = self._pending, None
             if rec is not None and self._written is not None and _same(rec, self._written):
                 continue
