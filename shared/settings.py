@@ -33,6 +33,9 @@ class Settings(BaseSettings):
     api_port: int = Field(8000, ge=0, le=65535)
     admin_token: str = Field("", description="bearer token for control routes (empty = open)")
     api_key: str = Field("", description="bearer token for generation routes (empty = open)")
+    allowed_origins: str = Field(
+        "", description="browser origins allowed to change state (comma-separated)"
+    )
 
     # model
     model: str = Field("", description="model dir; empty = tiny model under data_dir")
@@ -60,6 +63,9 @@ class Settings(BaseSettings):
     ipc_dir: Path = Field(
         Path("/dev/shm/rollbus"), description="shared-memory root of the ipc load strategy"
     )
+    ipc_trainer_uid: int = Field(
+        -1, ge=-1, description="uid (besides the service's) whose ipc files are trusted"
+    )
 
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
@@ -77,6 +83,10 @@ class Settings(BaseSettings):
         if v == "ckpt":
             raise ValueError("'ckpt' is reserved (rollbus.ckpt.* carries checkpoint events)")
         return v
+
+    @property
+    def allowed_origin_list(self) -> list[str]:
+        return [o.strip() for o in self.allowed_origins.split(",") if o.strip()]
 
     @property
     def embedded_nats(self) -> bool:

@@ -8,12 +8,14 @@ from collections.abc import AsyncIterator
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from services.api import control, openai
 from services.api.deps import Deps
+from services.api.guard import CrossSiteGuard
 from shared.bus import Bus, new_request_id
 from shared.settings import Settings
 
@@ -61,14 +63,21 @@ def create_app(settings: Settings, bus: Bus | None = None) -> Starlette:
         }
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
+    control_routes = control.routes(deps)
+    guard = Middleware(
+        CrossSiteGuard,
+        control_paths=[r.path for r in control_routes],
+        allowed_origins=settings.allowed_origin_list,
+    )
     app = Starlette(
         exception_handlers={HTTPException: http_error},
         routes=[
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
-            *control.routes(deps),
+            *control_routes,
             *openai.routes(deps),
         ],
+        middleware=[guard],
         lifespan=lifespan,
     )
     app.state.deps = deps

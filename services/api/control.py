@@ -13,7 +13,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from services.api.deps import Deps
+from services.api.deps import Deps, bearer_ok
 from shared import messages as m
 from shared.bus import new_request_id
 from shared.errors import BAD_REQUEST, NOT_FOUND, UNAUTHORIZED, ControlError
@@ -24,7 +24,7 @@ def admin_check(deps: Deps, request: Request) -> None:
     if not token:
         return
     got = request.headers.get("authorization", "")
-    if got != f"Bearer {token}":
+    if not bearer_ok(got, token):
         what = "missing" if not got else "wrong"
         raise ControlError(
             UNAUTHORIZED, f"control routes need 'Authorization: Bearer <admin token>' ({what})"
@@ -108,6 +108,10 @@ def routes(deps: Deps) -> list[Route]:
 
     def legacy(method: str):  # noqa: ANN202 - route factory
         async def route(request: Request) -> Response:
+            try:
+                admin_check(deps, request)  # these GETs change state: token first
+            except ControlError as e:
+                return reply_response(m.ControlReply(new_request_id(), e.code, e.message))
             if not deps.settings.dynamic_load_weight:
                 return JSONResponse(
                     {"error": "Dynamic Load Weight Disabled."}, status_code=NOT_FOUND

@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from services.api.deps import Deps
+from services.api.deps import Deps, bearer_ok
 from services.api.generate import Delta, generate
 from shared import messages as m
 from shared.errors import ControlError
@@ -99,7 +99,7 @@ class OpenAIRoutes:
 
     def _auth(self, request: Request) -> None:
         key = self.deps.settings.api_key
-        if key and request.headers.get("authorization", "") != f"Bearer {key}":
+        if key and not bearer_ok(request.headers.get("authorization", ""), key):
             raise BadRequest("missing or wrong API key (Authorization: Bearer <key>)", code=401)
 
     async def _body(self, request: Request) -> dict[str, Any]:
@@ -403,7 +403,7 @@ class OpenAIRoutes:
                         "object": "model",
                         "created": 0,
                         "owned_by": "rollbus",
-                        "root": str(self.deps.settings.model_dir),
+                        "root": self.model,  # the id, never a filesystem path
                         "max_model_len": self.max_model_len,
                     }
                 ],

@@ -17,6 +17,7 @@ from services.engine.state import State
 from shared import messages as m
 from shared.bus import new_request_id
 from shared.errors import NOT_FOUND, ControlError
+from shared.redact import public_url
 
 if TYPE_CHECKING:
     from services.engine.main import Engine
@@ -164,7 +165,7 @@ async def status(eng: Engine, _: object = None) -> dict[str, Any]:
         "pause_mode": eng.state.pause_mode,
         "ranks": ranks,
         "ranks_ready": all(r.get("alive") for r in ranks),
-        "nats_url": eng.bus.url,
+        "nats_url": public_url(eng.bus.url),  # never credentials
         **eng.scheduler.counts(),
     }
 
