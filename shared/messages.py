@@ -48,7 +48,7 @@ class TagArgs(msgspec.Struct, forbid_unknown_fields=True):
 
 class UpdateWeightsArgs(msgspec.Struct, forbid_unknown_fields=True):
     version: str | None = None
-    verify_checksum: bool = False
+    verify_checksum: bool | None = None  # None: verify wherever a manifest exists
 
 
 class NoArgs(msgspec.Struct):
@@ -99,7 +99,7 @@ class StageArgs(msgspec.Struct):
     """Phase one of an update: load and validate ``version`` into staging."""
 
     version: str
-    verify_checksum: bool = False
+    verify_checksum: bool | None = None  # None: verify wherever a manifest exists
     strategy: str = "snapshot"
     update_id: str = ""
 

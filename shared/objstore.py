@@ -280,18 +280,22 @@ async def read_object(
     *,
     expect_size: int | None = None,
     expect_sha256: str | None = None,
+    max_size: int | None = None,
     stall_timeout: float = 5.0,
     progress: Progress | None = None,
 ) -> mmap.mmap:
     """Read object ``name`` into a fresh anonymous mmap of its size.
 
     Raises :class:`ObjectMissing`, :class:`ObjectCorrupt` (size differs from the meta or
-    ``expect_size``; SHA-256 differs from ``expect_sha256`` when given) or
+    ``expect_size``, or exceeds ``max_size`` — both checked before anything is
+    allocated; SHA-256 differs from ``expect_sha256`` when given) or
     :class:`ObjectReadError` (lost chunk, no data for ``stall_timeout`` s, disconnect).
     """
     meta = await get_meta(nc, bucket, name)
     if expect_size is not None and meta.size != expect_size:
         raise ObjectCorrupt(f"{name}: stored size {meta.size} != expected {expect_size}")
+    if max_size is not None and meta.size > max_size:
+        raise ObjectCorrupt(f"{name}: stored size {meta.size} exceeds the limit {max_size}")
     buf = mmap.mmap(-1, max(1, meta.size))
     if meta.size == 0:
         return buf
