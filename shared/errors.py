@@ -37,8 +37,10 @@ class BusUnreachable(ControlError):
     """The NATS server named by the URL could not be reached."""
 
     def __init__(self, url: str, detail: str = "") -> None:
+        from shared.redact import public_url  # never the URL's credentials
+
         extra = f" ({detail})" if detail else ""
-        super().__init__(UNAVAILABLE, f"cannot reach NATS at {url}{extra}")
+        super().__init__(UNAVAILABLE, f"cannot reach NATS at {public_url(url)}{extra}")
         self.url = url
 
 

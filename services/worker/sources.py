@@ -328,7 +328,11 @@ class IpcSource:
         try:
             try:
                 root = open_confined(
-                    str(self.settings.ipc_dir), None, self.uids, "ipc dir (ROLLBUS_IPC_DIR)", True
+                    str(self.settings.ipc_dir),
+                    None,
+                    self.uids,
+                    f"rank {self.rank}: ipc dir (ROLLBUS_IPC_DIR)",
+                    True,
                 )
             except ControlError as e:
                 if e.code == NOT_FOUND:
@@ -337,9 +341,13 @@ class IpcSource:
                     ) from None
                 raise
             fds.append(root)
-            fds.append(open_confined(qmodel, root, self.uids, f"ipc {qmodel}", True))
+            fds.append(
+                open_confined(qmodel, root, self.uids, f"rank {self.rank}: ipc {qmodel}", True)
+            )
             try:
-                vdir = open_confined(qversion, fds[-1], self.uids, f"ipc {prefix}", True)
+                vdir = open_confined(
+                    qversion, fds[-1], self.uids, f"rank {self.rank}: ipc {prefix}", True
+                )
             except ControlError as e:
                 if e.code == NOT_FOUND:
                     raise ControlError(

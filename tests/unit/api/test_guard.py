@@ -1,0 +1,99 @@
+"""The cross-site check and the token comparison of the API, as pure functions."""
+
+from __future__ import annotations
+
+import hmac
+
+import pytest
+
+from services.api.deps import bearer_ok
+from services.api.guard import changes_state, cross_site_reason, same_origin
+
+HOST = {"host": "127.0.0.1:8000"}
+
+
+@pytest.mark.parametrize(
+    "method, path, state",
+    [
+        ("POST", "/v1/pause", True),
+        ("POST", "/v1/completions", True),
+        ("DELETE", "/anything", True),
+        ("GET", "/clear_load_weight", True),
+        ("GET", "/update_model_weight", True),
+        ("GET", "/v1/status", False),
+        ("GET", "/v1/models", False),
+        ("HEAD", "/health", False),
+    ],
+)
+def test_state_changing_routes(method: str, path: str, state: bool) -> None:
+    assert changes_state(method, path) is state
+
+
+@pytest.mark.parametrize("site", ["cross-site", "same-site", "Cross-Site"])
+def test_sec_fetch_site_cross_or_same_site_is_refused(site: str) -> None:
+    why = cross_site_reason("POST", "/v1/pause", {**HOST, "sec-fetch-site": site})
+    assert why is not None and "Sec-Fetch-Site" in why and "/v1/pause" in why
+    why = cross_site_reason("GET", "/clear_load_weight", {**HOST, "sec-fetch-site": site})
+    assert why is not None
+
+
+@pytest.mark.parametrize(
+    "origin",
+    [
+        "http://evil.example",
+        "http://127.0.0.1:3000",  # another port on this host is another origin
+        "https://127.0.0.1:8000",  # another scheme
+        "http://localhost:8000",  # not the Host this request was sent to
+        "null",
+        "http://127.0.0.1:8000.evil.example",
+        "http://user@127.0.0.1:8000",
+    ],
+)
+def test_foreign_origin_is_refused(origin: str) -> None:
+    why = cross_site_reason("POST", "/v1/sleep", {**HOST, "origin": origin})
+    assert why is not None and "Origin" in why
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},  # curl, httpx, the OpenAI SDK, the trainer: neither header
+        {"sec-fetch-site": "same-origin", "origin": "http://127.0.0.1:8000"},
+        {"sec-fetch-site": "none"},  # typed into the address bar
+        {"origin": "http://127.0.0.1:8000/"},
+    ],
+)
+def test_same_origin_and_non_browser_requests_pass(headers: dict[str, str]) -> None:
+    assert cross_site_reason("POST", "/v1/pause", {**HOST, **headers}) is None
+
+
+def test_reads_are_not_guarded() -> None:
+    h = {**HOST, "sec-fetch-site": "cross-site", "origin": "http://evil.example"}
+    assert cross_site_reason("GET", "/v1/status", h) is None
+
+
+def test_allowed_origins_pass() -> None:
+    h = {**HOST, "sec-fetch-site": "cross-site", "origin": "http://ui.example:3000"}
+    assert cross_site_reason("POST", "/v1/pause", h, allowed_origins=["http://ui.example:3000"]) is None
+    assert cross_site_reason("POST", "/v1/pause", h, allowed_origins=["http://ui.example"])
+
+
+def test_default_ports() -> None:
+    assert same_origin("http://example.com", "example.com:80")
+    assert same_origin("https://example.com", "example.com", "https")
+    assert not same_origin("http://example.com", "example.com:8080")
+
+
+def test_bearer_ok_compares_in_constant_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert bearer_ok("Bearer s3cret", "s3cret")
+    for bad in ("", "Bearer", "Bearer s3cre", "Bearer s3cretx", "bearer s3cret", "s3cret"):
+        assert not bearer_ok(bad, "s3cret")
+    calls = []
+    real = hmac.compare_digest
+
+    def spy(a: bytes, b: bytes) -> bool:
+        calls.append((a, b))
+        return real(a, b)
+
+    monkeypatch.setattr(hmac, "compare_digest", spy)
+    assert bearer_ok("Bearer s3cret", "s3cret") and calls  # hmac.compare_digest decides
