@@ -74,7 +74,8 @@ def test_reads_are_not_guarded() -> None:
 
 def test_allowed_origins_pass() -> None:
     h = {**HOST, "sec-fetch-site": "cross-site", "origin": "http://ui.example:3000"}
-    assert cross_site_reason("POST", "/v1/pause", h, allowed_origins=["http://ui.example:3000"]) is None
+    ok = ["http://ui.example:3000"]
+    assert cross_site_reason("POST", "/v1/pause", h, allowed_origins=ok) is None
     assert cross_site_reason("POST", "/v1/pause", h, allowed_origins=["http://ui.example"])
 
 
