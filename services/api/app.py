@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 from collections.abc import AsyncIterator
 
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -18,6 +19,16 @@ from services.api.deps import Deps
 from services.api.guard import CrossSiteGuard
 from shared.bus import Bus, new_request_id
 from shared.settings import Settings
+
+
+def _loopback(host: str) -> bool:
+    """The API listens on a loopback address only (enables the DNS-rebinding check)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def create_app(settings: Settings, bus: Bus | None = None) -> Starlette:
@@ -68,6 +79,7 @@ def create_app(settings: Settings, bus: Bus | None = None) -> Starlette:
         CrossSiteGuard,
         control_paths=[r.path for r in control_routes],
         allowed_origins=settings.allowed_origin_list,
+        loopback_only=_loopback(settings.api_host),
     )
     app = Starlette(
         exception_handlers={HTTPException: http_error},

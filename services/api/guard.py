@@ -13,10 +13,15 @@ reason: ``Sec-Fetch-Site`` ``cross-site`` or ``same-site`` (another port or subd
 this host is another site's page as far as we are concerned), or an ``Origin`` whose
 ``scheme://host:port`` is not this server's own (the request's ``Host``), ``null``
 included. Origins listed in ``ROLLBUS_ALLOWED_ORIGINS`` are let through.
+
+DNS rebinding (a page whose own name resolves to 127.0.0.1, so it looks same-origin):
+when the API listens on loopback only, a browser request (one that carries ``Origin`` or
+``Sec-Fetch-Site``) whose ``Host`` is not ``localhost`` or an IP address is refused too.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
@@ -62,17 +67,41 @@ def same_origin(origin: str, host: str, scheme: str = "http") -> bool:
     return mine is not None and mine == theirs
 
 
+def is_loopback_or_ip(host: str) -> bool:
+    """``host`` (``name[:port]``) is ``localhost`` / ``*.localhost`` or an IP literal."""
+    key = _origin_key("http", host)
+    if key is None:
+        return False
+    name = key[0].strip("[]")
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
 def cross_site_reason(
     method: str,
     path: str,
     headers: Mapping[str, str],
     scheme: str = "http",
     allowed_origins: Iterable[str] = (),
+    loopback_only: bool = False,
 ) -> str | None:
-    """Why this request must be refused (403), or None. ``headers`` keys lower-case."""
+    """Why this request must be refused (403), or None. ``headers`` keys lower-case.
+    ``loopback_only``: the server listens on a loopback address only."""
     if not changes_state(method, path):
         return None
     origin = headers.get("origin", "").strip()
+    browser = bool(origin or headers.get("sec-fetch-site"))
+    host = headers.get("host", "")
+    if loopback_only and browser and not is_loopback_or_ip(host):
+        return (
+            f"cross-site request refused: Host {host[:100]!r} is not a loopback name or an "
+            f"IP address on a loopback-only server (DNS rebinding?) ({method} {path})"
+        )
     allowed = {o.strip().rstrip("/").lower() for o in allowed_origins if o.strip()}
     if origin and origin.rstrip("/").lower() in allowed:
         return None
@@ -83,7 +112,6 @@ def cross_site_reason(
             f"({method} {path}); only same-origin and non-browser requests may change state"
         )
     if origin:
-        host = headers.get("host", "")
         if origin == "null" or not same_origin(origin, host, scheme):
             return (
                 f"cross-site request refused: Origin {origin[:100]!r} is not this server "
@@ -97,11 +125,16 @@ class CrossSiteGuard:
     the control reply shape, the others with the OpenAI error shape."""
 
     def __init__(
-        self, app: ASGIApp, control_paths: Iterable[str], allowed_origins: Iterable[str] = ()
+        self,
+        app: ASGIApp,
+        control_paths: Iterable[str],
+        allowed_origins: Iterable[str] = (),
+        loopback_only: bool = False,
     ) -> None:
         self.app = app
         self.control_paths = frozenset(control_paths)
         self.allowed_origins = tuple(allowed_origins)
+        self.loopback_only = loopback_only
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -115,6 +148,7 @@ class CrossSiteGuard:
             headers,
             scope.get("scheme", "http"),
             self.allowed_origins,
+            self.loopback_only,
         )
         if reason is None:
             await self.app(scope, receive, send)

@@ -194,6 +194,8 @@ CROSS = [
     {"Sec-Fetch-Site": "same-site"},
     {"Origin": "http://evil.example"},
     {"Origin": "null"},
+    # DNS rebinding: evil.example resolves to 127.0.0.1, so the page looks same-origin
+    {"Host": "evil.example", "Origin": "http://evil.example", "Sec-Fetch-Site": "same-origin"},
 ]
 
 

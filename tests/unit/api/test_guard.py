@@ -98,3 +98,17 @@ def test_bearer_ok_compares_in_constant_time(monkeypatch: pytest.MonkeyPatch) ->
 
     monkeypatch.setattr(hmac, "compare_digest", spy)
     assert bearer_ok("Bearer s3cret", "s3cret") and calls  # hmac.compare_digest decides
+
+
+def test_dns_rebinding_host_is_refused_on_a_loopback_server() -> None:
+    rebound = {"host": "evil.example:8000", "origin": "http://evil.example:8000",
+               "sec-fetch-site": "same-origin"}
+    assert cross_site_reason("POST", "/v1/pause", rebound) is None  # same origin, literally
+    why = cross_site_reason("POST", "/v1/pause", rebound, loopback_only=True)
+    assert why is not None and "DNS rebinding" in why
+    for host in ("127.0.0.1:8000", "localhost:8000", "[::1]:8000"):
+        h = {"host": host, "sec-fetch-site": "same-origin"}
+        assert cross_site_reason("POST", "/v1/pause", h, loopback_only=True) is None
+    # non-browser clients may use any name (no Origin, no Sec-Fetch-Site)
+    assert cross_site_reason("POST", "/v1/pause", {"host": "rollbus:8000"},
+                             loopback_only=True) is None
