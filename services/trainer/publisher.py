@@ -263,7 +263,7 @@ class CheckpointPublisher:
     async def _existing(self, nc: Any, model: str, version: str) -> mf.Manifest | None:
         name = ckpt_object_name(model, version, "manifest.json")
         try:
-            raw = await objstore.read_object(nc, self.bucket, name)
+            raw = await objstore.read_object(nc, self.bucket, name, max_size=mf.MAX_MANIFEST_BYTES)
         except objstore.ObjectMissing:
             return None
         return mf.decode(bytes(raw), name)

@@ -356,6 +356,10 @@ class IpcSource:
                 raise
             fds.append(vdir)
             return self._load(version, verify, expected, vdir, prefix, t0)
+        except OSError as e:  # its reason, never an absolute path
+            raise ControlError(
+                UNPROCESSABLE, f"rank {self.rank}: ipc {prefix}: {e.strerror or e}"
+            ) from None
         finally:
             for fd in fds:
                 os.close(fd)

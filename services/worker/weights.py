@@ -116,6 +116,16 @@ class SnapshotSource:
     def __call__(
         self, version: str, verify_checksum: bool | None, expected: Expected = None
     ) -> LoadedShard:
+        try:
+            return self._load(version, verify_checksum, expected)
+        except OSError as e:  # an unreadable file: its reason, never its absolute path
+            raise ControlError(
+                UNPROCESSABLE, f"rank {self.rank}: version {version!r}: {e.strerror or e}"
+            ) from None
+
+    def _load(
+        self, version: str, verify_checksum: bool | None, expected: Expected
+    ) -> LoadedShard:
         t0 = time.perf_counter()
         d = snapshot_dir(self.model_dir, version)
         shard_file = d / rank_shard_file(self.rank, self.tp)
