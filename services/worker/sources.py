@@ -16,7 +16,13 @@ buffer) on top of the staged paddle copy; the buffer is freed once staged.
 ``ipc``: a trainer on the same host wrote ``<ipc_dir>/<model>/<version>/`` (manifest and
 shards, see :mod:`services.trainer.publisher`); the rank maps its shard file
 (``mmap``, shared memory under ``/dev/shm``) and parses it as views of the mapping: no
-copy through the bus, one copy into paddle tensors.
+copy through the bus, one copy into paddle tensors. Only what the service can trust is
+read: see :class:`IpcSource`.
+
+Integrity by default: ``verify_checksum`` None (not given) means verify, since both
+strategies always have a manifest. The manifest is validated first
+(:func:`shared.manifest.validate`: plain names, this rank's tensors, a size that fits
+them), so no buffer is ever sized by an unchecked number.
 
 Errors: unknown version → 404 naming it; size or SHA-256 mismatch, unreadable
 safetensors, wrong names/shapes/dtypes → 422 naming the rank and file; a transfer
@@ -385,7 +391,12 @@ class IpcSource:
         spec = mf.validate(man, self.rank, self.tp, expected, f"ipc {prefix}")
         name = f"{prefix}/{spec.file}"
         where = f"rank {self.rank}: ipc {name}"
-        fd = open_confined(spec.file, vdir, self.uids, where, False)
+        try:
+            fd = open_confined(spec.file, vdir, self.uids, where, False)
+        except ControlError as e:
+            if e.code == NOT_FOUND:  # the manifest names it: a broken version, not unknown
+                raise ControlError(UNPROCESSABLE, f"{where}: shard file is missing") from None
+            raise
         try:
             size = os.fstat(fd).st_size
             if size != spec.size:

@@ -1,8 +1,8 @@
 """One rank's weights: load a version's shard, stage and validate it, commit, free.
 
 A version is loaded by a *source* (the load strategy) into host arrays, checked against
-the tensor spec this rank started with (names, shapes, dtypes; SHA-256 against the
-version's manifest when asked), kept in staging, and only swapped in on ``commit`` —
+the tensor spec this rank started with (names, shapes, dtypes, sizes; SHA-256 against
+the version's manifest unless turned off), kept in staging, and only swapped in on ``commit`` —
 the engine commits every rank together or aborts every rank, so a failure anywhere
 leaves the previous weights serving everywhere.
 
