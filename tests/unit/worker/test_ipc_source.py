@@ -169,3 +169,14 @@ def test_trainer_refuses_unsafe_ipc_dirs(tmp_path: Path) -> None:
     with pytest.raises(UnsafeIpcDir, match="world-writable"):
         pub._write_ipc(MODEL, "s1", blobs, man, None)
     assert not list(real.iterdir())
+
+
+def test_missing_shard_of_a_listed_version_is_422_and_unknown_version_404(
+    ipc: tuple[Path, mf.Manifest],
+) -> None:
+    ipc_dir, man = ipc
+    (ipc_version_dir(ipc_dir, MODEL, "s1") / "rank1-of-2.safetensors").unlink()
+    assert "missing" in refused(ipc_dir, man, 1)
+    with pytest.raises(ControlError) as e:
+        source(ipc_dir)("nope", None, None)
+    assert e.value.code == 404 and str(ipc_dir) not in e.value.message
