@@ -32,6 +32,13 @@ except ImportError as e:  # pragma: no cover - depends on the machine
 from cases import CASES, NEW_TOKENS, PROMPTS  # noqa: E402
 
 TP2_TIMEOUT_S = 600.0
+COMPAT_TIMEOUT_S = 1200  # a test's share includes building every model (session fixtures)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if HERE in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.timeout(COMPAT_TIMEOUT_S))
 
 
 @pytest.fixture(scope="session")
