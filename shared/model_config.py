@@ -164,9 +164,14 @@ class ModelConfig:
     def validate_tp(self, tp: int) -> None:
         if tp < 1:
             raise ValueError(f"tp must be >= 1, got {tp}")
-        for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        for name in ("num_attention_heads", "intermediate_size"):
             if getattr(self, name) % tp:
                 raise ValueError(f"{name}={getattr(self, name)} is not divisible by tp={tp}")
+        kv = self.num_key_value_heads
+        if kv % tp and tp % kv:  # fewer kv heads than ranks: replicated, tp a multiple
+            raise ValueError(
+                f"num_key_value_heads={kv} is neither divisible by tp={tp} nor divides it"
+            )
 
     @property
     def max_model_len(self) -> int:

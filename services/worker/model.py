@@ -8,7 +8,8 @@ holds no parameters, so swapping the dict is a weight update and dropping it is 
 Sharding over ``tp`` ranks (Megatron style):
 
 - column-parallel (dim 0 split): q/k/v/gate/up weights and the q/k/v biases, so each
-  rank owns whole attention heads and a slice of the MLP;
+  rank owns whole attention heads and a slice of the MLP; with fewer kv heads than
+  ranks, each rank holds a copy of the one kv head its query heads read;
 - row-parallel (dim 1 split): o_proj and down_proj; their partial outputs are summed
   with one ``all_reduce`` each per layer;
 - replicated: the norms (qwen3's per-head q/k norms too), ``embed_tokens`` and
@@ -103,6 +104,21 @@ def _split_axis(name: str) -> int | None:
     raise ValueError(f"unknown parameter {name!r}")
 
 
+def _part(cfg: ModelConfig, name: str, length: int, rank: int, tp: int) -> tuple[int, int]:
+    """(start, size) of `rank`'s part of a split axis of `length`. With fewer kv heads
+    than ranks (tp a multiple of num_key_value_heads), k/v are replicated per kv head:
+    rank r holds the kv head its query heads read, ``r // (tp / kv_heads)``."""
+    kv = cfg.num_key_value_heads
+    if kv < tp and name.split(".")[-2] in ("k_proj", "v_proj"):
+        if length % kv:
+            raise ValueError(f"{name}: axis of {length} cannot hold {kv} kv heads")
+        size = length // kv
+        return (rank // (tp // kv)) * size, size
+    if length % tp:
+        raise ValueError(f"{name}: axis of {length} cannot be split {tp} ways")
+    return rank * (length // tp), length // tp
+
+
 def shard_shape(
     cfg: ModelConfig, name: str, full_shape: tuple[int, ...], rank: int, tp: int
 ) -> tuple[int, ...]:
@@ -112,22 +128,27 @@ def shard_shape(
     axis = _split_axis(name)
     if axis is None:
         return tuple(full_shape)
-    if axis >= len(full_shape) or full_shape[axis] % tp:
+    if axis >= len(full_shape):
         raise ValueError(f"{name}: shape {tuple(full_shape)} cannot be split {tp} ways")
     shape = list(full_shape)
-    shape[axis] //= tp
+    shape[axis] = _part(cfg, name, full_shape[axis], rank, tp)[1]
     return tuple(shape)
 
 
 def shard_tensor(cfg: ModelConfig, name: str, full: np.ndarray, rank: int, tp: int) -> np.ndarray:
-    local = shard_shape(cfg, name, full.shape, rank, tp)
+    shard_shape(cfg, name, full.shape, rank, tp)  # validates
     axis = _split_axis(name)
     if axis is None:
         return np.ascontiguousarray(full)
-    size = local[axis]
+    start, size = _part(cfg, name, full.shape[axis], rank, tp)
     index = [slice(None)] * full.ndim
-    index[axis] = slice(rank * size, (rank + 1) * size)
+    index[axis] = slice(start, start + size)
     return np.ascontiguousarray(full[tuple(index)])
+
+
+def local_kv_heads(cfg: ModelConfig, tp: int) -> int:
+    """kv heads per rank: a 1/tp share, or 1 (replicated) when there are fewer than tp."""
+    return max(1, cfg.num_key_value_heads // tp)
 
 
 def init_weights(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
@@ -154,7 +175,7 @@ class KVCache:
         self.num_layers = cfg.num_hidden_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.shape = (num_blocks, block_size, cfg.num_key_value_heads // tp, cfg.head_dim)
+        self.shape = (num_blocks, block_size, local_kv_heads(cfg, tp), cfg.head_dim)
         self.keys: list[paddle.Tensor] = []
         self.values: list[paddle.Tensor] = []
         self.allocate()
@@ -221,7 +242,7 @@ class TPModel:
             raise ValueError(f"rank {rank} out of range for tp={tp}")
         self.cfg, self.rank, self.tp, self.group = cfg, rank, tp, group
         self.heads = cfg.num_attention_heads // tp
-        self.kv_heads = cfg.num_key_value_heads // tp
+        self.kv_heads = local_kv_heads(cfg, tp)
         self._names = shard_names(cfg)
         self._cos = self._sin = np.zeros((0, cfg.head_dim), np.float32)
         self._grow_rope(cfg.max_position_embeddings)

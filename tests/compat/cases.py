@@ -25,6 +25,8 @@ CASES = [
     Case("llama3-old-layout", "llama", layout="old", rope=LLAMA3),
     Case("llama-bf16", "llama", dtype="bfloat16"),
     Case("qwen2", "qwen2", layout="old", theta=1e6, extra={"tie_word_embeddings": True}),
+    # one kv head: at TP=2 both ranks hold a copy of it
+    Case("qwen2-mqa", "qwen2", extra={"num_key_value_heads": 1}),
     Case("qwen2-bf16", "qwen2", dtype="bfloat16", extra={"tie_word_embeddings": True}),
     Case("qwen3", "qwen3", extra={"head_dim": 32}),  # head_dim != hidden / heads (16)
     Case("qwen3-fp16-old-layout", "qwen3", layout="old", dtype="float16", extra={"head_dim": 32}),

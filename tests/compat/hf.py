@@ -85,8 +85,7 @@ def _write(case: Case, out: Path, seed: int) -> None:
     config_cls, model_cls = CLASSES[case.family]
     rope = {"rope_type": "default", **case.rope, "rope_theta": case.theta}
     config = config_cls(
-        **SIZES,
-        **case.extra,
+        **{**SIZES, **case.extra},
         rope_parameters=rope,
         initializer_range=0.02,
     )
