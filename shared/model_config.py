@@ -99,6 +99,8 @@ class ModelConfig:
             raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.rope_type not in ROPE_TYPES:
             raise ConfigError(f"rope_type {self.rope_type!r} is not supported ({ROPE_TYPES})")
+        if self.rope_type == "dynamic" and self.head_dim <= 2:
+            raise ConfigError(f"dynamic RoPE needs head_dim > 2, got {self.head_dim}")
         if self.rope_type != "default" and self.rope_factor <= 0:
             raise ConfigError(f"rope factor must be > 0, got {self.rope_factor}")
         if self.rope_theta <= 0:

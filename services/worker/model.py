@@ -14,7 +14,8 @@ Sharding over ``tp`` ranks (Megatron style):
   with one ``all_reduce`` each per layer;
 - replicated: the norms (qwen3's per-head q/k norms too), ``embed_tokens`` and
   ``lm_head``. The vocabulary is replicated rather than vocab-parallel so every rank
-  returns full logits with no extra all-gather; the price is ``vocab * hidden * 4`` bytes per rank.
+  returns full logits with no extra all-gather; the price is ``vocab * hidden * 4``
+  bytes per rank.
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ _REPLICATED = (
     "q_norm",
     "k_norm",
 )
+
+
 def full_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Unsharded HF shape of every parameter the model needs, in a stable order."""
     d, kv = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim
