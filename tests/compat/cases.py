@@ -23,7 +23,7 @@ CASES = [
     ),
     Case("llama3", "llama", rope=LLAMA3),
     Case("llama3-old-layout", "llama", layout="old", rope=LLAMA3),
-    Case("llama-bf16", "llama", dtype="bfloat16"),
+    Case("llama-bf16-sharded", "llama", dtype="bfloat16", max_shard_size="60KB"),
     Case("qwen2", "qwen2", layout="old", theta=1e6, extra={"tie_word_embeddings": True}),
     # one kv head: at TP=2 both ranks hold a copy of it
     Case("qwen2-mqa", "qwen2", extra={"num_key_value_heads": 1}),

@@ -44,6 +44,7 @@ class Case:
     rope: dict[str, Any] = field(default_factory=dict)  # rope_type and its parameters
     theta: float = 500000.0
     extra: dict[str, Any] = field(default_factory=dict)  # more config fields
+    max_shard_size: str | None = None  # e.g. "100KB": a sharded checkpoint with an index
     seed: int = 0
 
     @property
@@ -101,7 +102,10 @@ def _write(case: Case, out: Path, seed: int) -> None:
             elif "layers." in name:
                 p.normal_(0.0, 0.08)
     model = model.to(getattr(torch, case.dtype))
-    model.save_pretrained(out, safe_serialization=True)
+    if case.max_shard_size:
+        model.save_pretrained(out, safe_serialization=True, max_shard_size=case.max_shard_size)
+    else:
+        model.save_pretrained(out, safe_serialization=True)
     _relayout(out / "config.json", case.layout)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,18 @@ def test_completions_equal_transformers(served: Served) -> None:
         assert got["tokens"] == ref["tokens"], f"{served.name}: greedy tokens differ"
         diff = np.abs(got["logprobs"] - ref["logprobs"]).max()
         assert diff < tol, f"{served.name}: chosen-token logprobs differ by {diff:.2e}"
+
+
+def test_concurrent_requests_equal_transformers(served: Served) -> None:
+    """Requests of different lengths batched together by the engine (shared decode
+    steps, a prefill beside decodes) still give transformers' tokens."""
+    jobs = [(p, r) for p, r in zip(PROMPTS, served.refs, strict=True)] * 3
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        answers = list(pool.map(lambda job: complete(served.stack, job[0]), jobs))
+    tol = BY_NAME[served.name].tolerance
+    for (_, ref), got in zip(jobs, answers, strict=True):
+        assert got["tokens"] == ref["tokens"], f"{served.name}: greedy tokens differ"
+        assert np.abs(got["logprobs"] - ref["logprobs"]).max() < tol
 
 
 @pytest.mark.parametrize("served", ["llama3"], indirect=True)

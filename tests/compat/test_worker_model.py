@@ -64,8 +64,11 @@ def test_configs_are_in_the_layout_they_claim(model_dirs: dict[str, Path]) -> No
             assert "rope_theta" not in raw and raw["rope_parameters"]["rope_theta"] == case.theta
         else:
             assert "rope_parameters" not in raw and raw["rope_theta"] == case.theta
-        _, header = read_header(model_dirs[case.name] / "model.safetensors")
-        stored = {t["dtype"] for t in header.values()}
+        files = sorted(model_dirs[case.name].glob("*.safetensors"))
+        if case.max_shard_size:
+            assert len(files) > 1
+            assert (model_dirs[case.name] / "model.safetensors.index.json").is_file()
+        stored = {t["dtype"] for f in files for t in read_header(f)[1].values()}
         assert stored == {{"float32": "F32", "bfloat16": "BF16", "float16": "F16"}[case.dtype]}
         cfg = ModelConfig.from_hf(raw)
         assert cfg.rope_theta == case.theta
