@@ -36,6 +36,7 @@ BAD = [
     ({"layer_types": ["sliding_attention"]}, "layer_types[0]='sliding_attention'"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+    ({"intermediate_size": 63}, "intermediate_size=63 is not divisible by tp=2"),
 ]  # fmt: skip
 
 
@@ -60,6 +61,7 @@ def test_serve_refuses_unsupported_config(
     proc = subprocess.run(
         [sys.executable, "-m", "services.cli", "serve"],
         env=_env(
+            ROLLBUS_TP="2",
             ROLLBUS_MODEL=str(model),
             ROLLBUS_API_PORT=str(free_port()),
             ROLLBUS_NATS_PORT=str(free_port()),
