@@ -12,7 +12,14 @@ run *ARGS:
 
 # the full test suite (unit, integration, e2e) against a real nats-server
 test *ARGS:
-    python -m pytest -q -m "not bench" {{ARGS}}
+    python -m pytest -q -m "not bench" --ignore=tests/compat {{ARGS}}
+
+# equality with transformers (needs torch): installs a CPU torch and transformers, runs
+# tests/compat. The plain pin resolves from a local wheel on our machines; elsewhere the
+# CPU torch comes from PyTorch's CPU index (never a CUDA build by accident).
+compat *ARGS:
+    python -m pip install -q 'torch==2.13.0+cpu' transformers 2>/dev/null || { python -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu && python -m pip install -q transformers; }
+    python -m pytest -q tests/compat {{ARGS}}
 
 # benchmarks with their baselines, same run; prints tables with ratios
 bench *ARGS:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import json
 import os
 import random
 import signal
@@ -25,6 +26,7 @@ from services import natsd
 from services.tiny_model import ensure_tiny_model
 from shared.bus import Bus
 from shared.errors import BusUnreachable
+from shared.model_config import ModelConfig
 from shared.settings import Settings
 
 PR_SET_PDEATHSIG = 1
@@ -97,6 +99,15 @@ def check_nats(url: str) -> None:
         raise LaunchError(e.message) from None
 
 
+def check_model_config(path: Path, tp: int) -> None:
+    """Refuse a model config rollbus cannot serve exactly, before starting anything."""
+    try:
+        cfg = ModelConfig.from_hf(json.loads(path.read_text()))
+        cfg.validate_tp(tp)
+    except (OSError, ValueError) as e:  # ConfigError is a ValueError; so is bad JSON
+        raise LaunchError(f"ROLLBUS_MODEL={path.parent}: {e}") from None
+
+
 class Launcher:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -109,6 +120,8 @@ class Launcher:
         s = self.settings
         if s.model and not (s.model_dir / "config.json").is_file():
             raise LaunchError(f"ROLLBUS_MODEL={s.model}: no config.json there")
+        if s.model:
+            check_model_config(s.model_dir / "config.json", s.tp)
         if not natsd.port_is_free(s.api_host, s.api_port):
             raise LaunchError(
                 f"API port {s.api_host}:{s.api_port} is busy: set ROLLBUS_API_PORT to a free port"

@@ -181,7 +181,7 @@ class OpenAIRoutes:
             raise BadRequest("'stop' must be a string or a list of strings", "stop")
         stop_ids = list(_get(body, "stop_token_ids", list, []))
         if not _get(body, "ignore_eos", bool, False):
-            stop_ids += [self.tokenizer.eos_token_id]
+            stop_ids += self.tokenizer.stop_token_ids  # every eos id of the model's configs
         if chat:
             logprobs = bool(_get(body, "logprobs", bool, False))
         else:

@@ -30,6 +30,7 @@ from services.engine.scheduler import Output, Scheduler, Seq
 from shared import messages as m
 from shared.bus import REQUEST_ID
 from shared.errors import BAD_REQUEST, UNAVAILABLE, ControlError
+from shared.model_config import context_length
 
 if TYPE_CHECKING:
     from services.engine.main import Engine
@@ -42,8 +43,7 @@ HEARTBEAT_S = 5.0
 def max_model_len(model_dir: Path, setting: int) -> int:
     if setting:
         return setting
-    cfg = json.loads((model_dir / "config.json").read_text())
-    return int(cfg.get("max_position_embeddings", 2048))
+    return context_length(json.loads((model_dir / "config.json").read_text()))
 
 
 class Generation:

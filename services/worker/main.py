@@ -29,6 +29,7 @@ from services.worker.weights import WeightStore, load_config, model_dir_version
 from shared import messages as m
 from shared.bus import RANK, Bus
 from shared.errors import INTERNAL, ControlError
+from shared.model_config import ConfigError
 from shared.settings import Settings, settings_or_exit
 from shared.subjects import Subjects
 
@@ -50,6 +51,7 @@ METHODS: dict[str, tuple[Callable[[control.Rank, Any], dict[str, Any]], type | N
     "selfbench": (control.selfbench, m.SelfBenchArgs),
 }
 INIT_FAILED = 3  # exit code: a start that failed for a reason a restart may clear
+CONFIG_ERROR = 2  # exit code: the model config cannot be served; never restarted
 INIT_TIMEOUT_S = 600.0  # rendezvous + loading one shard of a large model
 # answered on the event loop, not queued behind paddle work
 INLINE = {"ping", "status"}
@@ -154,6 +156,10 @@ async def amain(settings: Settings, rank: int) -> int:
         state = build.result()
     except ControlError:
         raise  # a real problem (bad model dir, bad shard): main() prints it, exit 1
+    except ConfigError as e:  # a model config we cannot serve: a restart cannot help
+        print(f"rollbus-worker rank {rank}: {e}", file=sys.stderr, flush=True)
+        await bus.close()
+        return CONFIG_ERROR
     except Exception as e:  # e.g. gloo's full-mesh connect refused: worth a restart
         print(f"rollbus-worker rank {rank}: start failed: {e}", file=sys.stderr, flush=True)
         await bus.close()

@@ -448,7 +448,7 @@ class FallbackSource:
 
 
 def make_source(settings: Settings, cfg: mdl.ModelConfig, rank: int) -> Source:
-    snap = SnapshotSource(cfg, settings.model_dir, rank, settings.tp)
+    snap = SnapshotSource(cfg, settings.model_dir, rank, settings.tp, settings.dtype)
     store = ObjectStoreSource(settings, snap, rank, settings.tp)  # connects on first use
     if settings.load_strategy == "object_store":
         return FallbackSource(store, snap)

@@ -11,7 +11,8 @@ Sources:
 * ``snapshot`` — version ``V`` is the directory ``<model>/versions/V/``; the model dir
   itself is the version named in its ``version.txt``. A directory holds either
   pre-sharded ``rank<r>-of-<tp>.safetensors`` files (with ``manifest.json``: SHA-256
-  verifiable) or HF ``*.safetensors`` files, from which each rank reads only its slice.
+  verifiable) or HF ``*.safetensors`` files, from which each rank reads only its slice
+  (bf16 / fp16 converted to fp32, see :mod:`services.worker.hf_files`).
 * ``object_store`` / ``ipc`` — see :mod:`services.worker.sources`.
 """
 
@@ -32,6 +33,7 @@ import paddle
 import paddle.utils.dlpack
 from safetensors import SafetensorError, safe_open
 
+from services.worker import hf_files
 from services.worker import model as mdl
 from shared import manifest as mf
 from shared.errors import BAD_REQUEST, NOT_FOUND, UNPROCESSABLE, ControlError
@@ -107,8 +109,11 @@ def read_small(path: Path, limit: int, where: str) -> bytes:
 class SnapshotSource:
     """Load versions from local directories (FastDeploy's ``ipc_snapshot``)."""
 
-    def __init__(self, cfg: mdl.ModelConfig, model_dir: Path, rank: int, tp: int) -> None:
+    def __init__(
+        self, cfg: mdl.ModelConfig, model_dir: Path, rank: int, tp: int, dtype: str = "float32"
+    ) -> None:
         self.cfg, self.model_dir, self.rank, self.tp = cfg, model_dir, rank, tp
+        self.dtype = hf_files.compute_dtype(dtype)  # ROLLBUS_DTYPE; float32 on CPU
 
     def _rel(self, p: Path) -> str:
         return public_path(p, self.model_dir) or "."
@@ -195,26 +200,26 @@ class SnapshotSource:
         shapes = mdl.full_shapes(self.cfg)
         wanted = set(mdl.shard_names(self.cfg))
         nbytes = 0
+        where = ""
+
+        def take(name: str, full: np.ndarray) -> np.ndarray:
+            # the header's shape is checked before this rank's slice is copied out
+            if tuple(full.shape) != tuple(shapes[name]):
+                raise ControlError(
+                    UNPROCESSABLE,
+                    f"{where}: {name} has shape {list(full.shape)}, the served config "
+                    f"says {list(shapes[name])}",
+                )
+            return mdl.shard_tensor(self.cfg, name, full, self.rank, self.tp)
+
         for f in files:
             where = f"rank {self.rank}: {self._rel(f)}"
             try:
-                with safe_open(str(f), framework="numpy") as st:
-                    for name in st.keys():
-                        if name not in wanted:
-                            continue
-                        # the header's shape is checked before the tensor is read
-                        shape = tuple(st.get_slice(name).get_shape())
-                        if shape != tuple(shapes[name]):
-                            raise ControlError(
-                                UNPROCESSABLE,
-                                f"{where}: {name} has shape {list(shape)}, the served config "
-                                f"says {list(shapes[name])}",
-                            )
-                        full = st.get_tensor(name)
-                        part = mdl.shard_tensor(self.cfg, name, full, self.rank, self.tp)
-                        arrays[name] = np.ascontiguousarray(part)
-                        nbytes += part.nbytes
-            except (SafetensorError, OSError, ValueError) as e:
+                # only this rank's slices, bf16/fp16 converted to the fp32 compute dtype
+                part = hf_files.read_slices(f, wanted - set(arrays), take)
+                arrays.update(part)
+                nbytes += sum(a.nbytes for a in part.values())
+            except (OSError, ValueError) as e:
                 raise ControlError(
                     UNPROCESSABLE, f"{where}: cannot read: {_no_paths(e, f)}"
                 ) from None
