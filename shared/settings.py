@@ -45,6 +45,18 @@ class Settings(BaseSettings):
     max_batch_size: int = Field(64, ge=1, description="sequences per engine step")
     max_step_tokens: int = Field(2048, ge=1, description="tokens per engine step (prefill chunks)")
 
+    # limits and backpressure (README "Limits")
+    max_n: int = Field(64, ge=1, le=4096, description="largest `n` (choices) of one request")
+    max_waiting: int = Field(
+        1024, ge=1, description="requests queued in the engine before new ones get 429"
+    )
+    max_body_bytes: int = Field(
+        4 * 1024 * 1024, ge=1024, description="largest HTTP request body (else 400)"
+    )
+    stream_buffer: int = Field(
+        4096, ge=16, description="unread chunks the API keeps per request before dropping it"
+    )
+
     # weights / control
     load_strategy: LoadStrategy = "snapshot"
     dynamic_load_weight: bool = True
