@@ -88,9 +88,10 @@ _AT = re.compile(r" - at `\$(.*)`$")
 
 def error_param(err: msgspec.ValidationError) -> str | None:
     """The field a msgspec validation error names: ``$.temperature`` -> ``temperature``,
-    ``$.messages[0].role`` -> ``messages[0].role``; None for the document itself."""
+    ``$.messages[0].role`` -> ``messages[0].role``; a dict value (``$.logit_bias[...]``)
+    is named by its dict; None for the document itself."""
     hit = _AT.search(str(err))
-    return hit.group(1).lstrip(".") or None if hit else None
+    return hit.group(1).replace("[...]", "").lstrip(".") or None if hit else None
 
 
 def error_text(err: msgspec.ValidationError) -> str:

@@ -87,6 +87,8 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 def _sample_row(
     logits: np.ndarray, p: SamplingParams, gen: np.random.Generator
 ) -> tuple[int, float]:
+    if np.isnan(logits).any():  # a broken row must not turn into a silent random token
+        raise ValueError("logits contain NaN")
     if p.temperature == 0:
         token = int(np.argmax(logits))
         return token, float(_log_softmax(logits)[token])
