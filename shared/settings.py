@@ -54,7 +54,7 @@ class Settings(BaseSettings):
         4 * 1024 * 1024, ge=1024, description="largest HTTP request body (else 400)"
     )
     stream_buffer: int = Field(
-        4096, ge=16, description="unread chunks the API keeps per request before dropping it"
+        256, ge=16, description="unread chunks per choice the API keeps before dropping a stream"
     )
 
     # weights / control

@@ -11,8 +11,8 @@ alternatives (``top_logprobs``) are not computed and come back empty.
 Every parameter is checked here, before the engine sees it (``schema``, ``body``): a
 bad one answers 400 naming it in ``error.param``. A full engine queue answers 429 with
 ``Retry-After``. A client that goes away cancels its request in the engine; a stream
-reader that falls ``ROLLBUS_STREAM_BUFFER`` chunks behind loses its stream (the
-connection is closed, the request cancelled). ``X-Request-Id`` is echoed back.
+reader that falls ``ROLLBUS_STREAM_BUFFER`` chunks per choice behind loses its stream
+(the connection is closed, the request cancelled). ``X-Request-Id`` is echoed back.
 """
 
 from __future__ import annotations
@@ -441,7 +441,7 @@ class OpenAIRoutes:
                 job.gen,
                 job.stops,
                 self._seen,
-                max_unread=s.stream_buffer,
+                max_unread=s.stream_buffer * job.gen.n,  # a step sends n chunks at once
                 on_overflow=gave_up.set,
             )
             await until_disconnect(request, call.open())  # refused (400/429/503) -> raises

@@ -11,9 +11,9 @@ and rank 0 samples ``n`` tokens from that position; the other choices then fork,
 the full prompt blocks (reference counts) and copying the partial last block.
 
 Fairness: a step's rows are shared among the running requests round-robin, and while
-requests wait for admission one request may take at most half the rows, so one
-large-``n`` request cannot starve small ones. Within a request, the sequences stepped
-least recently go first.
+requests wait for admission one request may take at most ``max_batch // (running
+requests + 1)`` rows, so one large-``n`` request cannot starve small ones. Within a
+request, the sequences stepped least recently go first.
 """
 
 from __future__ import annotations
@@ -388,6 +388,7 @@ class Scheduler:
 
     def counts(self) -> dict[str, int]:
         return {
+            "queued": self.num_queued,
             "waiting": len(self.waiting),
             "running": len(self.running),
             "requests": len(self.requests),
