@@ -84,14 +84,20 @@ def parse_tags(tags: list[str] | str | None) -> tuple[str, ...]:
 
 
 _AT = re.compile(r" - at `\$(.*)`$")
+_MISSING = re.compile(r"^Object (?:missing required|contains unknown) field `([^`]*)`")
 
 
 def error_param(err: msgspec.ValidationError) -> str | None:
     """The field a msgspec validation error names: ``$.temperature`` -> ``temperature``,
-    ``$.messages[0].role`` -> ``messages[0].role``; a dict value (``$.logit_bias[...]``)
-    is named by its dict; None for the document itself."""
-    hit = _AT.search(str(err))
-    return hit.group(1).replace("[...]", "").lstrip(".") or None if hit else None
+    ``$.messages[0].role`` -> ``messages[0].role``, a missing or unknown field by its name; a
+    dict value (``$.logit_bias[...]``) is named by its dict; None for the document."""
+    text = str(err)
+    hit = _AT.search(text)
+    path = hit.group(1).replace("[...]", "").lstrip(".") if hit else ""
+    missing = _MISSING.match(text)
+    if missing:
+        path = f"{path}.{missing.group(1)}" if path else missing.group(1)
+    return path or None
 
 
 def error_text(err: msgspec.ValidationError) -> str:
@@ -117,6 +123,8 @@ def decode_args(data: bytes, kind: type[T]) -> T:
         raise ControlError(
             BAD_REQUEST, f"body is not valid JSON: {e}", {"param": "body"}
         ) from None
+    except RecursionError:
+        raise ControlError(BAD_REQUEST, "body nests too deeply", {"param": "body"}) from None
 
 
 # --------------------------------------------------------------------------- workers

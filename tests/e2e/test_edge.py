@@ -205,7 +205,7 @@ def test_hostile_gen_messages_over_raw_nats_fail_alone(stack: Stack) -> None:
         (dict(gen, n=10**6), "n"),
         (dict(gen, max_tokens=-1), "max_tokens"),
         (dict(gen, top_p=math.inf), "top_p"),
-        ({"no": "request"}, ""),
+        ({"no": "request"}, "request_id"),
     ]
     for body, param in cases:
         chunk = raw_gen(stack, msgspec.msgpack.encode(body))

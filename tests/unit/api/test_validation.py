@@ -88,6 +88,8 @@ def test_non_finite_numbers_are_refused_naming_the_field(
         ({"prompt": ["a", "b"]}, "prompt"),
         ({"prompt": "x" * 70}, "prompt"),  # longer than the context
         ({"prompt": None}, "prompt"),
+        ({"prompt": 5}, "prompt"),
+        ({"prompt": 5}, "prompt"),
     ],
 )
 def test_completion_parameters_out_of_range(
@@ -100,7 +102,7 @@ def test_completion_parameters_out_of_range(
     ("extra", "param"),
     [
         ({"messages": []}, "messages"),
-        ({"messages": [{"content": "x"}]}, "messages[0]"),
+        ({"messages": [{"content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": 1, "content": "x"}]}, "messages[0].role"),
         ({"logprobs": 1}, "logprobs"),
         ({"top_logprobs": 21}, "top_logprobs"),
@@ -172,3 +174,8 @@ def test_depth_limit_is_exact() -> None:
 
 def test_blank_body_is_the_default() -> None:
     assert parse_json(b"  ", empty={}) == {}
+
+
+def test_a_missing_field_is_named(routes: OpenAIRoutes) -> None:
+    assert refused(routes, {"max_tokens": 3}).param == "prompt"
+    assert refused(routes, {"prompt": "x"}, chat=True).param == "messages"

@@ -51,7 +51,7 @@ def msg(**fields: object) -> bytes:
         (msg(seed=2**64 - 1), "seed"),
         (msg(request_id=""), "request_id"),
         (msg(request_id="x" * 257), "request_id"),
-        (msgspec.msgpack.encode({"prompt_token_ids": [1]}), ""),  # no request_id
+        (msgspec.msgpack.encode({"prompt_token_ids": [1]}), "request_id"),  # missing
         (b"\xc1 not msgpack", ""),
         (msgspec.msgpack.encode([1, 2, 3]), ""),
     ],
