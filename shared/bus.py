@@ -5,9 +5,11 @@ One :class:`Bus` per process. It owns:
 * a bounded ``connect`` that names the URL it could not reach (nats-py alone keeps
   retrying for minutes);
 * one long-lived wildcard reply inbox, subscribed at connect, before any request. Each
-  request gets a correlation id (the last token of its reply subject, also sent as the
-  ``Rollbus-Request-Id`` header and echoed in replies); its future is registered
-  *before* the publish, so a fast reply can never arrive to nobody (FastDeploy's race);
+  request gets a correlation token of our own making (the last token of its reply
+  subject); its future is registered *before* the publish, so a fast reply can never
+  arrive to nobody (FastDeploy's race). A caller's request id (any string, e.g. a
+  client's ``X-Request-Id``: dots, ``*``, spaces, duplicates) travels only in the
+  ``Rollbus-Request-Id`` header, never in a subject, so it cannot break or cross replies;
 * ``request`` (one reply) and ``scatter`` (exactly ``expected`` replies, one per rank,
   or a timeout naming the ranks that did not answer). No-responder markers
   (``Status: 503``) fail a request at once and are ignored by a scatter;
@@ -32,7 +34,7 @@ from nats.micro import add_service
 from nats.micro.request import Request
 from nats.micro.service import Service
 
-from shared.errors import BusUnreachable, NoResponders, Timeout
+from shared.errors import UNAVAILABLE, BusUnreachable, ControlError, NoResponders, Timeout
 
 log = logging.getLogger("rollbus.bus")
 
@@ -63,14 +65,44 @@ class _Gather:
             self.done.set_result(None)
 
 
-class _Stream:
-    """Replies of one streamed request, in arrival order."""
+class StreamOverflow(ControlError):
+    """A streamed request's reader fell ``limit`` replies behind: its stream is dropped."""
 
-    def __init__(self) -> None:
+    def __init__(self, subject: str, limit: int) -> None:
+        super().__init__(
+            UNAVAILABLE, f"reader too slow: more than {limit} replies on {subject} unread"
+        )
+
+
+class _Stream:
+    """Replies of one streamed request, in arrival order, at most ``limit`` unread.
+
+    The NATS callback never waits for a reader (that would hold up every other
+    request on the connection): a reader that falls behind loses its own stream."""
+
+    def __init__(self, subject: str, limit: int, on_overflow: Callable[[], None]) -> None:
         self.queue: asyncio.Queue[Reply | Exception] = asyncio.Queue()
+        self.subject, self.limit, self.on_overflow = subject, limit, on_overflow
+        self.failed = False
+
+    def put(self, item: Reply | Exception) -> None:
+        if self.failed:
+            return
+        if self.queue.qsize() >= self.limit:
+            self.failed = True
+            while not self.queue.empty():  # free what it held; the reader sees the error next
+                self.queue.get_nowait()
+            item = StreamOverflow(self.subject, self.limit)
+            self.on_overflow()
+        self.queue.put_nowait(item)
 
 
 def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def _token() -> str:
+    """A reply-subject token: ours alone, whatever request id the caller brought."""
     return uuid.uuid4().hex
 
 
@@ -147,9 +179,7 @@ class Bus:
             return
         no_responders = headers.get(STATUS) == "503" and not msg.data
         if isinstance(waiter, _Stream):
-            waiter.queue.put_nowait(
-                NoResponders(msg.subject) if no_responders else Reply(msg.data, headers)
-            )
+            waiter.put(NoResponders(msg.subject) if no_responders else Reply(msg.data, headers))
         elif isinstance(waiter, _Gather):
             if no_responders:
                 return  # a scatter only ends on rank replies or its timeout
@@ -168,11 +198,13 @@ class Bus:
                 waiter.set_result(Reply(msg.data, headers))
 
     async def _send(
-        self, subject: str, data: bytes, rid: str, extra: dict[str, str] | None
+        self, subject: str, data: bytes, token: str, rid: str, extra: dict[str, str] | None
     ) -> None:
-        """Publish a request whose replies come to our inbox under ``rid``."""
+        """Publish a request whose replies come to our inbox under ``token``."""
         headers = {REQUEST_ID: rid, **(extra or {})}
-        await self.nc.publish(subject, data, reply=f"{self._inbox_prefix}.{rid}", headers=headers)
+        await self.nc.publish(
+            subject, data, reply=f"{self._inbox_prefix}.{token}", headers=headers
+        )
 
     async def request(
         self,
@@ -184,16 +216,16 @@ class Bus:
         request_id: str | None = None,
     ) -> Reply:
         """Publish and wait for one reply; ``Timeout`` or ``NoResponders`` on failure."""
-        rid = request_id or new_request_id()
+        token = _token()
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
-        self._pending[rid] = fut  # registered before the publish
+        self._pending[token] = fut  # registered before the publish
         try:
-            await self._send(subject, data, rid, headers)
+            await self._send(subject, data, token, request_id or token, headers)
             return await asyncio.wait_for(fut, timeout)
         except TimeoutError:
             raise Timeout(subject, timeout) from None
         finally:
-            self._pending.pop(rid, None)
+            self._pending.pop(token, None)
 
     async def scatter(
         self,
@@ -210,11 +242,11 @@ class Bus:
         Raises :class:`Timeout` naming the missing ranks; the replies that did arrive are
         in its ``result["replies"]``.
         """
-        rid = request_id or new_request_id()
+        token = _token()
         gather = _Gather(expected)
-        self._pending[rid] = gather
+        self._pending[token] = gather
         try:
-            await self._send(subject, data, rid, headers)
+            await self._send(subject, data, token, request_id or token, headers)
             await asyncio.wait_for(asyncio.shield(gather.done), timeout)
             return gather.replies
         except TimeoutError:
@@ -223,7 +255,7 @@ class Bus:
             err.result = {"missing_ranks": missing, "replies": gather.replies}
             raise err from None
         finally:
-            self._pending.pop(rid, None)
+            self._pending.pop(token, None)
 
     async def stream(
         self,
@@ -233,17 +265,21 @@ class Bus:
         idle_timeout: float,
         headers: dict[str, str] | None = None,
         request_id: str | None = None,
+        max_unread: int = 4096,
+        on_overflow: Callable[[], None] = lambda: None,
     ) -> AsyncIterator[Reply]:
         """Publish once; yield every reply until the caller stops iterating.
 
         ``idle_timeout`` bounds the silence between two replies (the responder sends
-        heartbeats while a request waits), raising :class:`Timeout`.
+        heartbeats while a request waits), raising :class:`Timeout`. More than
+        ``max_unread`` replies not yet taken raise :class:`StreamOverflow` (and call
+        ``on_overflow`` right away: the reader may be blocked elsewhere).
         """
-        rid = request_id or new_request_id()
-        stream = _Stream()
-        self._pending[rid] = stream  # registered before the publish
+        token = _token()
+        stream = _Stream(subject, max_unread, on_overflow)
+        self._pending[token] = stream  # registered before the publish
         try:
-            await self._send(subject, data, rid, headers)
+            await self._send(subject, data, token, request_id or token, headers)
             while True:
                 try:
                     item = await asyncio.wait_for(stream.queue.get(), idle_timeout)
@@ -253,7 +289,7 @@ class Bus:
                     raise item
                 yield item
         finally:
-            self._pending.pop(rid, None)
+            self._pending.pop(token, None)
 
     async def publish(
         self, subject: str, data: bytes, headers: dict[str, str] | None = None

@@ -51,6 +51,18 @@ class Settings(BaseSettings):
         "float32", description="compute dtype; auto = the checkpoint's on GPU, float32 on CPU"
     )
 
+    # limits and backpressure (README "Limits")
+    max_n: int = Field(64, ge=1, le=4096, description="largest `n` (choices) of one request")
+    max_waiting: int = Field(
+        1024, ge=1, description="requests queued in the engine before new ones get 429"
+    )
+    max_body_bytes: int = Field(
+        4 * 1024 * 1024, ge=1024, description="largest HTTP request body (else 400)"
+    )
+    stream_buffer: int = Field(
+        256, ge=16, description="unread chunks per choice the API keeps before dropping a stream"
+    )
+
     # weights / control
     load_strategy: LoadStrategy = "snapshot"
     dynamic_load_weight: bool = True

@@ -23,13 +23,14 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from nats.aio.msg import Msg
 from nats.micro.service import Service
 
 from services.engine.scheduler import Output, Scheduler, Seq
 from shared import messages as m
 from shared.bus import REQUEST_ID
-from shared.errors import BAD_REQUEST, UNAVAILABLE, ControlError
+from shared.errors import BAD_REQUEST, TOO_MANY_REQUESTS, UNAVAILABLE, ControlError
 from shared.model_config import context_length
 
 if TYPE_CHECKING:
@@ -46,11 +47,24 @@ def max_model_len(model_dir: Path, setting: int) -> int:
     return context_length(json.loads((model_dir / "config.json").read_text()))
 
 
+def vocab_size(model_dir: Path) -> int:
+    return int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+
+
+class Refused(Exception):
+    """A generation request the engine will not queue: ``code`` and the field."""
+
+    def __init__(self, code: int, message: str, param: str = "") -> None:
+        super().__init__(message)
+        self.code, self.message, self.param = code, message, param
+
+
 class Generation:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         s = engine.settings
         self.max_model_len = max_model_len(s.model_dir, s.max_model_len)
+        self.vocab_size = vocab_size(s.model_dir)
         engine.max_model_len = self.max_model_len
         self.sched = Scheduler(
             s.kv_cache_blocks,
@@ -80,36 +94,67 @@ class Generation:
         return [asyncio.create_task(self.loop()), asyncio.create_task(self.heartbeats())]
 
     async def on_gen(self, msg: Msg) -> None:
-        try:
-            gen = m.unpack(msg.data, type=m.GenRequest)
-        except Exception as e:  # noqa: BLE001 - a bad message must still get an answer
-            if msg.reply:
-                await self._send(
-                    msg.reply,
-                    m.GenChunk(
-                        "",
-                        finish_reason="error",
-                        error_code=BAD_REQUEST,
-                        error_message=f"bad request: {e}",
-                    ),
-                )
-            return
+        """Queue a request, acknowledged by a first heartbeat, or refuse it with one error
+        chunk. Anything may arrive here over raw NATS: nothing in it can fail the loop."""
         if not msg.reply:
             return
-        why = self.sched.check(gen)
-        if why:
-            await self._send(
-                msg.reply,
-                m.GenChunk(
-                    gen.request_id, finish_reason="error", error_code=BAD_REQUEST, error_message=why
-                ),
+        rid = ""
+        try:
+            gen = self.admit_request(msg.data)
+            rid = gen.request_id
+            self.sched.add(gen, msg.reply)
+        except Refused as e:
+            chunk = m.GenChunk(
+                rid,
+                finish_reason="error",
+                error_code=e.code,
+                error_message=e.message,
+                error_param=e.param,
             )
+            await self._send(msg.reply, chunk)
             return
-        self.sched.add(gen, msg.reply)
+        await self._send(msg.reply, m.GenChunk(rid, heartbeat=True))  # queued
         self.work.set()
 
+    def admit_request(self, data: bytes) -> m.GenRequest:
+        """Decode and check one ``gen`` message against every limit; raises ``Refused``."""
+        try:
+            gen = m.unpack(data, type=m.GenRequest)
+        except msgspec.ValidationError as e:
+            param = m.error_param(e) or ""
+            raise Refused(BAD_REQUEST, f"bad request: {e}", param) from None
+        except Exception as e:  # noqa: BLE001 - not msgpack at all
+            raise Refused(BAD_REQUEST, f"bad request: not a GenRequest: {e}") from None
+        s = self.engine.settings
+        if gen.n > s.max_n:
+            raise Refused(BAD_REQUEST, f"n is {gen.n}; the limit is {s.max_n}", "n")
+        for name in ("prompt_token_ids", "stop_token_ids"):
+            if any(t >= self.vocab_size for t in getattr(gen, name)):
+                raise Refused(
+                    BAD_REQUEST, f"{name}: token id out of the vocabulary ({self.vocab_size})", name
+                )
+        if gen.request_id in self.sched.requests:
+            raise Refused(
+                BAD_REQUEST, f"request_id {gen.request_id!r} is already running", "request_id"
+            )
+        why = self.sched.check(gen)
+        if why:
+            raise Refused(BAD_REQUEST, why, "max_tokens")
+        if self.sched.num_queued >= s.max_waiting:
+            raise Refused(
+                TOO_MANY_REQUESTS,
+                f"the engine queue is full ({s.max_waiting} requests waiting, "
+                "ROLLBUS_MAX_WAITING); retry later",
+            )
+        return gen
+
     async def on_cancel(self, msg: Msg) -> None:
-        self._cancels.append(m.json_decode(msg.data, type=m.GenCancel).request_id)
+        try:
+            rid = m.json_decode(msg.data, type=m.GenCancel).request_id
+        except msgspec.MsgspecError:
+            log.warning("ignored a malformed gen.cancel message (%d bytes)", len(msg.data))
+            return
+        self._cancels.append(rid)
         self.work.set()
 
     async def _send(self, reply: str, chunk: m.GenChunk) -> None:
@@ -117,6 +162,12 @@ class Generation:
 
     def _chunk(self, out: Output) -> m.GenChunk:
         seq = out.seq
+        if out.error:
+            code, why = out.error
+            return m.GenChunk(
+                seq.req.request_id, seq.index, finish_reason="error", error_code=code,
+                error_message=why,
+            )
         return m.GenChunk(
             seq.req.request_id,
             seq.index,

@@ -17,9 +17,11 @@ from nats.aio.msg import Msg
 
 from services.worker import model as mdl
 from services.worker.control import Rank
-from services.worker.sampling import SamplingParams, make_generator, sample
+from services.worker.sampling import SamplingParams, make_generator, sample_each
+from services.worker.stepcheck import StepLimits, check_step
 from shared import messages as m
 from shared.bus import REQUEST_ID, Bus
+from shared.errors import BAD_REQUEST, INTERNAL
 
 log = logging.getLogger("rollbus.worker.step")
 
@@ -28,15 +30,29 @@ class Stepper:
     def __init__(self, state: Rank, bus: Bus, pool: ThreadPoolExecutor, rank: int) -> None:
         self.state, self.bus, self.pool, self.rank = state, bus, pool, rank
         self.generators: dict[int, np.random.Generator] = {}
+        kv = state.kv
+        # positions are bounded by what a block table can address (the engine's context
+        # length setting may exceed the config's max_position_embeddings)
+        self.limits = StepLimits(
+            state.cfg.vocab_size, kv.num_blocks, kv.block_size, kv.num_blocks * kv.block_size
+        )
 
     async def on_step(self, msg: Msg) -> None:
-        req = m.unpack(msg.data, type=m.StepRequest)
-        loop = asyncio.get_running_loop()
-        try:
-            reply = await loop.run_in_executor(self.pool, self.run, req)
-        except Exception as e:  # the engine must learn of it, not time out
-            log.exception("rank %d: step %d failed", self.rank, req.step)
-            reply = m.StepReply(req.step, [], [], [], error=f"rank {self.rank}: {e!r}")
+        try:  # raw NATS reaches this subject too: refuse, reply, keep serving
+            req = m.unpack(msg.data, type=m.StepRequest)
+            why = check_step(req, self.limits)
+        except Exception as e:  # noqa: BLE001 - not a StepRequest at all
+            req, why = m.StepRequest(-1, []), f"not a step message: {e}"
+        if why:
+            log.warning("rank %d: refused step %d: %s", self.rank, req.step, why)
+            reply = m.StepReply(req.step, [], [], [], error=f"rank {self.rank}: bad step: {why}")
+        else:
+            loop = asyncio.get_running_loop()
+            try:
+                reply = await loop.run_in_executor(self.pool, self.run, req)
+            except Exception as e:  # the engine must learn of it, not time out
+                log.exception("rank %d: step %d failed", self.rank, req.step)
+                reply = m.StepReply(req.step, [], [], [], error=f"rank {self.rank}: {e!r}")
         if self.rank == 0 and msg.reply:
             headers = {REQUEST_ID: (msg.headers or {}).get(REQUEST_ID, "")}
             await self.bus.publish(msg.reply, m.pack(reply), headers=headers)
@@ -70,18 +86,32 @@ class Stepper:
                 specs.append(spec)
         if not specs:
             return m.StepReply(req.step, [], [], [], seconds=time.perf_counter() - t0)
-        host = logits.numpy()[rows]
-        params = [
-            SamplingParams(s.temperature, s.top_p, s.top_k, s.seed, s.logprobs) for s in specs
-        ]
-        gens = [self._generator(s) for s in specs]
-        tokens, logprobs = sample(host, params, gens)
+        host = logits.numpy()
+        # a bad sampling spec fails its own sequence only (reported in ``failed``)
+        good: list[tuple[int, m.SamplingSpec, SamplingParams]] = []
+        failed: list[tuple[int, int, str]] = []
+        for row, s in zip(rows, specs, strict=True):
+            try:
+                p = SamplingParams(s.temperature, s.top_p, s.top_k, s.seed, s.logprobs)
+            except (ValueError, TypeError) as e:
+                failed.append((s.seq_id, BAD_REQUEST, f"bad sampling parameters: {e}"))
+                continue
+            good.append((row, s, p))
+        results = sample_each(
+            host[[r for r, _, _ in good]] if good else host[:0],
+            [p for _, _, p in good],
+            [self._generator(s) for _, s, _ in good],
+        )
+        seq_ids, tokens, logprobs = [], [], []
+        for (_, s, _), res in zip(good, results, strict=True):
+            if isinstance(res, Exception):
+                failed.append((s.seq_id, INTERNAL, f"sampling failed: {res!r}"))
+                continue
+            seq_ids.append(s.seq_id)
+            tokens.append(res[0])
+            logprobs.append(res[1])
         return m.StepReply(
-            req.step,
-            [s.seq_id for s in specs],
-            tokens,
-            logprobs,
-            seconds=time.perf_counter() - t0,
+            req.step, seq_ids, tokens, logprobs, seconds=time.perf_counter() - t0, failed=failed
         )
 
     def _generator(self, spec: m.SamplingSpec) -> np.random.Generator:
