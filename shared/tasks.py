@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 log = logging.getLogger("rollbus.tasks")
@@ -96,7 +96,7 @@ class Supervisor:
 
 def guarded(
     name: str, cb: Callable[[T], Awaitable[None]], counts: dict[str, int] | None = None
-) -> Callable[[T], Awaitable[None]]:
+) -> Callable[[T], Coroutine[Any, Any, None]]:
     """``cb`` whose exceptions are logged at ERROR with the traceback (and counted in
     ``counts[name]``) instead of reaching nats-py's error callback."""
 
