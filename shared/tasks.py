@@ -41,6 +41,8 @@ class Supervisor:
         self.last_error: dict[str, str] = {}
         self.down: set[str] = set()  # tasks waiting out their backoff
         self.tasks: dict[str, asyncio.Task[None]] = {}
+        self._inner: dict[str, asyncio.Future[Any]] = {}
+        self._kicked: dict[str, str] = {}
 
     def start(self, name: str, body: Body, on_error: OnError | None = None) -> asyncio.Task[None]:
         self.failures.setdefault(name, 0)
@@ -48,16 +50,32 @@ class Supervisor:
         self.tasks[name] = task
         return task
 
+    def restart(self, name: str, reason: str) -> bool:
+        """Cancel the current run of ``name`` (wedged, e.g. a stall) and count it as a
+        failure: the error hook runs and the body starts again. False if not running."""
+        inner = self._inner.get(name)
+        if inner is None or inner.done():
+            return False
+        self._kicked[name] = reason
+        inner.cancel()
+        return True
+
     async def _run(self, name: str, body: Body, on_error: OnError | None) -> None:
         delay = self.backoff
         while True:
             t0 = time.monotonic()
+            inner = self._inner[name] = asyncio.ensure_future(body())
             try:
-                await body()
+                await inner
                 err: BaseException = RuntimeError(f"task {name} returned")
                 log.error("%s: task %s ended unexpectedly; restarting", self.process, name)
             except asyncio.CancelledError:
-                raise
+                reason = self._kicked.pop(name, None)
+                if reason is None or not inner.cancelled():
+                    inner.cancel()
+                    raise
+                err = RuntimeError(f"task {name} restarted: {reason}")
+                log.error("%s: task %s restarted: %s", self.process, name, reason)
             except Exception as e:  # noqa: BLE001 - the point: never lost, always restarted
                 err = e
                 log.exception("%s: task %s failed; restarting", self.process, name)

@@ -3,6 +3,14 @@
 Every rank runs the forward pass of the step (the all-reduces need all of them);
 rank 0 alone samples and replies. Sampling state (one generator per sequence) lives on
 rank 0 and survives preemption; the engine names finished sequences so it is dropped.
+
+A step only some ranks received must not hang the others: steps are numbered 1, 2, ...
+by the engine, so a rank that sees a gap (it missed a step its peers may be running)
+refuses the step without entering a collective and replies with the error — any rank
+replies on an error, so the engine learns it at once. A smaller number than the last
+one means a restarted engine: the count starts over. The :class:`Watermark` says what
+the compute thread runs and since when; ``ping`` reports it, so a rank blocked in a
+collective shows as stuck (``services.worker.main`` also exits past a bound).
 """
 
 from __future__ import annotations
@@ -10,7 +18,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import numpy as np
 from nats.aio.msg import Msg
@@ -23,21 +33,73 @@ from shared.bus import REQUEST_ID, Bus
 
 log = logging.getLogger("rollbus.worker.step")
 
+T = TypeVar("T")
+
+
+class Watermark:
+    """What the rank's one compute thread runs now, and since when (monotonic)."""
+
+    def __init__(self) -> None:
+        self.job = ""
+        self.since = 0.0
+        self.done = 0
+
+    def run(self, job: str, fn: Callable[..., T], *args: Any) -> T:
+        self.job, self.since = job, time.monotonic()
+        try:
+            return fn(*args)
+        finally:
+            self.job = ""
+            self.done += 1
+
+    def busy_s(self) -> float:
+        return time.monotonic() - self.since if self.job else 0.0
+
+    def report(self) -> dict[str, Any]:
+        return {"busy": self.job, "busy_s": round(self.busy_s(), 3), "jobs_done": self.done}
+
 
 class Stepper:
-    def __init__(self, state: Rank, bus: Bus, pool: ThreadPoolExecutor, rank: int) -> None:
+    def __init__(
+        self,
+        state: Rank,
+        bus: Bus,
+        pool: ThreadPoolExecutor,
+        rank: int,
+        watermark: Watermark | None = None,
+    ) -> None:
         self.state, self.bus, self.pool, self.rank = state, bus, pool, rank
+        self.watermark = watermark or Watermark()
         self.generators: dict[int, np.random.Generator] = {}
+        self.last_step = 0  # last step number received (0: none yet)
+
+    def gap(self, step: int) -> str:
+        """The error for a step that follows a gap ('' when in sequence)."""
+        last, self.last_step = self.last_step, step
+        if last == 0 or step <= last or step == last + 1:
+            return ""
+        missed = f"step {last + 1}" if step == last + 2 else f"steps {last + 1}..{step - 1}"
+        return (
+            f"rank {self.rank}: missed {missed} (got step {step}): a step only some ranks "
+            "received; not run"
+        )
 
     async def on_step(self, msg: Msg) -> None:
         req = m.unpack(msg.data, type=m.StepRequest)
         loop = asyncio.get_running_loop()
-        try:
-            reply = await loop.run_in_executor(self.pool, self.run, req)
-        except Exception as e:  # the engine must learn of it, not time out
-            log.exception("rank %d: step %d failed", self.rank, req.step)
-            reply = m.StepReply(req.step, [], [], [], error=f"rank {self.rank}: {e!r}")
-        if self.rank == 0 and msg.reply:
+        error = self.gap(req.step)
+        if error:
+            log.error("%s", error)
+            reply = m.StepReply(req.step, [], [], [], error=error)
+        else:
+            try:
+                reply = await loop.run_in_executor(
+                    self.pool, self.watermark.run, f"step {req.step}", self.run, req
+                )
+            except Exception as e:  # the engine must learn of it, not time out
+                log.exception("rank %d: step %d failed", self.rank, req.step)
+                reply = m.StepReply(req.step, [], [], [], error=f"rank {self.rank}: {e!r}")
+        if (self.rank == 0 or reply.error) and msg.reply:
             headers = {REQUEST_ID: (msg.headers or {}).get(REQUEST_ID, "")}
             await self.bus.publish(msg.reply, m.pack(reply), headers=headers)
 

@@ -105,3 +105,30 @@ async def test_guarded_callback_logs_at_error_and_counts(caplog: pytest.LogCaptu
     assert counts == {"step": 1}
     rec = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert rec and rec[0].exc_info and "step" in rec[0].getMessage()
+
+
+async def test_restart_cancels_a_wedged_run_and_counts_it() -> None:
+    sup = Supervisor("test", backoff=0.01)
+    runs = 0
+    errors: list[str] = []
+
+    async def body() -> None:
+        nonlocal runs
+        runs += 1
+        await asyncio.Event().wait()  # wedged
+
+    async def on_error(e: BaseException) -> None:
+        errors.append(str(e))
+
+    sup.start("loop", body, on_error)
+    await asyncio.sleep(0.02)
+    assert sup.restart("loop", "no progress for 31s")
+    for _ in range(100):
+        if runs >= 2:
+            break
+        await asyncio.sleep(0.01)
+    assert runs == 2 and sup.failures["loop"] == 1
+    assert errors == ["task loop restarted: no progress for 31s"]
+    assert not sup.tasks["loop"].done()  # the supervisor itself goes on
+    await sup.stop()
+    assert sup.tasks["loop"].cancelled()
