@@ -29,7 +29,7 @@ from services.worker import model as mdl
 from services.worker.control import Rank
 from services.worker.sampling import SamplingParams, make_generator, sample
 from shared import messages as m
-from shared.bus import REQUEST_ID, Bus
+from shared.bus import RANK, REQUEST_ID, Bus
 
 log = logging.getLogger("rollbus.worker.step")
 
@@ -100,7 +100,7 @@ class Stepper:
                 log.exception("rank %d: step %d failed", self.rank, req.step)
                 reply = m.StepReply(req.step, [], [], [], error=f"rank {self.rank}: {e!r}")
         if (self.rank == 0 or reply.error) and msg.reply:
-            headers = {REQUEST_ID: (msg.headers or {}).get(REQUEST_ID, "")}
+            headers = {REQUEST_ID: (msg.headers or {}).get(REQUEST_ID, ""), RANK: str(self.rank)}
             await self.bus.publish(msg.reply, m.pack(reply), headers=headers)
 
     def run(self, req: m.StepRequest) -> m.StepReply:
