@@ -1,0 +1,106 @@
+"""Scheduler changes and rank-state changes happen only under the step lock; the
+step loop's stall watermark; a rank's step-gap check."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from services.engine import control
+from services.engine.generation import Generation
+from services.engine.state import EngineState
+from services.worker.stepper import Stepper, Watermark
+from shared import messages as m
+from tests.unit.engine.test_update_flow import ScriptedRanks
+
+
+def engine(ranks: Any = None) -> Any:
+    async def nothing(*_: Any, **__: Any) -> None:
+        return None
+
+    settings = SimpleNamespace(
+        model_dir=Path("/nonexistent"),
+        max_model_len=256,
+        kv_cache_blocks=16,
+        kv_block_size=16,
+        max_batch_size=8,
+        max_step_tokens=256,
+        stall_s=5.0,
+        control_timeout_s=10.0,
+        load_strategy="snapshot",
+        shutdown_comm_group_if_worker_idle=False,
+        use_cudagraph=False,
+    )
+    state = EngineState(weight_version="v0")
+    eng = SimpleNamespace(
+        settings=settings,
+        state=state,
+        ranks=ranks or ScriptedRanks(),
+        latest_published="",
+        state_changed=nothing,
+        event=nothing,
+    )
+    eng.scheduler = Generation(eng)  # type: ignore[arg-type]
+    return eng
+
+
+async def test_scheduler_changes_refuse_to_run_outside_the_step_lock() -> None:
+    gen = engine().scheduler
+    for change in (gen.resume, gen.drop_kv, lambda: gen.weights_changed("v1")):
+        with pytest.raises(RuntimeError, match="outside the step lock"):
+            change()
+    async with gen.quiet():
+        gen.drop_kv()
+        gen.resume()
+    assert gen.admit and gen.run
+
+
+@pytest.mark.parametrize("method", ["update_weights", "sleep", "wakeup"])
+async def test_rank_changes_wait_for_the_step_in_flight(method: str) -> None:
+    eng = engine()
+    gen = eng.scheduler
+    if method == "update_weights":
+        eng.state.pause("keep")
+        call = control.update_weights(eng, m.UpdateWeightsArgs(version="v1"))
+    elif method == "sleep":
+        eng.state.pause("keep")
+        call = control.sleep(eng, m.TagArgs())
+    else:
+        eng.state.sleep(("weight", "kv_cache"))
+        call = control.wakeup(eng, m.TagArgs())
+    await gen.step_lock.acquire()  # a step is in flight
+    task = asyncio.ensure_future(call)
+    await asyncio.sleep(0.05)
+    assert eng.ranks.calls == [] and not task.done()  # nothing reached the ranks
+    gen.step_lock.release()
+    await asyncio.wait_for(task, 5)
+    assert eng.ranks.calls and eng.ranks.calls[0][0] in {"stage", "sleep", "wakeup"}
+
+
+async def test_stall_names_a_loop_without_progress_and_only_then() -> None:
+    gen = engine().scheduler
+    assert gen.stall() is None  # idle
+    gen.active, gen.in_step = True, 7
+    gen.last_progress = time.monotonic()
+    assert gen.stall() is None  # busy, but progressing
+    gen.last_progress = time.monotonic() - 6.0
+    why = gen.stall()
+    assert why and "no progress for 6s" in why and "step 7" in why
+
+
+def test_a_rank_refuses_the_step_after_a_gap() -> None:
+    st = Stepper(None, None, None, 1, Watermark())  # type: ignore[arg-type]
+    assert st.gap(5) == ""  # first step seen: nothing to compare with
+    assert st.gap(6) == ""
+    assert st.gap(8) == (
+        "rank 1: missed step 7 (got step 8): a step only some ranks received; not run"
+    )
+    assert "missed steps 9..11" in st.gap(12)
+    assert st.gap(13) == ""
+    assert st.gap(1) == ""  # a restarted engine counts from 1 again
+    assert st.gap(2) == ""
