@@ -104,3 +104,47 @@ def test_a_rank_refuses_the_step_after_a_gap() -> None:
     assert st.gap(13) == ""
     assert st.gap(1) == ""  # a restarted engine counts from 1 again
     assert st.gap(2) == ""
+
+
+class RecordingBus:
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, m.GenChunk]] = []
+
+    async def publish(self, subject: str, data: bytes, headers: Any = None) -> None:
+        self.sent.append((subject, m.unpack(data, type=m.GenChunk)))
+
+
+async def test_a_wedged_step_loop_is_restarted_and_its_requests_get_503() -> None:
+    """No heartbeat forever: a loop stuck past STALL_S + CONTROL_TIMEOUT_S is restarted
+    by the heartbeat task; the request in flight ends with 503."""
+    from shared.tasks import Supervisor
+
+    eng = engine()
+    eng.settings.stall_s = eng.settings.control_timeout_s = 0.1
+    eng.bus = RecordingBus()
+    gen = eng.scheduler
+    steps = 0
+
+    async def wedged(plan: Any) -> Any:
+        nonlocal steps
+        steps += 1
+        if steps == 1:
+            await asyncio.Event().wait()  # e.g. a bus call without a timeout
+        raise AssertionError("the request should have been failed")
+
+    gen._step = wedged  # type: ignore[method-assign]
+    sup = Supervisor("engine", backoff=0.01)
+    gen.background(sup)
+    gen.sched.add(m.GenRequest("r1", [1, 2, 3], 5), "reply.r1")
+    gen.work.set()
+    try:
+        for _ in range(300):
+            if any(c.error_code for _, c in eng.bus.sent):
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        await sup.stop()
+    errors = [c for _, c in eng.bus.sent if c.error_code]
+    assert errors and errors[0].error_code == 503 and errors[0].request_id == "r1"
+    assert "step loop" in errors[0].error_message and "stalled" in errors[0].error_message
+    assert sup.failures["step_loop"] == 1 and not gen.sched.requests
