@@ -106,6 +106,11 @@ class Metrics:
             self._count(self.task_failures, "engine", name, n)
         for name, n in (health.get("callback_errors") or {}).items():
             self._count(self.callback_errors, "engine", name, n)
+        for rank, h in (health.get("ranks_health") or {}).items():
+            for name, n in (h.get("task_failures") or {}).items():
+                self._count(self.task_failures, f"rank{rank}", name, n)
+            for name, n in (h.get("callback_errors") or {}).items():
+                self._count(self.callback_errors, f"rank{rank}", name, n)
         self.version_mismatch.set(len(health.get("version_mismatch") or []))
         self.health_problems.set(len(health.get("problems") or []))
         self.is_paused.set(0 if health.get("state") == "running" else 1)

@@ -205,6 +205,10 @@ def health(eng: Engine, _: object = None) -> dict[str, Any]:
         "version_mismatch": sorted(eng.version_mismatch),
         "tasks": eng.supervisor.report(),
         "callback_errors": dict(eng.bus.callback_errors),
+        "ranks_health": {
+            str(r): {k: p.get(k, {}) for k in ("callback_errors", "task_failures")}
+            for r, p in eng.rank_pings.items()
+        },
         "ready": eng.ready,
         "ranks_alive": eng.ranks_alive,
         "state": eng.state.state.value,

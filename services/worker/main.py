@@ -36,6 +36,7 @@ from shared.bus import RANK, Bus
 from shared.errors import INTERNAL, ControlError
 from shared.settings import Settings, settings_or_exit
 from shared.subjects import Subjects
+from shared.tasks import Supervisor
 
 log = logging.getLogger("rollbus.worker")
 
@@ -83,11 +84,20 @@ class WorkerServer:
         self.subjects = Subjects(settings.instance)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"paddle-rank{rank}")
         self.watermark = Watermark()
+        self.supervisor = Supervisor(f"rank {rank}")
 
     def reply(self, result: dict[str, Any] | None = None, err: ControlError | None = None) -> bytes:
         if err is not None:
             return m.json_encode(m.WorkerReply(self.rank, err.code, err.message, err.result or {}))
         return m.json_encode(m.WorkerReply(self.rank, result=result or {}))
+
+    def health(self) -> dict[str, Any]:
+        """What ``ping``/``status`` add: the compute thread's watermark, failures."""
+        return {
+            **self.watermark.report(),
+            "callback_errors": dict(self.bus.callback_errors),
+            "task_failures": dict(self.supervisor.failures),
+        }
 
     def _handler(self, method: str) -> Callable[[bytes, dict[str, str]], Any]:
         fn, argtype = METHODS[method]
@@ -96,7 +106,7 @@ class WorkerServer:
             try:
                 args = m.decode_args(data, argtype) if argtype else None
                 if method in INLINE:
-                    return self.reply({**fn(self.state, args), **self.watermark.report()})
+                    return self.reply({**fn(self.state, args), **self.health()})
                 loop = asyncio.get_running_loop()
                 result = await loop.run_in_executor(
                     self.pool, self.watermark.run, method, fn, self.state, args
@@ -168,9 +178,10 @@ async def amain(settings: Settings, rank: int) -> int:
     server = WorkerServer(settings, rank, state, bus)
     await server.start()
     log.info("rank %d ready: version %s", rank, state.weights.version)
-    watchdog = asyncio.create_task(step_watchdog(server.watermark, rank, hang_bound(settings)))
+    bound = hang_bound(settings)
+    server.supervisor.start("step_watchdog", lambda: step_watchdog(server.watermark, rank, bound))
     await stop.wait()
-    watchdog.cancel()
+    await server.supervisor.stop()
     await bus.close()
     return 0
 
