@@ -314,7 +314,13 @@ class Bus:
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
             else:
-                await run(req)
+                try:
+                    await handle(req)
+                except Exception:
+                    # logged and counted here; nats micro then answers the caller a 500
+                    log.exception("handler of %s failed", subject)
+                    self.callback_errors[subject] = self.callback_errors.get(subject, 0) + 1
+                    raise
 
         await service.add_endpoint(
             name=endpoint, subject=subject, handler=on_request, queue_group=queue
