@@ -7,7 +7,7 @@ thread, in arrival order, so control methods and model steps never interleave an
 event loop stays free to answer ``ping``/``status`` during a long load. Those two
 report the compute thread's watermark (``busy``: the job it runs, ``busy_s``: for how
 long), so a rank blocked in a collective shows; one blocked in a single step past
-``max(4 × STALL_S, 2 × CONTROL_TIMEOUT_S)`` exits with code 4 and a line naming the step
+``max(4 × STALL_S, 4 × CONTROL_TIMEOUT_S)`` exits with code 4 and a line naming the step
 (gloo's own collective timeout is 30 min and paddle offers no way to shorten it).
 """
 
@@ -187,7 +187,7 @@ async def amain(settings: Settings, rank: int) -> int:
 
 
 def hang_bound(settings: Settings) -> float:
-    return max(4 * settings.stall_s, 2 * settings.control_timeout_s)
+    return max(4 * settings.stall_s, 4 * settings.control_timeout_s)
 
 
 async def step_watchdog(mark: Watermark, rank: int, bound: float) -> None:

@@ -124,9 +124,9 @@ def test_stopped_rank_stall_is_503_and_the_stack_recovers(stack: Stack) -> None:
     os.kill(pid1, signal.SIGSTOP)
     stopped = time.monotonic()
     try:
-        # the step in flight makes no progress: named as a stall / a stuck rank
-        body = wait_health(stack, 503, CONTROL_TIMEOUT_S + 4, "stalled")
-        assert "step" in body["error"]
+        # the step in flight makes no progress: named as a stall
+        body = wait_health(stack, 503, CONTROL_TIMEOUT_S + 4, "step loop stalled")
+        assert "in flight" in body["error"]
         t.join(CONTROL_TIMEOUT_S + 10)
         assert "r" in out, "the in-flight request was not answered"
         r = out["r"]
@@ -134,7 +134,7 @@ def test_stopped_rank_stall_is_503_and_the_stack_recovers(stack: Stack) -> None:
         assert "step" in r.text and "no reply" in r.text
         assert out["done"] - stopped < CONTROL_TIMEOUT_S + 5
         # rank 0 is blocked in the collective of the step rank 1 never ran: it shows
-        body = wait_health(stack, 503, 10, "rank 0: compute thread stuck in step")
+        wait_health(stack, 503, 10, "rank 0: compute thread stuck in step")
     finally:
         os.kill(pid1, signal.SIGCONT)
     wait_health(stack, 200, 30)
@@ -326,3 +326,42 @@ def _events(stack: Stack, kind: str) -> list[dict[str, Any]]:
             await nc.close()
 
     return asyncio.run(go())
+
+
+def test_a_rank_blocked_in_a_step_past_the_bound_exits_and_is_named(
+    nats_url: str, tmp_path: Path
+) -> None:
+    """Rank 1 stopped for good: rank 0, blocked in the step's collective, leaves with
+    code 4 and a line naming the step, after max(4 × STALL_S, 4 × CONTROL_TIMEOUT_S)."""
+    s = start_stack(
+        tmp_path,
+        nats_url,
+        tp=2,
+        env={"ROLLBUS_CONTROL_TIMEOUT_S": "2", "ROLLBUS_STALL_S": "1"},  # bound: 8 s
+    )
+    ranks = {r["rank"]: r["pid"] for r in s.status()["ranks"]}
+    try:
+        t, out = in_background(lambda: complete(s, 900, timeout=60))
+        wait_running(s)
+        os.kill(ranks[1], signal.SIGSTOP)
+        deadline = time.monotonic() + 40
+        while time.monotonic() < deadline and _alive(ranks[0]):
+            time.sleep(0.2)
+        assert not _alive(ranks[0]), f"rank 0 still blocked:\n{s.log_tail()}"
+        log = s.log.read_text(errors="replace")
+        assert "rollbus-worker rank 0: step" in log and "blocked for" in log, log[-3000:]
+        assert "code 4" in log, log[-3000:]  # the launcher names the exit
+        t.join(10)
+        assert out["r"].status_code == 503
+    finally:
+        os.kill(ranks[1], signal.SIGCONT)
+        s.stop()
+
+
+def _alive(pid: int) -> bool:
+    """False once ``pid`` exited (a zombie not yet reaped counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
