@@ -171,7 +171,7 @@ async def status(eng: Engine, _: object = None) -> dict[str, Any]:
         "version_mismatch": sorted(
             r["rank"] for r in ranks if r.get("alive") and r.get("version", ours) != ours
         )
-        if eng.state.state is not State.UPDATING
+        if eng.state.state not in (State.UPDATING, State.SLEEPING)
         else [],
         "problems": eng.problems(),
         "tasks": eng.supervisor.report(),

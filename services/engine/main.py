@@ -191,14 +191,15 @@ class Engine:
 
     async def _check_versions(self) -> None:
         """Ranks serving another version than ours, seen in two pings in a row (an
-        update switches the ranks a moment before the engine), skipped while updating."""
+        update switches the ranks a moment before the engine). Not checked while
+        updating, nor asleep (wakeup loads the engine's version, whatever ranks hold)."""
         ours = self.state.weight_version
         seen = {
             r: str(p.get("version", ""))
             for r, p in self.rank_pings.items()
             if p.get("version", ours) != ours
         }
-        if self.state.state is State.UPDATING:
+        if self.state.state in (State.UPDATING, State.SLEEPING):
             seen = {}
         confirmed = {r: v for r, v in seen.items() if self._mismatch_seen.get(r) == v}
         self._mismatch_seen = seen
