@@ -135,7 +135,14 @@ class WorkerServer:
                 reply_headers=hdr,
                 concurrent=method in INLINE,
             )
-        self.stepper = Stepper(self.state, self.bus, self.pool, self.rank, self.watermark)
+        self.stepper = Stepper(
+            self.state,
+            self.bus,
+            self.pool,
+            self.rank,
+            self.watermark,
+            peers=(self.subjects.worker_ctl("ping"), self.settings.tp),
+        )
         await self.bus.subscribe(
             self.subjects.worker_step, self.stepper.on_step, queue=f"rank{self.rank}"
         )

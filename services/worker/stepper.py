@@ -7,8 +7,10 @@ rank 0 and survives preemption; the engine names finished sequences so it is dro
 A step only some ranks received must not hang the others: steps are numbered 1, 2, ...
 by the engine, so a rank that sees a gap (it missed a step its peers may be running)
 refuses the step without entering a collective and replies with the error — any rank
-replies on an error, so the engine learns it at once. A smaller number than the last
-one means a restarted engine: the count starts over. The :class:`Watermark` says what
+replies on an error, so the engine learns it at once. Until it has seen (by pinging
+them) that no peer is busy in a step it missed, it refuses the next ones too: its
+collectives would pair with that step's and abort both processes. A smaller number
+than the last one means a restarted engine: the count starts over. The :class:`Watermark` says what
 the compute thread runs and since when; ``ping`` reports it, so a rank blocked in a
 collective shows as stuck (``services.worker.main`` also exits past a bound).
 """
@@ -16,6 +18,7 @@ collective shows as stuck (``services.worker.main`` also exits past a bound).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -30,6 +33,7 @@ from services.worker.control import Rank
 from services.worker.sampling import SamplingParams, make_generator, sample
 from shared import messages as m
 from shared.bus import RANK, REQUEST_ID, Bus
+from shared.errors import Timeout
 
 log = logging.getLogger("rollbus.worker.step")
 
@@ -67,27 +71,59 @@ class Stepper:
         pool: ThreadPoolExecutor,
         rank: int,
         watermark: Watermark | None = None,
+        peers: tuple[str, int] | None = None,
     ) -> None:
         self.state, self.bus, self.pool, self.rank = state, bus, pool, rank
         self.watermark = watermark or Watermark()
+        self.peers = peers  # (ping subject of every rank, tp)
         self.generators: dict[int, np.random.Generator] = {}
         self.last_step = 0  # last step number received (0: none yet)
+        self.missed: list[tuple[int, int]] = []  # [lo, hi) ranges of steps never received
 
     def gap(self, step: int) -> str:
         """The error for a step that follows a gap ('' when in sequence)."""
         last, self.last_step = self.last_step, step
-        if last == 0 or step <= last or step == last + 1:
+        if last == 0 or step <= last:  # the first step seen, or a restarted engine
+            self.missed.clear()
             return ""
+        if step == last + 1:
+            return ""
+        self.missed = [*self.missed[-7:], (last + 1, step)]
         missed = f"step {last + 1}" if step == last + 2 else f"steps {last + 1}..{step - 1}"
         return (
             f"rank {self.rank}: missed {missed} (got step {step}): a step only some ranks "
             "received; not run"
         )
 
+    def _was_missed(self, step: int) -> bool:
+        return any(lo <= step < hi for lo, hi in self.missed)
+
+    async def blocked_peer(self) -> str:
+        """Why a peer may still be inside a step this rank missed ('' when none is:
+        then the missed steps are forgotten)."""
+        if not self.missed or self.peers is None:
+            return ""
+        subject, tp = self.peers
+        try:
+            replies = await self.bus.scatter(subject, b"{}", expected=tp, timeout=1.0)
+        except Timeout as e:
+            return f"ranks {e.missing} do not answer (they may hold a step this rank missed)"
+        for r, rep in sorted(replies.items()):
+            busy = str(json.loads(rep.data).get("result", {}).get("busy", ""))
+            head, _, num = busy.partition(" ")
+            if head == "step" and num.isdigit() and self._was_missed(int(num)):
+                return f"rank {r} is in step {num}, which rank {self.rank} never got"
+        self.missed.clear()
+        return ""
+
     async def on_step(self, msg: Msg) -> None:
         req = m.unpack(msg.data, type=m.StepRequest)
         loop = asyncio.get_running_loop()
         error = self.gap(req.step)
+        if not error:
+            why = await self.blocked_peer()
+            if why:
+                error = f"rank {self.rank}: step {req.step} not run: {why}"
         if error:
             log.error("%s", error)
             reply = m.StepReply(req.step, [], [], [], error=error)

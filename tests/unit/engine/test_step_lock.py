@@ -148,3 +148,40 @@ async def test_a_wedged_step_loop_is_restarted_and_its_requests_get_503() -> Non
     assert errors and errors[0].error_code == 503 and errors[0].request_id == "r1"
     assert "step loop" in errors[0].error_message and "stalled" in errors[0].error_message
     assert sup.failures["step_loop"] == 1 and not gen.sched.requests
+
+
+class PeerPings:
+    """Stands in for the bus of a rank: every rank's ping reply, or silence."""
+
+    def __init__(self, busy: dict[int, str | None]) -> None:
+        self.busy = busy  # rank -> busy job; None = does not answer
+
+    async def scatter(self, subject: str, data: bytes, **_: Any) -> dict[int, Any]:
+        from shared.errors import Timeout
+
+        reps = {
+            r: SimpleNamespace(data=m.json_encode(m.WorkerReply(r, result={"busy": b})))
+            for r, b in self.busy.items()
+            if b is not None
+        }
+        missing = [r for r, b in self.busy.items() if b is None]
+        if missing:
+            raise Timeout(subject, 1.0, missing)
+        return reps
+
+
+async def test_after_a_gap_a_rank_runs_nothing_while_a_peer_is_in_a_step_it_missed() -> None:
+    bus = PeerPings({0: "step 7", 1: ""})
+    st = Stepper(None, bus, None, 1, Watermark(), peers=("ping", 2))  # type: ignore[arg-type]
+    assert await st.blocked_peer() == ""  # no gap seen: no ping at all
+    st.gap(6)
+    assert st.gap(8)  # step 7 missed here; rank 0 is inside it
+    st.gap(9)
+    assert await st.blocked_peer() == "rank 0 is in step 7, which rank 1 never got"
+    bus.busy[0] = None  # stopped: it may still hold step 7
+    assert "ranks [0] do not answer" in await st.blocked_peer()
+    bus.busy[0] = "step 9"  # rank 0 left step 7 (failed or done): aligned again
+    assert await st.blocked_peer() == ""
+    assert st.missed == []
+    bus.busy[0] = "step 7"
+    assert await st.blocked_peer() == ""  # forgotten: no more pings needed
