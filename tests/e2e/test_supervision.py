@@ -190,9 +190,13 @@ def test_step_loop_crash_answers_503_counts_and_restarts(stack: Stack) -> None:
     assert r.status_code == 200, r.text  # the loop restarted
     after = metric(stack, LOOP_FAILURES)
     assert after == failures_before + 1
-    with stack.client() as c:  # the ranks' supervised tasks are reported too
-        text = c.get("/metrics").text
-    assert 'rollbus_task_failures_total{process="rank1",task="step_watchdog"} 0.0' in text
+    row = 'rollbus_task_failures_total{process="rank1",task="step_watchdog"} 0.0'
+    with stack.client() as c:  # the ranks' supervised tasks are reported (after a ping)
+        for _ in range(50):
+            if row in c.get("/metrics").text:
+                break
+            time.sleep(0.2)
+        assert row in c.get("/metrics").text
 
 
 def long_request(stack: Stack, seconds: float) -> int:
