@@ -203,7 +203,8 @@ class Generation:
     async def on_loop_error(self, err: BaseException) -> None:
         """The step loop died: every live request gets 503 (the loop restarts)."""
         async with self.step_lock:
-            await self._fail_all(ControlError(UNAVAILABLE, f"step loop failed: {err}"))
+            why = f"step loop failed: {type(err).__name__}: {err}"
+            await self._fail_all(ControlError(UNAVAILABLE, why))
         self.work.set()
 
     def stall(self) -> str | None:
