@@ -223,8 +223,9 @@ class Generation:
 
     async def _fail_all(self, err: ControlError) -> None:
         """End every live request with ``err`` (the caller holds the step lock)."""
-        log.error("failing all requests: %s", err.message)
         ended = self.sched.abort(None, "error")
+        n = len({s.req.request_id for s in ended})
+        log.error("%s: failing %d live requests", err.message, n)
         self.sched.reset_blocks()
         for seq in ended:
             chunk = m.GenChunk(
