@@ -209,11 +209,18 @@ class Generation:
 
     def stall(self) -> str | None:
         """Why the step loop counts as stalled (None when it is not): it holds the step
-        lock — work to do, a step maybe in flight — without progress for ``STALL_S``."""
-        if not self.active:
-            return None
+        lock — work to do, a step maybe in flight — without progress for ``STALL_S``, or
+        it sits idle that long while requests wait and the gates are open (nothing it
+        can schedule: e.g. KV blocks lost)."""
         age = time.monotonic() - self.last_progress
         if age < self.engine.settings.stall_s:
+            return None
+        if not self.active:
+            if self.admit and self.run and self.sched.requests:
+                return (
+                    f"step loop stalled: idle for {age:.0f}s while "
+                    f"{len(self.sched.requests)} requests wait"
+                )
             return None
         where = f" (step {self.in_step} in flight)" if self.in_step else ""
         return (
@@ -250,6 +257,8 @@ class Generation:
                 why = self.stall() or "step loop stalled"
                 if self.supervisor and self.supervisor.restart("step_loop", why):
                     continue
+            if not self.active and self.sched.requests:
+                self.work.set()  # a lost wakeup must not leave requests waiting
             for req in list(self.sched.requests.values()):
                 await self._send(req.reply, m.GenChunk(req.request_id, heartbeat=True))
 

@@ -91,6 +91,13 @@ async def test_stall_names_a_loop_without_progress_and_only_then() -> None:
     gen.last_progress = time.monotonic() - 6.0
     why = gen.stall()
     assert why and "no progress for 6s" in why and "step 7" in why
+    gen.active = False
+    assert gen.stall() is None  # idle with nothing waiting
+    gen.sched.add(m.GenRequest("r1", [1, 2, 3], 5), "reply.r1")
+    why = gen.stall()  # idle while a request waits and the gates are open
+    assert why and "idle for 6s while 1 requests wait" in why
+    gen.run = False
+    assert gen.stall() is None  # paused: waiting is what it should do
 
 
 def test_a_rank_refuses_the_step_after_a_gap() -> None:
