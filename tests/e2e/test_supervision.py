@@ -212,6 +212,7 @@ def test_pause_wait_timeout_leaves_a_running_engine_that_says_so(stack: Stack) -
     t, out = in_background(lambda: complete(stack, n))
     wait_running(stack)
     with stack.client() as c:
+        assert c.get("/health").status_code == 200  # generating is not stalling
         r = c.post("/v1/pause?mode=wait")
         assert r.status_code == 503, r.text
         assert "not paused" in r.json()["error_message"]
