@@ -132,3 +132,19 @@ async def test_restart_cancels_a_wedged_run_and_counts_it() -> None:
     assert not sup.tasks["loop"].done()  # the supervisor itself goes on
     await sup.stop()
     assert sup.tasks["loop"].cancelled()
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "soon"])
+def test_stall_s_setting_must_be_a_positive_number(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    from pydantic import ValidationError
+
+    from shared.settings import Settings, describe_error
+
+    monkeypatch.delenv("ROLLBUS_STALL_S", raising=False)
+    assert Settings().stall_s == 30.0
+    monkeypatch.setenv("ROLLBUS_STALL_S", value)
+    with pytest.raises(ValidationError) as e:
+        Settings()
+    assert "ROLLBUS_STALL_S" in describe_error(e.value)
