@@ -35,6 +35,7 @@ from nats.micro.request import Request
 from nats.micro.service import Service
 
 from shared.errors import UNAVAILABLE, BusUnreachable, ControlError, NoResponders, Timeout
+from shared.tasks import guarded
 
 log = logging.getLogger("rollbus.bus")
 
@@ -116,6 +117,7 @@ class Bus:
         self._services: list[Service] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self.dropped_replies = 0
+        self.callback_errors: dict[str, int] = {}  # by subject, see shared.tasks.guarded
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -124,7 +126,11 @@ class Bus:
         """Connect within ``timeout`` seconds or raise :class:`BusUnreachable` naming ``url``."""
 
         async def _quiet(e: Exception) -> None:
-            log.debug("nats: %r", e)
+            # connection trouble is retried by nats-py; anything else is a bug in a callback
+            if isinstance(e, (nats.errors.Error, OSError, TimeoutError)):
+                log.debug("nats: %r", e)
+            else:
+                log.error("nats callback error: %r", e, exc_info=e)
 
         servers = [u.strip() for u in url.split(",") if u.strip()]
         try:
@@ -153,7 +159,9 @@ class Bus:
         # later flush really means "the server has processed it".
         await self.nc.flush()
         # The one wildcard inbox, before any request can be made.
-        await self.nc.subscribe(self._inbox_prefix + ".*", cb=self._on_reply)
+        await self.nc.subscribe(
+            self._inbox_prefix + ".*", cb=guarded("replies", self._on_reply, self.callback_errors)
+        )
         await self.nc.flush()
 
     async def close(self) -> None:
@@ -324,7 +332,7 @@ class Bus:
         not hold back the next message of the same subject.
         """
 
-        async def run(req: Request) -> None:
+        async def handle(req: Request) -> None:
             headers = dict(req.headers or {})
             out = await handler(req.data, headers)
             if out is None or not req._msg.reply:
@@ -334,13 +342,21 @@ class Bus:
                 h[REQUEST_ID] = headers[REQUEST_ID]
             await req.respond(out, headers=h)
 
+        run = guarded(subject, handle, self.callback_errors)
+
         async def on_request(req: Request) -> None:
             if concurrent:
                 task = asyncio.create_task(run(req))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
             else:
-                await run(req)
+                try:
+                    await handle(req)
+                except Exception:
+                    # logged and counted here; nats micro then answers the caller a 500
+                    log.exception("handler of %s failed", subject)
+                    self.callback_errors[subject] = self.callback_errors.get(subject, 0) + 1
+                    raise
 
         await service.add_endpoint(
             name=endpoint, subject=subject, handler=on_request, queue_group=queue
@@ -349,4 +365,6 @@ class Bus:
     async def subscribe(
         self, subject: str, cb: Callable[[Msg], Awaitable[None]], queue: str = ""
     ) -> Any:
-        return await self.nc.subscribe(subject, queue=queue, cb=cb)
+        return await self.nc.subscribe(
+            subject, queue=queue, cb=guarded(subject, cb, self.callback_errors)
+        )

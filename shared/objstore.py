@@ -37,6 +37,7 @@ import ctypes
 import functools
 import hashlib
 import json
+import logging
 import mmap
 import threading
 import time
@@ -54,6 +55,8 @@ from nats.js.errors import BadRequestError, NotFoundError
 
 from shared.messages import VersionPublished
 from shared.subjects import CKPT_STREAM, CKPT_WILDCARD, EVENTS_STREAM, ckpt_published
+
+log = logging.getLogger("rollbus.objstore")
 
 CHUNK_SIZE = 1 << 20  # also capped by the server's max_payload
 PUT_WINDOW = 16  # outstanding chunk publishes (MiB): bounded, well under 64 MiB
@@ -350,8 +353,15 @@ async def read_object(
             elif not done.done():
                 done.set_result(None)
 
+    async def on_chunk(msg: Msg) -> None:
+        try:
+            await on_msg(msg)
+        except Exception as e:  # a bug here must end the read loudly, not stall it
+            log.exception("object reader: %s failed", name)
+            fail(ObjectReadError(f"{name}: reader failed: {e!r}"))
+
     inbox = nc.new_inbox()
-    sub = await nc.subscribe(inbox, cb=on_msg, pending_bytes_limit=96 << 20)
+    sub = await nc.subscribe(inbox, cb=on_chunk, pending_bytes_limit=96 << 20)
     js = nc.jetstream()
     consumer = ""
     try:

@@ -69,6 +69,9 @@ class Settings(BaseSettings):
     use_cudagraph: bool = False
     shutdown_comm_group_if_worker_idle: bool = False
     control_timeout_s: float = Field(60.0, gt=0, description="timeout of every control call")
+    stall_s: float = Field(
+        30.0, gt=0, description="no step progress (or a rank stuck in a step) this long: 503"
+    )
     auto_update: bool = False
     auto_update_pause_mode: Literal["abort", "wait", "keep"] = "keep"
     auto_update_verify_checksum: bool = Field(

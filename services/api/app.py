@@ -36,19 +36,25 @@ def create_app(settings: Settings, bus: Bus | None = None) -> Starlette:
     deps = Deps(settings, bus)
 
     async def health(request: Request) -> Response:
+        """200 only when the engine is ready, every rank answers and the engine lists no
+        problem (step loop stalled, a rank stuck in a step, a rank on another version,
+        a task restarting); else 503 with every reason in ``error``."""
         reply = await deps.control("health", b"{}", new_request_id(), timeout=2.0)
         body = reply.result or {}
-        if reply.ok and body.get("ready") and body.get("ranks_alive"):
+        problems = list(body.get("problems") or [])
+        if reply.ok and body.get("ready") and body.get("ranks_alive") and not problems:
             return JSONResponse({"status": "ok", **body})
-        return JSONResponse(
-            {"status": "unavailable", "error": reply.error_message or "ranks not ready", **body},
-            status_code=503,
-        )
+        error = "; ".join(problems) or reply.error_message or "ranks not ready"
+        return JSONResponse({"status": "unavailable", "error": error, **body}, status_code=503)
 
     async def metrics(request: Request) -> Response:
         reply = await deps.control("health", b"{}", new_request_id(), timeout=2.0)
         assert deps.bus is not None
-        deps.metrics.refresh(reply.result if reply.ok else None, deps.bus.dropped_replies)
+        deps.metrics.refresh(
+            reply.result if reply.ok else None,
+            deps.bus.dropped_replies,
+            deps.bus.callback_errors,
+        )
         return Response(deps.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @contextlib.asynccontextmanager

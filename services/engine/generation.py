@@ -11,15 +11,26 @@ Gates: ``admit`` (start waiting requests) and ``run`` (step running ones).
   re-prefilled (recomputed) first if the weights or the KV cache changed meanwhile.
 * Requests that arrive while paused or asleep wait in the queue.
 
-One step at a time holds ``step_lock``; control methods take it to act between steps.
+One step at a time holds ``step_lock``; every scheduler change (cancel, abort, resume,
+KV drop, weights changed) and every rank-state change (update_weights, sleep, wakeup:
+:meth:`Generation.quiet`) takes it too, so none happens while a step is in flight.
+
+Supervision: the step loop and the heartbeats run under the engine's
+:class:`~shared.tasks.Supervisor`. A loop failure ends every live request with 503 and
+the loop restarts. ``last_progress`` is the loop's watermark: :meth:`stall` names a
+loop that holds the step lock (a step in flight) without progress for ``STALL_S``;
+past ``STALL_S + CONTROL_TIMEOUT_S`` the heartbeat task restarts the loop, so no client
+is kept waiting by heartbeats alone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +43,7 @@ from shared import messages as m
 from shared.bus import REQUEST_ID
 from shared.errors import BAD_REQUEST, TOO_MANY_REQUESTS, UNAVAILABLE, ControlError
 from shared.model_config import context_length
+from shared.tasks import Supervisor
 
 if TYPE_CHECKING:
     from services.engine.main import Engine
@@ -82,6 +94,11 @@ class Generation:
         self._cancels: list[str] = []
         self.step_seconds = 0.0
         self.steps = 0
+        # progress watermark: set when the loop takes the step lock and after each step
+        self.active = False  # the loop holds the step lock (a step may be in flight)
+        self.last_progress = time.monotonic()
+        self.in_step = 0  # number of the step in flight, 0 when none
+        self.supervisor: Supervisor | None = None
 
     # ------------------------------------------------------------------ bus side
 
@@ -90,8 +107,10 @@ class Generation:
         await self.engine.bus.subscribe(subj, self.on_gen, queue="engine")
         await self.engine.bus.subscribe(subj + ".cancel", self.on_cancel)
 
-    def background(self) -> list[asyncio.Task[Any]]:
-        return [asyncio.create_task(self.loop()), asyncio.create_task(self.heartbeats())]
+    def background(self, sup: Supervisor) -> None:
+        self.supervisor = sup
+        sup.start("step_loop", self.loop, self.on_loop_error)
+        sup.start("heartbeats", self.heartbeats)
 
     async def on_gen(self, msg: Msg) -> None:
         """Queue a request, acknowledged by a first heartbeat, or refuse it with one error
@@ -191,40 +210,80 @@ class Generation:
         while True:
             await self.work.wait()
             async with self.step_lock:
-                for rid in self._cancels:
-                    await self._end(self.sched.abort(rid, "abort"))
-                self._cancels.clear()
-                plan = self.sched.schedule(admit=self.admit, run=self.run)
-                if plan is None:
-                    self.work.clear()
-                    if not self.sched.running:
-                        self.drained.set()
-                    continue
-                self.drained.clear()
+                self.active, self.last_progress = True, time.monotonic()
                 try:
-                    outputs = await self._step(plan)
-                except ControlError as e:
-                    await self._fail_all(e)
-                    continue
-                await self._publish(outputs)
+                    await self._one()
+                finally:
+                    self.active, self.in_step = False, 0
             await asyncio.sleep(0)  # let control handlers take the lock between steps
 
+    async def _one(self) -> None:
+        for rid in self._cancels:
+            await self._end(self.sched.abort(rid, "abort"))
+        self._cancels.clear()
+        plan = self.sched.schedule(admit=self.admit, run=self.run)
+        if plan is None:
+            self.work.clear()
+            if not self.sched.running:
+                self.drained.set()
+            return
+        self.drained.clear()
+        try:
+            outputs = await self._step(plan)
+        except ControlError as e:
+            await self._fail_all(e)
+            return
+        self.last_progress = time.monotonic()
+        await self._publish(outputs)
+
     async def _step(self, plan: Any) -> list[Output]:
+        """Send one step; a rank's error or no reply within CONTROL_TIMEOUT_S raises 503."""
         eng = self.engine
         t0 = time.perf_counter()
+        self.in_step = plan.step.step
         rep = await eng.bus.request(
             eng.subjects.worker_step, m.pack(plan.step), timeout=eng.settings.control_timeout_s
         )
         reply = m.unpack(rep.data, type=m.StepReply)
         if reply.error:
-            raise ControlError(UNAVAILABLE, f"step failed: {reply.error}")
+            raise ControlError(UNAVAILABLE, f"step {plan.step.step} failed: {reply.error}")
         self.step_seconds += time.perf_counter() - t0
         self.steps += 1
         return self.sched.apply(plan, reply, eng.state.weight_version)
 
+    async def on_loop_error(self, err: BaseException) -> None:
+        """The step loop died: every live request gets 503 (the loop restarts)."""
+        async with self.step_lock:
+            why = f"step loop failed: {type(err).__name__}: {err}"
+            await self._fail_all(ControlError(UNAVAILABLE, why))
+        self.work.set()
+
+    def stall(self) -> str | None:
+        """Why the step loop counts as stalled (None when it is not): it holds the step
+        lock — work to do, a step maybe in flight — without progress for ``STALL_S``, or
+        it sits idle that long while requests wait and the gates are open (nothing it
+        can schedule: e.g. KV blocks lost)."""
+        age = time.monotonic() - self.last_progress
+        if age < self.engine.settings.stall_s:
+            return None
+        if not self.active:
+            if self.admit and self.run and self.sched.requests:
+                return (
+                    f"step loop stalled: idle for {age:.0f}s while "
+                    f"{len(self.sched.requests)} requests wait"
+                )
+            return None
+        where = f" (step {self.in_step} in flight)" if self.in_step else ""
+        return (
+            f"step loop stalled: no progress for {age:.0f}s{where} while "
+            f"{len(self.sched.requests)} requests wait"
+        )
+
     async def _fail_all(self, err: ControlError) -> None:
-        log.error("failing all requests: %s", err.message)
+        """End every live request with ``err`` (the caller holds the step lock)."""
         ended = self.sched.abort(None, "error")
+        n = len({s.req.request_id for s in ended})
+        log.error("%s: failing %d live requests", err.message, n)
         self.sched.reset_blocks()
         for seq in ended:
             chunk = m.GenChunk(
@@ -238,16 +297,29 @@ class Generation:
         await self.engine.event("step_error", {"error": err.message, "requests": len(ended)})
 
     async def heartbeats(self) -> None:
-        """Tell the API every waiting request is still alive (it may wait for a resume)."""
+        """Tell the API every waiting request is still alive (it may wait for a resume),
+        unless the step loop is wedged: then restart it, which fails them with 503."""
+        s = self.engine.settings
         while True:
-            await asyncio.sleep(HEARTBEAT_S)
+            await asyncio.sleep(min(HEARTBEAT_S, s.stall_s))
+            if self.active and time.monotonic() - self.last_progress > (
+                s.stall_s + s.control_timeout_s
+            ):
+                why = self.stall() or "step loop stalled"
+                if self.supervisor and self.supervisor.restart("step_loop", why):
+                    continue
+            if not self.active and self.sched.requests:
+                self.work.set()  # a lost wakeup must not leave requests waiting
             for req in list(self.sched.requests.values()):
                 await self._send(req.reply, m.GenChunk(req.request_id, heartbeat=True))
 
     # ------------------------------------------------------------------ control hooks
 
     async def pause(self, mode: str) -> int:
-        """Close the gates; returns how many requests were aborted."""
+        """Close the gates; returns how many requests were aborted.
+
+        ``wait`` drains first; if requests still run after CONTROL_TIMEOUT_S it opens
+        admission again and raises 503: the engine is still running, and says so."""
         if mode == "wait":
             self.admit = False
             self.work.set()
@@ -255,13 +327,14 @@ class Generation:
             try:
                 await asyncio.wait_for(self._drain(), timeout)
             except TimeoutError:
-                # admission stays closed; the running requests go on finishing
+                self.admit = True
+                self.work.set()
                 raise ControlError(
                     UNAVAILABLE,
                     f"pause(wait): {len(self.sched.running)} requests still running after "
-                    f"{timeout:g}s; the engine stays paused and admits nothing",
+                    f"{timeout:g}s; not paused: the engine keeps running",
                 ) from None
-            self.run = False
+            self.run = False  # drained: no step is in flight, none will start
             return 0
         self.admit = self.run = False
         async with self.step_lock:  # the in-flight step completes first
@@ -277,7 +350,19 @@ class Generation:
             self.work.set()
             await self.drained.wait()
 
+    @contextlib.asynccontextmanager
+    async def quiet(self) -> AsyncIterator[None]:
+        """Hold the step lock: no step is in flight meanwhile, none starts. The
+        scheduler changes below must be called inside it."""
+        async with self.step_lock:
+            yield
+
+    def _locked(self, what: str) -> None:
+        if not self.step_lock.locked():
+            raise RuntimeError(f"{what} outside the step lock")
+
     def resume(self) -> None:
+        self._locked("resume")
         if self.recompute:
             self.sched.recompute_all()
             self.recompute = False
@@ -285,12 +370,14 @@ class Generation:
         self.work.set()
 
     def drop_kv(self) -> None:
+        self._locked("drop_kv")
         self.sched.reset_blocks()
         self.recompute = True
 
     def weights_changed(self, version: str) -> None:
+        self._locked("weights_changed")
         if self.sched.running:
             self.recompute = True
 
     def counts(self) -> dict[str, Any]:
-        return {**self.sched.counts(), "steps": self.steps}
+        return {**self.sched.counts(), "steps": self.steps, "admitting": self.admit}
