@@ -27,6 +27,17 @@ class Settings(BaseSettings):
     nats_port: int = Field(4222, ge=0, le=65535, description="port of the embedded nats-server")
     instance: str = Field("default", min_length=1, description="namespace of the subjects")
     data_dir: Path = Field(Path(".data"), description="embedded NATS store, default model")
+    nats_creds_dir: str = Field(
+        "", description="NATS credentials, one file per role; empty = DATA_DIR/creds"
+    )
+    nats_replicas: int = Field(
+        0, ge=0, le=5, description="replicas of streams and buckets; 0 = 3 on a cluster of 3+"
+    )
+    nats_tls_cert: str = Field("", description="embedded nats-server's TLS certificate (PEM)")
+    nats_tls_key: str = Field("", description="embedded nats-server's TLS private key (PEM)")
+    nats_tls_ca: str = Field("", description="CA that clients verify the NATS server with")
+    nats_tls_client_cert: str = Field("", description="client certificate for NATS (mTLS)")
+    nats_tls_client_key: str = Field("", description="client private key for NATS (mTLS)")
 
     # api
     api_host: str = "127.0.0.1"
@@ -81,6 +92,10 @@ class Settings(BaseSettings):
     @property
     def embedded_nats(self) -> bool:
         return not self.nats_url.strip()
+
+    @property
+    def creds_dir(self) -> Path:
+        return Path(self.nats_creds_dir) if self.nats_creds_dir.strip() else self.data_dir / "creds"
 
     @property
     def model_dir(self) -> Path:
