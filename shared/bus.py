@@ -106,7 +106,7 @@ class Bus:
         ``url`` may carry a role's credentials (``nats://engine:PASSWORD@host:port``); the
         reply inboxes then use that role's prefix (``_INBOX_engine``), the only inboxes its
         permissions let it read. ``tls`` defaults to the ``ROLLBUS_NATS_TLS_*`` settings.
-        Passwords never appear in errors or in :attr:`url` (see :func:`creds.redact`).
+        Passwords never appear in errors or in :attr:`url` (see :mod:`shared.creds`).
         """
 
         seen: list[Exception] = []  # the reason a bounded connect gave up (auth refused...)
@@ -137,7 +137,7 @@ class Bus:
         except (TimeoutError, OSError, nats.errors.Error) as e:
             raise BusUnreachable(creds.redact(url), _why(e, seen)) from None
         bus = cls(nc, name)
-        bus.url = creds.redact(url)
+        bus.url = creds.public(url)  # shown by /v1/status: no credentials
         await bus._start()
         return bus
 

@@ -123,6 +123,15 @@ def redact(url: str) -> str:
     return ",".join(out)
 
 
+def public(url: str) -> str:
+    """``url`` without any credentials (what a status route may show)."""
+    out = []
+    for u in (x.strip() for x in url.split(",") if x.strip()):
+        parts = urlsplit(u)
+        out.append(urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[-1])))
+    return ",".join(out)
+
+
 def role_url(url: str, role: str, creds_dir: Path) -> str:
     """``url`` carrying ``role``'s credentials when ``creds_dir`` has them.
 

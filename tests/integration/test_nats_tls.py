@@ -85,7 +85,7 @@ async def test_tls_embedded_server_with_auth(
         monkeypatch.setenv("ROLLBUS_NATS_TLS_CA", str(ca))
         bus = await Bus.connect(url, "tls-test")
         try:
-            assert bus.nc.is_connected and bus.url == creds.redact(url)
+            assert bus.nc.is_connected and bus.url == srv.url
             assert bus.nc._server_info.get("tls_required")
         finally:
             await bus.close()

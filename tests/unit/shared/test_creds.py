@@ -43,6 +43,7 @@ def test_urls_carry_and_hide_credentials(tmp_path: Path) -> None:
     assert creds.url_user(url) == "api" and creds.has_userinfo(url)
     assert creds.redact(url) == "nats://api:***@h1:4222,tls://api:***@h2:4223"
     assert creds.redact("nats://h:1") == "nats://h:1"
+    assert creds.public(url) == "nats://h1:4222,tls://h2:4223"
     assert creds.inbox_prefix("api") == "_INBOX_api" and creds.inbox_prefix("") == "_INBOX"
     # role_url: adds the role's creds when the dir has them, keeps explicit ones
     assert creds.role_url("nats://h:1", "worker", tmp_path) == "nats://h:1"
@@ -68,7 +69,7 @@ def test_generated_server_config_never_has_world_access(tmp_path: Path) -> None:
     for role in creds.ROLES:
         assert f'"user": "{role}"' in text
     perms = natsd.permissions()
-    for role, p in perms.items():
+    for p in perms.values():
         assert ">" not in p["publish"] and ">" not in p["subscribe"]
         assert "$JS.API.>" not in p["publish"]
         assert not any("STREAM.DELETE" in s for s in p["publish"])
