@@ -146,16 +146,36 @@ async def ensure_bucket(nc: Client, bucket: str, replicas: int | None = None) ->
     await _scale_up(js, (await js.stream_info(_stream(bucket))).config, n)
 
 
-async def get_meta(nc: Client, bucket: str, name: str) -> ObjectMeta:
+async def _js_retry(what: str, fn: Callable[[], Awaitable[Any]], nc: Client, wait: float) -> Any:
+    """``fn()``, again for up to ``wait`` s while JetStream does not answer: on a cluster,
+    a node's death leaves the stream without a leader for a few seconds. ``NotFoundError``
+    is an answer and is raised at once."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            return await fn()
+        except NotFoundError:
+            raise
+        except (NatsError, TimeoutError) as e:
+            if time.monotonic() >= deadline or nc.is_closed:
+                raise ObjectReadError(f"{what}: {e!r}") from None
+            await asyncio.sleep(0.25)
+
+
+async def get_meta(nc: Client, bucket: str, name: str, wait: float = 10.0) -> ObjectMeta:
     """The object's meta, or :class:`ObjectMissing` (:class:`ObjectReadError` when the
-    server does not answer, e.g. JetStream still recovering after a restart)."""
+    server does not answer within ``wait`` s, e.g. JetStream still recovering after a
+    restart or electing a new stream leader)."""
     js = nc.jetstream()
     try:
-        msg = await js.get_last_msg(_stream(bucket), _meta_subject(bucket, name))
+        msg = await _js_retry(
+            f"{name}: cannot read the object's meta",
+            lambda: js.get_last_msg(_stream(bucket), _meta_subject(bucket, name)),
+            nc,
+            wait,
+        )
     except NotFoundError:
         raise ObjectMissing(f"{bucket}/{name}") from None
-    except (NatsError, TimeoutError) as e:
-        raise ObjectReadError(f"{name}: cannot read the object's meta: {e!r}") from None
     info = json.loads(msg.data or b"{}")
     if not info or info.get("deleted") or not info.get("nuid"):
         raise ObjectMissing(f"{bucket}/{name}")
@@ -387,19 +407,22 @@ async def read_object(
     consumer = ""
     try:
         try:
-            cinfo = await js.add_consumer(
-                _stream(bucket),
-                api.ConsumerConfig(
-                    deliver_subject=inbox,
-                    filter_subject=_chunk_subject(bucket, meta.nuid),
-                    deliver_policy=api.DeliverPolicy.ALL,
-                    ack_policy=api.AckPolicy.NONE,
-                    flow_control=True,
-                    idle_heartbeat=1.0,
-                    mem_storage=True,
-                    num_replicas=1,
-                    inactive_threshold=30.0,
-                ),
+            ccfg = api.ConsumerConfig(
+                deliver_subject=inbox,
+                filter_subject=_chunk_subject(bucket, meta.nuid),
+                deliver_policy=api.DeliverPolicy.ALL,
+                ack_policy=api.AckPolicy.NONE,
+                flow_control=True,
+                idle_heartbeat=1.0,
+                mem_storage=True,
+                num_replicas=1,
+                inactive_threshold=30.0,
+            )
+            cinfo = await _js_retry(
+                f"{name}: cannot start the read",
+                lambda: js.add_consumer(_stream(bucket), ccfg),
+                nc,
+                stall_timeout,
             )
             consumer = cinfo.name
             state["last"] = time.monotonic()
