@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 LoadStrategy = Literal["object_store", "snapshot", "ipc"]
@@ -34,7 +34,9 @@ class Settings(BaseSettings):
         0, ge=0, le=5, description="replicas of streams and buckets; 0 = 3 on a cluster of 3+"
     )
     nats_tls_cert: str = Field("", description="embedded nats-server's TLS certificate (PEM)")
-    nats_tls_key: str = Field("", description="embedded nats-server's TLS private key (PEM)")
+    nats_tls_key: str = Field(
+        "", validate_default=True, description="embedded nats-server's TLS private key (PEM)"
+    )
     nats_tls_ca: str = Field("", description="CA that clients verify the NATS server with")
     nats_tls_client_cert: str = Field("", description="client certificate for NATS (mTLS)")
     nats_tls_client_key: str = Field("", description="client private key for NATS (mTLS)")
@@ -87,6 +89,13 @@ class Settings(BaseSettings):
         # rollbus.ckpt.* belongs to checkpoint events
         if v == "ckpt":
             raise ValueError("'ckpt' is reserved (rollbus.ckpt.* carries checkpoint events)")
+        return v
+
+    @field_validator("nats_tls_key")
+    @classmethod
+    def _tls_pair(cls, v: str, info: ValidationInfo) -> str:
+        if bool(v.strip()) != bool(str(info.data.get("nats_tls_cert", "")).strip()):
+            raise ValueError("ROLLBUS_NATS_TLS_CERT and ROLLBUS_NATS_TLS_KEY go together")
         return v
 
     @property

@@ -73,3 +73,13 @@ def test_generated_server_config_never_has_world_access(tmp_path: Path) -> None:
         assert ">" not in p["publish"] and ">" not in p["subscribe"]
         assert "$JS.API.>" not in p["publish"]
         assert not any("STREAM.DELETE" in s for s in p["publish"])
+
+
+def test_tls_cert_and_key_go_together() -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="go together"):
+        Settings(nats_tls_cert="server.pem")
+    with pytest.raises(ValidationError, match="go together"):
+        Settings(nats_tls_key="server.key")
+    assert Settings(nats_tls_cert="a", nats_tls_key="b").nats_tls_cert == "a"
