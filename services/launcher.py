@@ -113,6 +113,8 @@ def start_embedded(s: Settings) -> tuple[natsd.NatsServer, dict[str, str]]:
             tls_cert=s.nats_tls_cert,
             tls_key=s.nats_tls_key,
             tls_ca=s.nats_tls_ca,
+            # a rank's one reply to a control call may come as late as the call's timeout
+            response_window=f"{max(600, int(2 * s.control_timeout_s))}s",
         )
     except (natsd.NatsServerError, creds.CredsError, OSError) as e:
         raise LaunchError(str(e)) from None

@@ -187,6 +187,7 @@ FORBIDDEN_PUBLISH = {
         "rollbus.ckpt.tiny.published",
         "_INBOX_api.x.y",
         "_INBOX_operator.x.y",
+        "_INBOX_engine.x.y",  # unasked: a reply only to a request it received
     ],
 }
 
