@@ -83,3 +83,33 @@ def test_tls_cert_and_key_go_together() -> None:
     with pytest.raises(ValidationError, match="go together"):
         Settings(nats_tls_key="server.key")
     assert Settings(nats_tls_cert="a", nats_tls_key="b").nats_tls_cert == "a"
+
+
+def test_rollbus_creds_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from services.cli import main
+
+    assert main(["creds", "operator", "--data-dir", str(tmp_path)]) == 2
+    assert "start `rollbus serve` once" in capsys.readouterr().err
+    users = creds.ensure(tmp_path / "creds")
+    assert main(["creds", "operator", "--data-dir", str(tmp_path), "--nats-port", "4333"]) == 0
+    out = capsys.readouterr().out.strip()
+    assert out == f"nats://operator:{users['operator'][1]}@127.0.0.1:4333"
+    assert main(["creds", "nobody", "--data-dir", str(tmp_path)]) == 2
+
+
+def test_trainer_finds_its_credentials_beside_the_stack(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import argparse
+
+    from services.trainer.cli import nats_url_of
+
+    users = creds.ensure(tmp_path / "creds")
+    monkeypatch.setenv("ROLLBUS_DATA_DIR", str(tmp_path))
+    assert creds.default_dir() == tmp_path / "creds"
+    s = Settings(data_dir=tmp_path, nats_port=4333)
+    url = nats_url_of(argparse.Namespace(nats_url=None), s)
+    assert url == creds.with_creds("nats://127.0.0.1:4333", *users["trainer"])
+    # credentials given explicitly win
+    given = "nats://me:pw@h:1"
+    assert nats_url_of(argparse.Namespace(nats_url=given), s) == given
