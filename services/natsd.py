@@ -113,7 +113,14 @@ def permissions(
             "publish": [
                 f"{ANY}.worker.>",
                 f"{ANY}.events.>",
-                _inbox("api"),  # streamed generation chunks and control replies
+                # its replies (streamed generation chunks, control replies) by grant, not
+                # only by allow_responses: a reply survives the engine's reconnect to
+                # another node (a reply permission lives on the connection that got the
+                # request); `_INBOX.>` is the nats CLI's
+                _inbox("api"),
+                _inbox("operator"),
+                _inbox("trainer"),
+                "_INBOX.>",
                 *_stream_read(EVENTS_STREAM),
                 *_stream_admin(EVENTS_STREAM),
                 *_stream_read(CKPT_STREAM),

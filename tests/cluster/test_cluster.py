@@ -256,20 +256,18 @@ async def test_version_event_survives_kill9_of_its_leader(
 async def test_node_killed_during_update_weights_pull(
     cluster: Cluster, stack: dict[str, Any], restore: None
 ) -> None:
-    op = await cluster.connect("operator")
+    # the node serving the bucket dies; the operator is on the other two, so the call's
+    # reply must come (a 200, or an error naming what failed) — never silence
+    victim = await _leader(cluster, "trainer", "OBJ_rollbus_ckpt")
+    op = await cluster.connect("operator", [n for n in cluster.nodes if n is not victim])
     try:
         assert (await _ctl(op, "pause"))["error_code"] == 200
-        victim = await _leader(cluster, "trainer", "OBJ_rollbus_ckpt")
         call = asyncio.ensure_future(_ctl(op, "update_weights", {"version": "v2"}))
         await asyncio.sleep(0.1)  # the rank is pulling now
         victim.kill(signal.SIGKILL)
-        try:
-            rep = await asyncio.wait_for(call, CALL_S + 5)
-            print("update_weights during the kill:", rep["error_code"], rep["error_message"])
-            # completed, or failed cleanly with a reason
-            assert rep["error_code"] == 200 or rep["error_message"], rep
-        except (TimeoutError, nats.errors.Error) as e:
-            print("update_weights during the kill:", repr(e))  # bounded wait: clean too
+        rep = await asyncio.wait_for(call, CALL_S + 5)
+        print("update_weights during the kill:", rep["error_code"], rep["error_message"])
+        assert rep["error_code"] == 200 or (rep["error_code"] >= 500 and rep["error_message"])
         await _until_answers(op)
         # the next call works, and a version published before the kill loads
         rep = await _ctl(op, "update_weights", {"version": "v1"})

@@ -171,8 +171,7 @@ FORBIDDEN_PUBLISH = {
         "rollbus.ckpt.tiny.published",
         "$JS.API.STREAM.PURGE.OBJ_rollbus_ckpt",
         "$JS.API.STREAM.DELETE.ROLLBUS_EVENTS",
-        "_INBOX_trainer.x.y",
-        "_INBOX_operator.x.y",
+        "_INBOX_worker.x.y",
     ],
     "worker": [
         f"rollbus.{I}.ctl.pause",
