@@ -438,3 +438,18 @@ async def test_a_second_instance_joins_with_the_same_credentials(server: Server)
     finally:
         await api.close()
         await engine.close()
+
+
+def test_rollbus_creds_finds_the_running_servers_port(tmp_path: Path) -> None:
+    """`NATS_PORT=0` (any free port): `rollbus creds` reads the port the server took."""
+    from shared.settings import Settings
+
+    data = tmp_path / "data"
+    users = creds.ensure(data / "creds")
+    srv = natsd.start(data / "nats", port=0, users=users)
+    try:
+        s = Settings(data_dir=data, nats_port=0)
+        assert creds.local_server_url(s) == srv.url
+    finally:
+        srv.stop()
+    assert creds.local_server_url(s) == "nats://127.0.0.1:0"  # stopped: the setting again
