@@ -28,3 +28,7 @@ bench *ARGS:
 lint:
     ruff check shared services tests
     mypy shared
+
+# rollbus on a 3-node NATS cluster (infra/nats/cluster-*.conf), nodes killed under load
+cluster *ARGS:
+    ROLLBUS_CLUSTER_TESTS=1 python -m pytest -q tests/cluster -p no:randomly {{ARGS}}

@@ -14,6 +14,7 @@ import os
 import random
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -24,6 +25,7 @@ from pathlib import Path
 
 from services import natsd
 from services.tiny_model import ensure_tiny_model
+from shared import creds
 from shared.bus import Bus
 from shared.errors import BusUnreachable
 from shared.model_config import ModelConfig
@@ -88,9 +90,9 @@ def _say(msg: str) -> None:
     print(f"rollbus: {msg}", file=sys.stderr, flush=True)
 
 
-def check_nats(url: str) -> None:
+def check_nats(url: str, tls: ssl.SSLContext | None = None) -> None:
     async def probe() -> None:
-        bus = await Bus.connect(url, "rollbus-launcher", timeout=5.0)
+        bus = await Bus.connect(url, "rollbus-launcher", timeout=5.0, tls=tls)
         await bus.close()
 
     try:
@@ -108,11 +110,34 @@ def check_model_config(path: Path, tp: int) -> None:
         raise LaunchError(f"ROLLBUS_MODEL={path.parent}: {e}") from None
 
 
+def start_embedded(s: Settings) -> tuple[natsd.NatsServer, dict[str, str]]:
+    """The embedded server with authentication (credentials generated at first start under
+    ``DATA_DIR/creds``) and each role's URL carrying its credentials."""
+    try:
+        users = creds.ensure(s.creds_dir)
+        server = natsd.start(
+            s.data_dir / "nats",
+            port=s.nats_port,
+            log_file=s.data_dir / "nats.log",
+            users=users,
+            bucket=s.ckpt_bucket,
+            tls_cert=s.nats_tls_cert,
+            tls_key=s.nats_tls_key,
+            tls_ca=s.nats_tls_ca,
+            # a rank's one reply to a control call may come as late as the call's timeout
+            response_window=f"{max(600, int(2 * s.control_timeout_s))}s",
+        )
+    except (natsd.NatsServerError, creds.CredsError, OSError) as e:
+        raise LaunchError(str(e)) from None
+    return server, {r: creds.with_creds(server.url, *users[r]) for r in creds.ROLES}
+
+
 class Launcher:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.children: list[Child] = []
         self.nats: natsd.NatsServer | None = None
+        self.role_urls: dict[str, str] = {}
         self._stopping = False
         self.rank_retries = 0
 
@@ -127,16 +152,13 @@ class Launcher:
                 f"API port {s.api_host}:{s.api_port} is busy: set ROLLBUS_API_PORT to a free port"
             )
         if s.embedded_nats:
-            try:
-                self.nats = natsd.start(
-                    s.data_dir / "nats", port=s.nats_port, log_file=s.data_dir / "nats.log"
-                )
-            except natsd.NatsServerError as e:
-                raise LaunchError(str(e)) from None
+            self.nats, self.role_urls = start_embedded(s)
             s = s.model_copy(update={"nats_url": self.nats.url})
             _say(f"embedded nats-server at {self.nats.url} (store {s.data_dir / 'nats'})")
         else:
-            check_nats(s.nats_url)
+            self.role_urls = {r: creds.role_url(s.nats_url, r, s.creds_dir) for r in creds.ROLES}
+            tls = creds.client_tls(s.nats_tls_ca, s.nats_tls_client_cert, s.nats_tls_client_key)
+            check_nats(self.role_urls["engine"], tls)
         if not s.model:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # paddle's import-time chatter
@@ -150,6 +172,9 @@ class Launcher:
 
     def spawn(self, name: str, args: list[str]) -> None:
         env = {**QUIET_ENV, **os.environ, **self.settings.to_env()}
+        # each child gets its own role's credentials, and only those
+        role = "worker" if name.startswith(RANK) else name
+        env["ROLLBUS_NATS_URL"] = self.role_urls.get(role, self.settings.nats_url)
         proc = subprocess.Popen([sys.executable, "-m", *args], env=env, preexec_fn=_die_with_parent)
         self.children.append(Child(name, proc))
 
@@ -223,7 +248,7 @@ class Launcher:
                     s = self.settings
                     _say(
                         f"ready: http://{s.api_host}:{s.api_port} (model "
-                        f"{s.served_model_name}, tp={s.tp}, nats {s.nats_url})"
+                        f"{s.served_model_name}, tp={s.tp}, nats {creds.redact(s.nats_url)})"
                     )
             time.sleep(0.1)
         return 0

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from nats.micro import add_service
 from nats.micro.request import Request
 from nats.micro.service import Service
 
+from shared import creds
 from shared.errors import UNAVAILABLE, BusUnreachable, ControlError, NoResponders, Timeout
 from shared.tasks import guarded
 
@@ -98,6 +100,14 @@ class _Stream:
         self.queue.put_nowait(item)
 
 
+def _why(e: BaseException, seen: list[Exception]) -> str:
+    """A short reason for a failed connect: an auth refusal is named, not just its type."""
+    for x in (e, *seen):
+        if "authorization" in str(x).lower():
+            return "authorization violation: wrong or missing credentials for this role"
+    return type(e).__name__
+
+
 def new_request_id() -> str:
     return uuid.uuid4().hex
 
@@ -122,10 +132,22 @@ class Bus:
     # ------------------------------------------------------------------ lifecycle
 
     @classmethod
-    async def connect(cls, url: str, name: str, timeout: float = 5.0) -> Bus:
-        """Connect within ``timeout`` seconds or raise :class:`BusUnreachable` naming ``url``."""
+    async def connect(
+        cls, url: str, name: str, timeout: float = 5.0, tls: ssl.SSLContext | None = None
+    ) -> Bus:
+        """Connect within ``timeout`` seconds or raise :class:`BusUnreachable` naming ``url``.
+
+        ``url`` may carry a role's credentials (``nats://engine:PASSWORD@host:port``); the
+        reply inboxes then use that role's prefix (``_INBOX_engine``), the only inboxes its
+        permissions let it read. ``tls`` defaults to the ``ROLLBUS_NATS_TLS_*`` settings.
+        Passwords never appear in errors or in :attr:`url` (see :mod:`shared.creds`).
+        """
+
+        seen: list[Exception] = []  # the reason a bounded connect gave up (auth refused...)
 
         async def _quiet(e: Exception) -> None:
+            seen.append(e)
+            del seen[:-8]
             # connection trouble is retried by nats-py; anything else is a bug in a callback
             if isinstance(e, (nats.errors.Error, OSError, TimeoutError)):
                 log.debug("nats: %r", e)
@@ -133,11 +155,15 @@ class Bus:
                 log.error("nats callback error: %r", e, exc_info=e)
 
         servers = [u.strip() for u in url.split(",") if u.strip()]
+        tls = tls or creds.client_tls_from_env()
+        opts: dict[str, Any] = {"tls": tls} if tls else {}
         try:
             nc = await asyncio.wait_for(
                 nats.connect(
                     servers=servers,
                     name=name,
+                    inbox_prefix=creds.inbox_prefix(creds.url_user(url)),
+                    **opts,
                     connect_timeout=min(2.0, timeout),
                     max_reconnect_attempts=-1,
                     reconnect_time_wait=0.5,
@@ -147,9 +173,9 @@ class Bus:
                 timeout,
             )
         except (TimeoutError, OSError, nats.errors.Error) as e:
-            raise BusUnreachable(url, type(e).__name__) from None
+            raise BusUnreachable(creds.redact(url), _why(e, seen)) from None
         bus = cls(nc, name)
-        bus.url = url
+        bus.url = creds.public(url)  # shown by /v1/status: no credentials
         await bus._start()
         return bus
 

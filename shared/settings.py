@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 LoadStrategy = Literal["object_store", "snapshot", "ipc"]
@@ -27,6 +27,19 @@ class Settings(BaseSettings):
     nats_port: int = Field(4222, ge=0, le=65535, description="port of the embedded nats-server")
     instance: str = Field("default", min_length=1, description="namespace of the subjects")
     data_dir: Path = Field(Path(".data"), description="embedded NATS store, default model")
+    nats_creds_dir: str = Field(
+        "", description="NATS credentials, one file per role; empty = DATA_DIR/creds"
+    )
+    nats_replicas: int = Field(
+        0, ge=0, le=5, description="replicas of streams and buckets; 0 = 3 on a cluster of 3+"
+    )
+    nats_tls_cert: str = Field("", description="embedded nats-server's TLS certificate (PEM)")
+    nats_tls_key: str = Field(
+        "", validate_default=True, description="embedded nats-server's TLS private key (PEM)"
+    )
+    nats_tls_ca: str = Field("", description="CA that clients verify the NATS server with")
+    nats_tls_client_cert: str = Field("", description="client certificate for NATS (mTLS)")
+    nats_tls_client_key: str = Field("", description="client private key for NATS (mTLS)")
 
     # api
     api_host: str = "127.0.0.1"
@@ -102,6 +115,13 @@ class Settings(BaseSettings):
             raise ValueError("'ckpt' is reserved (rollbus.ckpt.* carries checkpoint events)")
         return v
 
+    @field_validator("nats_tls_key")
+    @classmethod
+    def _tls_pair(cls, v: str, info: ValidationInfo) -> str:
+        if bool(v.strip()) != bool(str(info.data.get("nats_tls_cert", "")).strip()):
+            raise ValueError("ROLLBUS_NATS_TLS_CERT and ROLLBUS_NATS_TLS_KEY go together")
+        return v
+
     @property
     def allowed_origin_list(self) -> list[str]:
         return [o.strip() for o in self.allowed_origins.split(",") if o.strip()]
@@ -109,6 +129,10 @@ class Settings(BaseSettings):
     @property
     def embedded_nats(self) -> bool:
         return not self.nats_url.strip()
+
+    @property
+    def creds_dir(self) -> Path:
+        return Path(self.nats_creds_dir) if self.nats_creds_dir.strip() else self.data_dir / "creds"
 
     @property
     def model_dir(self) -> Path:

@@ -55,6 +55,7 @@ from services.worker.sources import ipc_version_dir
 from shared import manifest as mf
 from shared import objstore
 from shared.bus import Bus
+from shared.creds import default_dir, role_url
 from shared.messages import ControlReply, VersionPublished, json_decode
 from shared.subjects import Subjects, ckpt_object_name
 
@@ -135,7 +136,8 @@ class CheckpointPublisher:
         connect_timeout: float = 5.0,
         instance: str = "default",
     ) -> None:
-        self.nats_url = nats_url
+        # beside the stack, the trainer's credentials are found under DATA_DIR/creds
+        self.nats_url = role_url(nats_url, "trainer", default_dir())
         self.instance = instance  # asked for the served config when a state dict has none
         self.bucket = bucket
         self.ipc_dir = Path(ipc_dir)
