@@ -12,11 +12,18 @@ run *ARGS:
 
 # the full test suite (unit, integration, e2e) against a real nats-server
 test *ARGS:
-    python -m pytest -q -m "not bench and not faults" --ignore=tests/faults {{ARGS}}
+    python -m pytest -q -m "not bench and not faults" --ignore=tests/compat --ignore=tests/faults {{ARGS}}
 
 # fault injection with real signals: ranks, engine and nats-server killed / stopped
 faults *ARGS:
     python -m pytest -q tests/faults {{ARGS}}
+
+# equality with transformers (needs torch): installs a CPU torch and transformers, runs
+# tests/compat. The plain pin resolves from a local wheel on our machines; elsewhere the
+# CPU torch comes from PyTorch's CPU index (never a CUDA build by accident).
+compat *ARGS:
+    python -m pip install -q 'torch==2.13.0+cpu' transformers 2>/dev/null || { python -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu && python -m pip install -q transformers; }
+    python -m pytest -q tests/compat {{ARGS}}
 
 # benchmarks with their baselines, same run; prints tables with ratios
 bench *ARGS:
@@ -25,3 +32,7 @@ bench *ARGS:
 lint:
     ruff check shared services tests
     mypy shared
+
+# rollbus on a 3-node NATS cluster (infra/nats/cluster-*.conf), nodes killed under load
+cluster *ARGS:
+    ROLLBUS_CLUSTER_TESTS=1 python -m pytest -q tests/cluster -p no:randomly {{ARGS}}

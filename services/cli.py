@@ -1,4 +1,4 @@
-"""The ``rollbus`` command: ``serve``, ``publish``, ``versions``.
+"""The ``rollbus`` command: ``serve``, ``publish``, ``versions``, ``creds``.
 
 Every setting is also a flag of ``serve`` (``--tp 4`` = ``ROLLBUS_TP=4``); flags win over
 the environment. A bad setting is one line on stderr and exit code 2.
@@ -34,6 +34,20 @@ def settings_from(ns: argparse.Namespace) -> Settings:
     return Settings(**overrides)
 
 
+def creds_cmd(role: str, s: Settings) -> int:
+    """``rollbus creds ROLE``: the URL for ``nats.connect(url)`` / ``nats --server URL``."""
+    from shared import creds
+
+    base = s.nats_url or creds.local_server_url(s)
+    try:
+        user, password = creds.load(s.creds_dir, role)
+    except creds.CredsError as e:
+        print(f"rollbus creds: {e}", file=sys.stderr)
+        return 2
+    print(creds.with_creds(base, user, password))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="rollbus", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -54,8 +68,14 @@ def main(argv: list[str] | None = None) -> int:
     ver.add_argument("--model", required=True)
     ver.add_argument("--nats-url", default=None)
 
+    cr = sub.add_parser("creds", help="print a NATS URL carrying a role's credentials")
+    cr.add_argument("role", help="api, engine, worker, trainer or operator")
+    _settings_flags(cr)
+
     args = ap.parse_args(argv)
     try:
+        if args.cmd == "creds":
+            return creds_cmd(args.role, settings_from(args))
         if args.cmd == "serve":
             from services.launcher import serve
 

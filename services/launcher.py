@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import json
 import os
 import random
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -26,8 +28,10 @@ from pathlib import Path
 
 from services import natsd
 from services.tiny_model import ensure_tiny_model
+from shared import creds
 from shared.bus import Bus
 from shared.errors import BusUnreachable
+from shared.model_config import ModelConfig
 from shared.settings import Settings
 
 PR_SET_PDEATHSIG = 1
@@ -110,9 +114,9 @@ def _say(msg: str) -> None:
     print(f"rollbus: {msg}", file=sys.stderr, flush=True)
 
 
-def check_nats(url: str) -> None:
+def check_nats(url: str, tls: ssl.SSLContext | None = None) -> None:
     async def probe() -> None:
-        bus = await Bus.connect(url, "rollbus-launcher", timeout=5.0)
+        bus = await Bus.connect(url, "rollbus-launcher", timeout=5.0, tls=tls)
         await bus.close()
 
     try:
@@ -121,11 +125,43 @@ def check_nats(url: str) -> None:
         raise LaunchError(e.message) from None
 
 
+def check_model_config(path: Path, tp: int) -> None:
+    """Refuse a model config rollbus cannot serve exactly, before starting anything."""
+    try:
+        cfg = ModelConfig.from_hf(json.loads(path.read_text()))
+        cfg.validate_tp(tp)
+    except (OSError, ValueError) as e:  # ConfigError is a ValueError; so is bad JSON
+        raise LaunchError(f"ROLLBUS_MODEL={path.parent}: {e}") from None
+
+
+def start_embedded(s: Settings) -> tuple[natsd.NatsServer, dict[str, str]]:
+    """The embedded server with authentication (credentials generated at first start under
+    ``DATA_DIR/creds``) and each role's URL carrying its credentials."""
+    try:
+        users = creds.ensure(s.creds_dir)
+        server = natsd.start(
+            s.data_dir / "nats",
+            port=s.nats_port,
+            log_file=s.data_dir / "nats.log",
+            users=users,
+            bucket=s.ckpt_bucket,
+            tls_cert=s.nats_tls_cert,
+            tls_key=s.nats_tls_key,
+            tls_ca=s.nats_tls_ca,
+            # a rank's one reply to a control call may come as late as the call's timeout
+            response_window=f"{max(600, int(2 * s.control_timeout_s))}s",
+        )
+    except (natsd.NatsServerError, creds.CredsError, OSError) as e:
+        raise LaunchError(str(e)) from None
+    return server, {r: creds.with_creds(server.url, *users[r]) for r in creds.ROLES}
+
+
 class Launcher:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.children: list[Child] = []
         self.nats: natsd.NatsServer | None = None
+        self.role_urls: dict[str, str] = {}
         self._stopping = False
         self.rank_retries = 0
         self.budget = RestartBudget(settings.restart_limit, settings.restart_window_s)
@@ -135,21 +171,20 @@ class Launcher:
         s = self.settings
         if s.model and not (s.model_dir / "config.json").is_file():
             raise LaunchError(f"ROLLBUS_MODEL={s.model}: no config.json there")
+        if s.model:
+            check_model_config(s.model_dir / "config.json", s.tp)
         if not natsd.port_is_free(s.api_host, s.api_port):
             raise LaunchError(
                 f"API port {s.api_host}:{s.api_port} is busy: set ROLLBUS_API_PORT to a free port"
             )
         if s.embedded_nats:
-            try:
-                self.nats = natsd.start(
-                    s.data_dir / "nats", port=s.nats_port, log_file=s.data_dir / "nats.log"
-                )
-            except natsd.NatsServerError as e:
-                raise LaunchError(str(e)) from None
+            self.nats, self.role_urls = start_embedded(s)
             s = s.model_copy(update={"nats_url": self.nats.url})
             _say(f"embedded nats-server at {self.nats.url} (store {s.data_dir / 'nats'})")
         else:
-            check_nats(s.nats_url)
+            self.role_urls = {r: creds.role_url(s.nats_url, r, s.creds_dir) for r in creds.ROLES}
+            tls = creds.client_tls(s.nats_tls_ca, s.nats_tls_client_cert, s.nats_tls_client_key)
+            check_nats(self.role_urls["engine"], tls)
         if not s.model:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # paddle's import-time chatter
@@ -163,6 +198,9 @@ class Launcher:
 
     def spawn(self, name: str, args: list[str]) -> None:
         env = {**QUIET_ENV, **os.environ, **self.settings.to_env()}
+        # each child gets its own role's credentials, and only those
+        role = "worker" if name.startswith(RANK) else name
+        env["ROLLBUS_NATS_URL"] = self.role_urls.get(role, self.settings.nats_url)
         proc = subprocess.Popen([sys.executable, "-m", *args], env=env, preexec_fn=_die_with_parent)
         self.children.append(Child(name, proc, args))
 
@@ -202,25 +240,24 @@ class Launcher:
             return False
 
     def _respawn(self, c: Child) -> None:
-        """The same process again, in the same place of the children list."""
-        env = {**QUIET_ENV, **os.environ, **self.settings.to_env()}
-        proc = subprocess.Popen(
-            [sys.executable, "-m", *c.args], env=env, preexec_fn=_die_with_parent
-        )
-        self.children[self.children.index(c)] = Child(c.name, proc, c.args)
+        """The same process again (same role credentials), in the same place of the
+        children list."""
+        i = self.children.index(c)
+        self.children.remove(c)
+        self.spawn(c.name, c.args)
+        self.children.insert(i, self.children.pop())
 
     def _restart_nats(self) -> bool:
-        """The embedded nats-server again, on its port and store (clients reconnect)."""
+        """The embedded nats-server again, on its port and store, with the same
+        configuration and credentials (clients reconnect)."""
         assert self.nats is not None
-        s = self.settings
+        s = self.settings.model_copy(update={"nats_port": self.nats.port})
         deadline = time.monotonic() + NATS_RESTART_S
         while not self._stopping:
             try:
-                self.nats = natsd.start(
-                    s.data_dir / "nats", port=self.nats.port, log_file=s.data_dir / "nats.log"
-                )
+                self.nats, _ = start_embedded(s)
                 return True
-            except natsd.NatsServerError as e:
+            except LaunchError as e:
                 if time.monotonic() > deadline:
                     _say(f"embedded nats-server cannot start again: {e}")
                     return False
@@ -300,7 +337,8 @@ class Launcher:
                     s = self.settings
                     _say(
                         f"{'recovered' if ready_once else 'ready'}: http://{s.api_host}:"
-                        f"{s.api_port} (model {s.served_model_name}, tp={s.tp}, nats {s.nats_url})"
+                        f"{s.api_port} (model {s.served_model_name}, tp={s.tp}, "
+                        f"nats {creds.redact(s.nats_url)})"
                     )
                     ready_once = True
             time.sleep(0.1)

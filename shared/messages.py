@@ -6,14 +6,26 @@ Control and event messages are JSON so the ``nats`` CLI can speak them; the hot 
 
 from __future__ import annotations
 
+import re
+import sys
 import time
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
 from shared.errors import BAD_REQUEST, ControlError
 
 T = TypeVar("T")
+
+# Limits of the generation contract, checked by the API and again by the engine
+# (``rollbus.<i>.gen`` is reachable over raw NATS too). See README "Limits".
+MAX_REQUEST_ID_LEN = 256
+MAX_STOP_TOKEN_IDS = 256  # client-given; the API adds the tokenizer's end-of-sequence ids
+MAX_VERSION_LEN = 256
+FLOAT_MAX = sys.float_info.max  # ``le=FLOAT_MAX`` rejects inf; every bound rejects NaN
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+TOKEN_LIMIT = 2**31 - 1
+
 PauseMode = Literal["abort", "wait", "keep"]
 SLEEP_TAGS = ("weight", "kv_cache")
 
@@ -47,8 +59,8 @@ class TagArgs(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class UpdateWeightsArgs(msgspec.Struct, forbid_unknown_fields=True):
-    version: str | None = None
-    verify_checksum: bool = False
+    version: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_VERSION_LEN)] | None = None
+    verify_checksum: bool | None = None  # None: verify wherever a manifest exists
 
 
 class NoArgs(msgspec.Struct):
@@ -71,16 +83,48 @@ def parse_tags(tags: list[str] | str | None) -> tuple[str, ...]:
     return tuple(t for t in SLEEP_TAGS if t in items)
 
 
+_AT = re.compile(r" - at `\$(.*)`$")
+_MISSING = re.compile(r"^Object (?:missing required|contains unknown) field `([^`]*)`")
+
+
+def error_param(err: msgspec.ValidationError) -> str | None:
+    """The field a msgspec validation error names: ``$.temperature`` -> ``temperature``,
+    ``$.messages[0].role`` -> ``messages[0].role``, a missing or unknown field by its name; a
+    dict value (``$.logit_bias[...]``) is named by its dict; None for the document."""
+    text = str(err)
+    hit = _AT.search(text)
+    path = hit.group(1).replace("[...]", "").lstrip(".") if hit else ""
+    missing = _MISSING.match(text)
+    if missing:
+        path = f"{path}.{missing.group(1)}" if path else missing.group(1)
+    return path or None
+
+
+def error_text(err: msgspec.ValidationError) -> str:
+    """The message of a validation error without its ``- at `$...``` suffix."""
+    return _AT.sub("", str(err))
+
+
 def decode_args(data: bytes, kind: type[T]) -> T:
-    """Decode control arguments strictly; a wrong type or field is a 400 naming it."""
+    """Decode control arguments strictly; a wrong type or field is a 400 naming it
+    (in the message and as ``result.param``)."""
     if not data.strip():
         data = b"{}"
     try:
         return msgspec.json.decode(data, type=kind)
     except msgspec.ValidationError as e:
-        raise ControlError(BAD_REQUEST, f"bad argument: {e}") from None
+        param = error_param(e)
+        raise ControlError(
+            BAD_REQUEST,
+            f"bad argument '{param}': {error_text(e)}" if param else f"bad arguments: {e}",
+            {"param": param or "body"},
+        ) from None
     except msgspec.DecodeError as e:
-        raise ControlError(BAD_REQUEST, f"body is not valid JSON: {e}") from None
+        raise ControlError(
+            BAD_REQUEST, f"body is not valid JSON: {e}", {"param": "body"}
+        ) from None
+    except RecursionError:
+        raise ControlError(BAD_REQUEST, "body nests too deeply", {"param": "body"}) from None
 
 
 # --------------------------------------------------------------------------- workers
@@ -99,7 +143,7 @@ class StageArgs(msgspec.Struct):
     """Phase one of an update: load and validate ``version`` into staging."""
 
     version: str
-    verify_checksum: bool = False
+    verify_checksum: bool | None = None  # None: verify wherever a manifest exists
     strategy: str = "snapshot"
     update_id: str = ""
 
@@ -150,19 +194,29 @@ class SamplingSpec(msgspec.Struct, array_like=True):
     logprobs: bool = False
 
 
-class GenRequest(msgspec.Struct):
-    """API -> engine on ``rollbus.<i>.gen``; chunks stream back to the reply inbox."""
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=TOKEN_LIMIT)]
 
-    request_id: str
-    prompt_token_ids: list[int]
-    max_tokens: int
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
+
+class GenRequest(msgspec.Struct):
+    """API -> engine on ``rollbus.<i>.gen``; chunks stream back to the reply inbox.
+
+    The constraints make decoding the check: a message out of range (NaN temperature,
+    negative token id, ...) is refused with a 400 naming the field, before it is queued.
+    ``n`` and the token ids are further bounded by the engine (``ROLLBUS_MAX_N``, the
+    vocabulary, the context length)."""
+
+    request_id: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_REQUEST_ID_LEN)]
+    prompt_token_ids: Annotated[list[TokenId], msgspec.Meta(min_length=1)]
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=TOKEN_LIMIT)]
+    n: Annotated[int, msgspec.Meta(ge=1, le=TOKEN_LIMIT)] = 1
+    temperature: Annotated[float, msgspec.Meta(ge=0, le=FLOAT_MAX)] = 1.0
+    top_p: Annotated[float, msgspec.Meta(gt=0, le=1)] = 1.0
+    top_k: Annotated[int, msgspec.Meta(ge=0, le=TOKEN_LIMIT)] = 0
+    seed: Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)] | None = None
     logprobs: bool = False
-    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    stop_token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS + 16)] = (
+        msgspec.field(default_factory=list)
+    )
 
 
 class VersionSpan(msgspec.Struct, array_like=True):
@@ -185,7 +239,8 @@ class GenChunk(msgspec.Struct):
     spans: list[VersionSpan] | None = None
     error_code: int = 0
     error_message: str = ""
-    heartbeat: bool = False
+    heartbeat: bool = False  # also the engine's "queued" acknowledgement, sent first
+    error_param: str = ""  # the request field an error_code 400 is about
 
 
 class GenCancel(msgspec.Struct):
@@ -212,7 +267,10 @@ class StepRequest(msgspec.Struct, array_like=True):
 
 
 class StepReply(msgspec.Struct, array_like=True):
-    """Rank 0's answer: one (seq_id, token, logprob) per sampling spec, in order."""
+    """Rank 0's answer: one (seq_id, token, logprob) per sampling spec, in order.
+
+    ``error`` fails the whole step; ``failed`` names sequences whose sampling alone
+    failed (``(seq_id, code, why)``): only their requests end, the others go on."""
 
     step: int
     seq_ids: list[int]
@@ -220,6 +278,7 @@ class StepReply(msgspec.Struct, array_like=True):
     logprobs: list[float]
     error: str = ""
     seconds: float = 0.0
+    failed: list[tuple[int, int, str]] = msgspec.field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- events

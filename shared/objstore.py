@@ -37,7 +37,9 @@ import ctypes
 import functools
 import hashlib
 import json
+import logging
 import mmap
+import os
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -54,6 +56,8 @@ from nats.js.errors import BadRequestError, NotFoundError
 
 from shared.messages import VersionPublished
 from shared.subjects import CKPT_STREAM, CKPT_WILDCARD, EVENTS_STREAM, ckpt_published
+
+log = logging.getLogger("rollbus.objstore")
 
 CHUNK_SIZE = 1 << 20  # also capped by the server's max_payload
 PUT_WINDOW = 16  # outstanding chunk publishes (MiB): bounded, well under 64 MiB
@@ -97,30 +101,84 @@ def _chunk_subject(bucket: str, nuid: str) -> str:
     return f"$O.{bucket}.C.{nuid}"
 
 
+# --------------------------------------------------------------------------- replicas
+
+
+def replicas_for(nc: Client, replicas: int | None = None) -> int:
+    """Replicas for rollbus's streams and buckets (events, versions, object store, KV).
+
+    ``replicas`` (else ``ROLLBUS_NATS_REPLICAS``) > 0 is used as is; 0 means auto: 3 when
+    the server we are connected to is in a cluster of 3 or more nodes (its INFO lists
+    every node's client URL), else 1.
+    """
+    if replicas is None:
+        try:
+            replicas = int(os.environ.get("ROLLBUS_NATS_REPLICAS", "0") or 0)
+        except ValueError:
+            replicas = 0  # the process's settings already refused it at start
+    if replicas > 0:
+        return replicas
+    info = getattr(nc, "_server_info", None) or {}
+    nodes = len(set(info.get("connect_urls") or []))
+    return 3 if info.get("cluster") and nodes >= 3 else 1
+
+
+async def _scale_up(js: Any, cfg: api.StreamConfig, replicas: int) -> None:
+    """A stream created with fewer replicas (before the cluster grew) gets ``replicas``."""
+    if (cfg.num_replicas or 1) < replicas:
+        cfg.num_replicas = replicas
+        await js.update_stream(cfg)
+
+
 # --------------------------------------------------------------------------- buckets
 
 
-async def ensure_bucket(nc: Client, bucket: str) -> None:
+async def ensure_bucket(nc: Client, bucket: str, replicas: int | None = None) -> None:
     js = nc.jetstream()
+    n = replicas_for(nc, replicas)
     try:
         await js.object_store(bucket)
     except NotFoundError:
         try:
-            await js.create_object_store(bucket, api.ObjectStoreConfig(bucket=bucket))
+            await js.create_object_store(
+                bucket, api.ObjectStoreConfig(bucket=bucket, replicas=n)
+            )
+            return
         except BadRequestError:  # created concurrently by another publisher
             await js.object_store(bucket)
+    await _scale_up(js, (await js.stream_info(_stream(bucket))).config, n)
 
 
-async def get_meta(nc: Client, bucket: str, name: str) -> ObjectMeta:
+async def _js_retry(what: str, fn: Callable[[], Awaitable[Any]], nc: Client, wait: float) -> Any:
+    """``fn()``, again for up to ``wait`` s while JetStream does not answer: on a cluster,
+    a node's death leaves the stream without a leader for a few seconds. ``NotFoundError``
+    is an answer and is raised at once."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            return await fn()
+        except NotFoundError:
+            raise
+        except (NatsError, TimeoutError) as e:
+            if time.monotonic() >= deadline or nc.is_closed:
+                raise ObjectReadError(f"{what}: {e!r}") from None
+            await asyncio.sleep(0.25)
+
+
+async def get_meta(nc: Client, bucket: str, name: str, wait: float = 10.0) -> ObjectMeta:
     """The object's meta, or :class:`ObjectMissing` (:class:`ObjectReadError` when the
-    server does not answer, e.g. JetStream still recovering after a restart)."""
+    server does not answer within ``wait`` s, e.g. JetStream still recovering after a
+    restart or electing a new stream leader)."""
     js = nc.jetstream()
     try:
-        msg = await js.get_last_msg(_stream(bucket), _meta_subject(bucket, name))
+        msg = await _js_retry(
+            f"{name}: cannot read the object's meta",
+            lambda: js.get_last_msg(_stream(bucket), _meta_subject(bucket, name)),
+            nc,
+            wait,
+        )
     except NotFoundError:
         raise ObjectMissing(f"{bucket}/{name}") from None
-    except (NatsError, TimeoutError) as e:
-        raise ObjectReadError(f"{name}: cannot read the object's meta: {e!r}") from None
     info = json.loads(msg.data or b"{}")
     if not info or info.get("deleted") or not info.get("nuid"):
         raise ObjectMissing(f"{bucket}/{name}")
@@ -280,18 +338,22 @@ async def read_object(
     *,
     expect_size: int | None = None,
     expect_sha256: str | None = None,
+    max_size: int | None = None,
     stall_timeout: float = 5.0,
     progress: Progress | None = None,
 ) -> mmap.mmap:
     """Read object ``name`` into a fresh anonymous mmap of its size.
 
     Raises :class:`ObjectMissing`, :class:`ObjectCorrupt` (size differs from the meta or
-    ``expect_size``; SHA-256 differs from ``expect_sha256`` when given) or
+    ``expect_size``, or exceeds ``max_size`` — both checked before anything is
+    allocated; SHA-256 differs from ``expect_sha256`` when given) or
     :class:`ObjectReadError` (lost chunk, no data for ``stall_timeout`` s, disconnect).
     """
     meta = await get_meta(nc, bucket, name)
     if expect_size is not None and meta.size != expect_size:
         raise ObjectCorrupt(f"{name}: stored size {meta.size} != expected {expect_size}")
+    if max_size is not None and meta.size > max_size:
+        raise ObjectCorrupt(f"{name}: stored size {meta.size} exceeds the limit {max_size}")
     buf = mmap.mmap(-1, max(1, meta.size))
     if meta.size == 0:
         return buf
@@ -346,25 +408,35 @@ async def read_object(
             elif not done.done():
                 done.set_result(None)
 
+    async def on_chunk(msg: Msg) -> None:
+        try:
+            await on_msg(msg)
+        except Exception as e:  # a bug here must end the read loudly, not stall it
+            log.exception("object reader: %s failed", name)
+            fail(ObjectReadError(f"{name}: reader failed: {e!r}"))
+
     inbox = nc.new_inbox()
-    sub = await nc.subscribe(inbox, cb=on_msg, pending_bytes_limit=96 << 20)
+    sub = await nc.subscribe(inbox, cb=on_chunk, pending_bytes_limit=96 << 20)
     js = nc.jetstream()
     consumer = ""
     try:
         try:
-            cinfo = await js.add_consumer(
-                _stream(bucket),
-                api.ConsumerConfig(
-                    deliver_subject=inbox,
-                    filter_subject=_chunk_subject(bucket, meta.nuid),
-                    deliver_policy=api.DeliverPolicy.ALL,
-                    ack_policy=api.AckPolicy.NONE,
-                    flow_control=True,
-                    idle_heartbeat=1.0,
-                    mem_storage=True,
-                    num_replicas=1,
-                    inactive_threshold=30.0,
-                ),
+            ccfg = api.ConsumerConfig(
+                deliver_subject=inbox,
+                filter_subject=_chunk_subject(bucket, meta.nuid),
+                deliver_policy=api.DeliverPolicy.ALL,
+                ack_policy=api.AckPolicy.NONE,
+                flow_control=True,
+                idle_heartbeat=1.0,
+                mem_storage=True,
+                num_replicas=1,
+                inactive_threshold=30.0,
+            )
+            cinfo = await _js_retry(
+                f"{name}: cannot start the read",
+                lambda: js.add_consumer(_stream(bucket), ccfg),
+                nc,
+                stall_timeout,
             )
             consumer = cinfo.name
             state["last"] = time.monotonic()
@@ -402,13 +474,14 @@ async def read_object(
 # --------------------------------------------------------------------------- versions
 
 
-async def ensure_ckpt_stream(nc: Client, model: str = "") -> None:
+async def ensure_ckpt_stream(nc: Client, model: str = "", replicas: int | None = None) -> None:
     """Make sure ``ROLLBUS_CKPT`` exists and captures ``rollbus.ckpt.*.published``.
 
     (The events stream lists one ``rollbus.<instance>.events.>`` per instance, so the two
     streams never overlap; the instance name ``ckpt`` is refused at start.)
     """
     js = nc.jetstream()
+    n = replicas_for(nc, replicas)
     for _ in range(5):
         try:
             info = await js.stream_info(CKPT_STREAM)
@@ -420,6 +493,7 @@ async def ensure_ckpt_stream(nc: Client, model: str = "") -> None:
                         subjects=[CKPT_WILDCARD],
                         duplicate_window=3600.0,
                         storage=api.StorageType.FILE,
+                        num_replicas=n,
                     )
                 )
                 return
@@ -427,13 +501,15 @@ async def ensure_ckpt_stream(nc: Client, model: str = "") -> None:
                 continue  # created concurrently: look again
         cfg = info.config
         if cfg.subjects == [CKPT_WILDCARD]:
+            await _scale_up(js, cfg, n)
             return
         cfg.subjects = [CKPT_WILDCARD]  # older per-model subject lists are folded in
+        cfg.num_replicas = max(cfg.num_replicas or 1, n)
         await js.update_stream(cfg)
     raise ObjectReadError(f"cannot configure stream {CKPT_STREAM}")
 
 
-async def ensure_events_stream(nc: Client, subject: str) -> None:
+async def ensure_events_stream(nc: Client, subject: str, replicas: int | None = None) -> None:
     """Make ``ROLLBUS_EVENTS`` capture this instance's ``rollbus.<i>.events.>``.
 
     One subject per instance, not ``rollbus.*.events.>``: that wildcard would overlap
@@ -441,6 +517,7 @@ async def ensure_events_stream(nc: Client, subject: str) -> None:
     overlapping streams.
     """
     js = nc.jetstream()
+    n = replicas_for(nc, replicas)
     for _ in range(5):
         try:
             info = await js.stream_info(EVENTS_STREAM)
@@ -449,7 +526,7 @@ async def ensure_events_stream(nc: Client, subject: str) -> None:
                 await js.add_stream(
                     api.StreamConfig(
                         name=EVENTS_STREAM, subjects=[subject], max_age=7 * 24 * 3600.0,
-                        max_msgs=1_000_000,
+                        max_msgs=1_000_000, num_replicas=n,
                     )
                 )
                 return
@@ -458,8 +535,10 @@ async def ensure_events_stream(nc: Client, subject: str) -> None:
         cfg = info.config
         subjects = [x for x in cfg.subjects or [] if x != "rollbus.*.events.>"]
         if subject in subjects and subjects == (cfg.subjects or []):
+            await _scale_up(js, cfg, n)
             return
         cfg.subjects = subjects if subject in subjects else [*subjects, subject]
+        cfg.num_replicas = max(cfg.num_replicas or 1, n)
         await js.update_stream(cfg)
     raise ObjectReadError(f"cannot add {subject} to stream {EVENTS_STREAM}")
 

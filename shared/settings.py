@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 LoadStrategy = Literal["object_store", "snapshot", "ipc"]
@@ -27,12 +27,28 @@ class Settings(BaseSettings):
     nats_port: int = Field(4222, ge=0, le=65535, description="port of the embedded nats-server")
     instance: str = Field("default", min_length=1, description="namespace of the subjects")
     data_dir: Path = Field(Path(".data"), description="embedded NATS store, default model")
+    nats_creds_dir: str = Field(
+        "", description="NATS credentials, one file per role; empty = DATA_DIR/creds"
+    )
+    nats_replicas: int = Field(
+        0, ge=0, le=5, description="replicas of streams and buckets; 0 = 3 on a cluster of 3+"
+    )
+    nats_tls_cert: str = Field("", description="embedded nats-server's TLS certificate (PEM)")
+    nats_tls_key: str = Field(
+        "", validate_default=True, description="embedded nats-server's TLS private key (PEM)"
+    )
+    nats_tls_ca: str = Field("", description="CA that clients verify the NATS server with")
+    nats_tls_client_cert: str = Field("", description="client certificate for NATS (mTLS)")
+    nats_tls_client_key: str = Field("", description="client private key for NATS (mTLS)")
 
     # api
     api_host: str = "127.0.0.1"
     api_port: int = Field(8000, ge=0, le=65535)
     admin_token: str = Field("", description="bearer token for control routes (empty = open)")
     api_key: str = Field("", description="bearer token for generation routes (empty = open)")
+    allowed_origins: str = Field(
+        "", description="browser origins allowed to change state (comma-separated)"
+    )
 
     # model
     model: str = Field("", description="model dir; empty = tiny model under data_dir")
@@ -44,6 +60,21 @@ class Settings(BaseSettings):
     max_model_len: int = Field(0, ge=0, description="context length; 0 = from the model config")
     max_batch_size: int = Field(64, ge=1, description="sequences per engine step")
     max_step_tokens: int = Field(2048, ge=1, description="tokens per engine step (prefill chunks)")
+    dtype: Literal["float32", "auto"] = Field(
+        "float32", description="compute dtype; auto = the checkpoint's on GPU, float32 on CPU"
+    )
+
+    # limits and backpressure (README "Limits")
+    max_n: int = Field(64, ge=1, le=4096, description="largest `n` (choices) of one request")
+    max_waiting: int = Field(
+        1024, ge=1, description="requests queued in the engine before new ones get 429"
+    )
+    max_body_bytes: int = Field(
+        4 * 1024 * 1024, ge=1024, description="largest HTTP request body (else 400)"
+    )
+    stream_buffer: int = Field(
+        256, ge=16, description="unread chunks per choice the API keeps before dropping a stream"
+    )
 
     # weights / control
     load_strategy: LoadStrategy = "snapshot"
@@ -51,6 +82,9 @@ class Settings(BaseSettings):
     use_cudagraph: bool = False
     shutdown_comm_group_if_worker_idle: bool = False
     control_timeout_s: float = Field(60.0, gt=0, description="timeout of every control call")
+    stall_s: float = Field(
+        30.0, gt=0, description="no step progress (or a rank stuck in a step) this long: 503"
+    )
     auto_update: bool = False
     auto_update_pause_mode: Literal["abort", "wait", "keep"] = "keep"
     auto_update_verify_checksum: bool = Field(
@@ -59,6 +93,9 @@ class Settings(BaseSettings):
     ckpt_bucket: str = "rollbus_ckpt"
     ipc_dir: Path = Field(
         Path("/dev/shm/rollbus"), description="shared-memory root of the ipc load strategy"
+    )
+    ipc_trainer_uid: int = Field(
+        -1, ge=-1, description="uid (besides the service's) whose ipc files are trusted"
     )
 
     log_level: Literal["debug", "info", "warning", "error"] = "info"
@@ -89,9 +126,24 @@ class Settings(BaseSettings):
             raise ValueError("'ckpt' is reserved (rollbus.ckpt.* carries checkpoint events)")
         return v
 
+    @field_validator("nats_tls_key")
+    @classmethod
+    def _tls_pair(cls, v: str, info: ValidationInfo) -> str:
+        if bool(v.strip()) != bool(str(info.data.get("nats_tls_cert", "")).strip()):
+            raise ValueError("ROLLBUS_NATS_TLS_CERT and ROLLBUS_NATS_TLS_KEY go together")
+        return v
+
+    @property
+    def allowed_origin_list(self) -> list[str]:
+        return [o.strip() for o in self.allowed_origins.split(",") if o.strip()]
+
     @property
     def embedded_nats(self) -> bool:
         return not self.nats_url.strip()
+
+    @property
+    def creds_dir(self) -> Path:
+        return Path(self.nats_creds_dir) if self.nats_creds_dir.strip() else self.data_dir / "creds"
 
     @property
     def model_dir(self) -> Path:

@@ -3,19 +3,32 @@
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 from collections.abc import AsyncIterator
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from services.api import control, openai
 from services.api.deps import Deps
+from services.api.guard import CrossSiteGuard
 from shared.bus import Bus, new_request_id
 from shared.settings import Settings
+
+
+def _loopback(host: str) -> bool:
+    """The API listens on a loopback address only (enables the DNS-rebinding check)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def create_app(settings: Settings, bus: Bus | None = None) -> Starlette:
@@ -23,19 +36,25 @@ def create_app(settings: Settings, bus: Bus | None = None) -> Starlette:
     deps = Deps(settings, bus)
 
     async def health(request: Request) -> Response:
+        """200 only when the engine is ready, every rank answers and the engine lists no
+        problem (step loop stalled, a rank stuck in a step, a rank on another version,
+        a task restarting); else 503 with every reason in ``error``."""
         reply = await deps.control("health", b"{}", new_request_id(), timeout=2.0)
         body = reply.result or {}
-        if reply.ok and body.get("ready") and body.get("ranks_alive"):
+        problems = list(body.get("problems") or [])
+        if reply.ok and body.get("ready") and body.get("ranks_alive") and not problems:
             return JSONResponse({"status": "ok", **body})
-        return JSONResponse(
-            {"status": "unavailable", "error": reply.error_message or "ranks not ready", **body},
-            status_code=503,
-        )
+        error = "; ".join(problems) or reply.error_message or "ranks not ready"
+        return JSONResponse({"status": "unavailable", "error": error, **body}, status_code=503)
 
     async def metrics(request: Request) -> Response:
         reply = await deps.control("health", b"{}", new_request_id(), timeout=2.0)
         assert deps.bus is not None
-        deps.metrics.refresh(reply.result if reply.ok else None, deps.bus.dropped_replies)
+        deps.metrics.refresh(
+            reply.result if reply.ok else None,
+            deps.bus.dropped_replies,
+            deps.bus.callback_errors,
+        )
         return Response(deps.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     @contextlib.asynccontextmanager
@@ -61,14 +80,22 @@ def create_app(settings: Settings, bus: Bus | None = None) -> Starlette:
         }
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
+    control_routes = control.routes(deps)
+    guard = Middleware(
+        CrossSiteGuard,
+        control_paths=[r.path for r in control_routes],
+        allowed_origins=settings.allowed_origin_list,
+        loopback_only=_loopback(settings.api_host),
+    )
     app = Starlette(
         exception_handlers={HTTPException: http_error},
         routes=[
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
-            *control.routes(deps),
+            *control_routes,
             *openai.routes(deps),
         ],
+        middleware=[guard],
         lifespan=lifespan,
     )
     app.state.deps = deps

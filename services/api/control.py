@@ -1,7 +1,10 @@
 """Control routes: parse the HTTP request, call ``rollbus.<i>.ctl.<method>``, map the reply.
 
 Thin on purpose: every decision is the engine's. The HTTP status is the reply's
-``error_code``; the body is the control reply itself.
+``error_code``; the body is the control reply itself. Arguments are checked here first
+with the engine's own argument structs (a bad one: 400, ``result.param`` names it),
+and the body within ``ROLLBUS_MAX_BODY_BYTES``. A client's ``X-Request-Id`` is echoed
+in the reply (header and ``request_id``) and travels to the engine only as a header.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from services.api.deps import Deps
+from services.api.body import BadRequest, parse_json, read_body
+from services.api.deps import Deps, bearer_ok
 from shared import messages as m
 from shared.bus import new_request_id
 from shared.errors import BAD_REQUEST, NOT_FOUND, UNAUTHORIZED, ControlError
@@ -24,7 +28,7 @@ def admin_check(deps: Deps, request: Request) -> None:
     if not token:
         return
     got = request.headers.get("authorization", "")
-    if got != f"Bearer {token}":
+    if not bearer_ok(got, token):
         what = "missing" if not got else "wrong"
         raise ControlError(
             UNAUTHORIZED, f"control routes need 'Authorization: Bearer <admin token>' ({what})"
@@ -35,16 +39,47 @@ def reply_response(reply: m.ControlReply) -> JSONResponse:
     return JSONResponse(m.to_builtins(reply), status_code=reply.error_code)
 
 
+# method -> its argument struct, checked in the API before the engine sees it
+ARGS: dict[str, type] = {
+    "pause": m.PauseArgs,
+    "sleep": m.TagArgs,
+    "wakeup": m.TagArgs,
+    "update_weights": m.UpdateWeightsArgs,
+}
+
+
+def check_args(method: str, data: bytes) -> None:
+    """Raise the engine's own 400 (naming the field) for arguments it would refuse."""
+    kind = ARGS.get(method)
+    if kind is None:
+        return
+    args = m.decode_args(data, kind)
+    if isinstance(args, m.TagArgs):
+        try:
+            args.tag_set()
+        except ControlError as e:
+            raise ControlError(e.code, e.message, {"param": "tags"}) from None
+
+
 async def call(deps: Deps, request: Request, method: str, args: dict[str, Any] | bytes) -> Response:
-    rid = request.headers.get("x-request-id") or new_request_id()
+    client_id = request.headers.get("x-request-id")
+    rid = client_id or new_request_id()
     try:
         admin_check(deps, request)
         data = args if isinstance(args, bytes) else json.dumps(args).encode()
+        check_args(method, data)
         reply = await deps.control(method, data, rid, actor=f"http:{_client(request)}")
+        reply.request_id = rid
     except ControlError as e:
-        reply = m.ControlReply(rid, e.code, e.message, None)
+        reply = m.ControlReply(rid, e.code, e.message, e.result)
     deps.metrics.control(method, reply.error_code)
-    return reply_response(reply)
+    return _echo(request, reply_response(reply))
+
+
+def _echo(request: Request, resp: Response) -> Response:
+    if "x-request-id" in request.headers:
+        resp.headers["x-request-id"] = request.headers["x-request-id"]
+    return resp
 
 
 def _client(request: Request) -> str:
@@ -62,13 +97,14 @@ def _query_args(request: Request, *names: str) -> dict[str, Any]:
     return out
 
 
-async def _body(request: Request) -> bytes:
-    body = await request.body()
-    if body.strip():
-        try:
-            json.loads(body)
-        except ValueError as e:
-            raise ControlError(BAD_REQUEST, f"body is not valid JSON: {e}") from None
+async def _body(deps: Deps, request: Request) -> bytes:
+    try:
+        body = await read_body(request, deps.settings.max_body_bytes)
+        doc = parse_json(body)
+    except BadRequest as e:
+        raise ControlError(BAD_REQUEST, e.message, {"param": e.param}) from None
+    if doc is not None and not isinstance(doc, dict):
+        raise ControlError(BAD_REQUEST, "body must be a JSON object", {"param": "body"})
     return body
 
 
@@ -83,7 +119,7 @@ def routes(deps: Deps) -> list[Route]:
         resp = await call(deps, request, "is_paused", {})
         if resp.status_code == 200:
             body = json.loads(bytes(resp.body))
-            return JSONResponse({"is_paused": body["result"]["is_paused"]})
+            return _echo(request, JSONResponse({"is_paused": body["result"]["is_paused"]}))
         return resp
 
     async def sleep(request: Request) -> Response:
@@ -95,19 +131,24 @@ def routes(deps: Deps) -> list[Route]:
     async def update_weights(request: Request) -> Response:
         try:
             admin_check(deps, request)  # 401 before the body is even looked at
-            body = await _body(request)
+            body = await _body(deps, request)
         except ControlError as e:
-            return reply_response(m.ControlReply(new_request_id(), e.code, e.message))
+            rid = request.headers.get("x-request-id") or new_request_id()
+            return _echo(request, reply_response(m.ControlReply(rid, e.code, e.message, e.result)))
         return await call(deps, request, "update_weights", body or b"{}")
 
     async def status(request: Request) -> Response:
         resp = await call(deps, request, "status", {})
         if resp.status_code == 200:
-            return JSONResponse(json.loads(bytes(resp.body))["result"])
+            return _echo(request, JSONResponse(json.loads(bytes(resp.body))["result"]))
         return resp
 
     def legacy(method: str):  # noqa: ANN202 - route factory
         async def route(request: Request) -> Response:
+            try:
+                admin_check(deps, request)  # these GETs change state: token first
+            except ControlError as e:
+                return reply_response(m.ControlReply(new_request_id(), e.code, e.message))
             if not deps.settings.dynamic_load_weight:
                 return JSONResponse(
                     {"error": "Dynamic Load Weight Disabled."}, status_code=NOT_FOUND

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 from dataclasses import dataclass, field
 
 from services.api.metrics import Metrics
@@ -10,6 +11,12 @@ from shared.bus import Bus
 from shared.errors import ControlError
 from shared.settings import Settings
 from shared.subjects import Subjects
+
+
+def bearer_ok(header: str, token: str) -> bool:
+    """``header`` is exactly ``Bearer <token>``, compared in constant time (no early exit
+    on the first differing byte, so response timing tells nothing about the token)."""
+    return hmac.compare_digest(header.encode(), f"Bearer {token}".encode())
 
 
 @dataclass

@@ -93,6 +93,96 @@ class Choice:
         return min(hits) if hits else None
 
 
+class GenCall:
+    """One generation request on the bus: :meth:`open` sends it and waits until the
+    engine has queued it or refused it (``ControlError``: 400, 429 queue full, ...);
+    :meth:`deltas` then yields the deltas of every choice until all have finished.
+
+    At most ``max_unread`` engine chunks wait for a slow reader; past that the request
+    fails alone (``on_overflow`` is called at once, from the bus callback)."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        subjects: Subjects,
+        tokenizer: Tokenizer,
+        gen: m.GenRequest,
+        stops: list[str],
+        on_version: Callable[[str], None] = lambda v: None,
+        *,
+        max_unread: int = 4096,
+        on_overflow: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.bus, self.subjects, self.gen, self.on_version = bus, subjects, gen, on_version
+        gen.request_id = gen.request_id or new_request_id()
+        self.choices = [
+            Choice(i, IncrementalDecoder(tokenizer, gen.prompt_token_ids), stops)
+            for i in range(gen.n)
+        ]
+        self.engine_done: set[int] = set()
+        self._first: m.GenChunk | None = None
+        self._replies = bus.stream(
+            subjects.gen,
+            m.pack(gen),
+            idle_timeout=IDLE_TIMEOUT_S,
+            request_id=gen.request_id,
+            max_unread=max_unread,
+            on_overflow=on_overflow,
+        )
+        self._finished_cleanly = False
+        self._closed = False
+
+    async def _next(self) -> m.GenChunk:
+        rep = await self._replies.__anext__()
+        chunk = m.unpack(rep.data, type=m.GenChunk)
+        if chunk.version:
+            self.on_version(chunk.version)
+        if chunk.error_code:
+            param = chunk.error_param or None
+            raise ControlError(chunk.error_code, chunk.error_message, {"param": param})
+        return chunk
+
+    async def open(self) -> None:
+        """Send the request; return once the engine has accepted it."""
+        try:
+            chunk = await self._next()
+        except BaseException:
+            await self.close()
+            raise
+        if not chunk.heartbeat:
+            self._first = chunk  # an engine that does not acknowledge: a token already
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        try:
+            while True:
+                chunk, self._first = self._first or await self._next(), None
+                if chunk.heartbeat:
+                    continue
+                if chunk.finish_reason is not None:
+                    self.engine_done.add(chunk.index)
+                if not 0 <= chunk.index < self.gen.n:
+                    continue
+                delta = self.choices[chunk.index].push(chunk)
+                if delta is not None and (delta.text or delta.token_ids or delta.finish_reason):
+                    yield delta
+                if all(c.finish_reason is not None for c in self.choices):
+                    self._finished_cleanly = len(self.engine_done) == self.gen.n
+                    return
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        """Stop listening; unless the engine ended every choice, tell it to cancel (the
+        client left, a stop string ended it here, or it failed) so its KV is freed."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._replies.aclose()
+        if not self._finished_cleanly:
+            cancel = m.json_encode(m.GenCancel(self.gen.request_id))
+            await self.bus.publish(self.subjects.gen + ".cancel", cancel)
+
+
 async def generate(
     bus: Bus,
     subjects: Subjects,
@@ -102,34 +192,7 @@ async def generate(
     on_version: Callable[[str], None] = lambda v: None,
 ) -> AsyncIterator[Delta]:
     """Yield deltas of every choice until all have finished. Raises ``ControlError``."""
-    choices = [
-        Choice(i, IncrementalDecoder(tokenizer, gen.prompt_token_ids), stops) for i in range(gen.n)
-    ]
-    engine_done: set[int] = set()
-    gen.request_id = gen.request_id or new_request_id()
-    finished_cleanly = False
-    try:
-        async for rep in bus.stream(
-            subjects.gen, m.pack(gen), idle_timeout=IDLE_TIMEOUT_S, request_id=gen.request_id
-        ):
-            chunk = m.unpack(rep.data, type=m.GenChunk)
-            if chunk.heartbeat:
-                continue
-            if chunk.version:
-                on_version(chunk.version)
-            if chunk.error_code:
-                raise ControlError(chunk.error_code, chunk.error_message)
-            if chunk.finish_reason is not None:
-                engine_done.add(chunk.index)
-            if not 0 <= chunk.index < gen.n:
-                continue
-            delta = choices[chunk.index].push(chunk)
-            if delta is not None and (delta.text or delta.token_ids or delta.finish_reason):
-                yield delta
-            if all(c.finish_reason is not None for c in choices):
-                finished_cleanly = len(engine_done) == gen.n
-                return
-    finally:
-        if not finished_cleanly:
-            # the client left, a stop string ended it here, or it failed: free the engine
-            await bus.publish(subjects.gen + ".cancel", m.json_encode(m.GenCancel(gen.request_id)))
+    call = GenCall(bus, subjects, tokenizer, gen, stops, on_version)
+    await call.open()
+    async for d in call.deltas():
+        yield d

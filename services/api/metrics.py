@@ -55,15 +55,64 @@ class Metrics:
             "Late or unknown replies dropped by the API's bus",
             registry=r,
         )
+        self.task_failures = Counter(
+            "rollbus_task_failures",
+            "Supervised long-running tasks that failed (and were restarted)",
+            ["process", "task"],
+            registry=r,
+        )
+        self.callback_errors = Counter(
+            "rollbus_callback_errors",
+            "Exceptions raised inside NATS callbacks (logged at ERROR)",
+            ["process", "callback"],
+            registry=r,
+        )
+        self.version_mismatch = Gauge(
+            "rollbus_rank_version_mismatch",
+            "Ranks serving another weight version than the engine",
+            registry=r,
+        )
+        self.health_problems = Gauge(
+            "rollbus_health_problems",
+            "Reasons /health answers 503 now (stall, stuck rank, mismatch, ...)",
+            registry=r,
+        )
+        self._seen: dict[tuple[int, str, str], float] = {}
 
     def control(self, method: str, code: int) -> None:
         self.control_requests.labels(method, str(code)).inc()
 
-    def refresh(self, health: dict[str, Any] | None, dropped: int) -> None:
+    def _count(self, counter: Counter, process: str, name: str, total: float) -> None:
+        """Move ``counter`` to a total counted elsewhere (a restarted process starts over)."""
+        key = (id(counter), process, name)
+        last = self._seen.get(key, 0.0)
+        self._seen[key] = total
+        delta = total - last if total >= last else total
+        counter.labels(process, name).inc(delta)
+
+    def refresh(
+        self,
+        health: dict[str, Any] | None,
+        dropped: int,
+        callback_errors: dict[str, int] | None = None,
+    ) -> None:
         self.dropped_replies.set(dropped)
+        for name, n in (callback_errors or {}).items():
+            self._count(self.callback_errors, "api", name, n)
         if not health:
             self.ranks_alive.set(0)
             return
+        for name, n in (health.get("tasks") or {}).get("failures", {}).items():
+            self._count(self.task_failures, "engine", name, n)
+        for name, n in (health.get("callback_errors") or {}).items():
+            self._count(self.callback_errors, "engine", name, n)
+        for rank, h in (health.get("ranks_health") or {}).items():
+            for name, n in (h.get("task_failures") or {}).items():
+                self._count(self.task_failures, f"rank{rank}", name, n)
+            for name, n in (h.get("callback_errors") or {}).items():
+                self._count(self.callback_errors, f"rank{rank}", name, n)
+        self.version_mismatch.set(len(health.get("version_mismatch") or []))
+        self.health_problems.set(len(health.get("problems") or []))
         self.is_paused.set(0 if health.get("state") == "running" else 1)
         self.ranks_alive.set(1 if health.get("ranks_alive") else 0)
         self.weight_version.clear()

@@ -7,35 +7,53 @@ vLLM extensions RL users rely on are accepted: ``top_k``, ``ignore_eos``,
 span a weight update also carries ``weight_versions: [{"version", "start", "end"}]``
 (and so does the response when ``n == 1``). Logprobs are those of the sampled tokens;
 alternatives (``top_logprobs``) are not computed and come back empty.
+
+Every parameter is checked here, before the engine sees it (``schema``, ``body``): a
+bad one answers 400 naming it in ``error.param``. A full engine queue answers 429 with
+``Retry-After``. A client that goes away cancels its request in the engine; a stream
+reader that falls ``ROLLBUS_STREAM_BUFFER`` chunks per choice behind loses its stream
+(the connection is closed, the request cancelled). ``X-Request-Id`` is echoed back.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Send
 
-from services.api.deps import Deps
-from services.api.generate import Delta, generate
+from services.api import schema
+from services.api.body import BadRequest, parse_json, read_body
+from services.api.deps import Deps, bearer_ok
+from services.api.generate import Delta, GenCall
 from shared import messages as m
-from shared.errors import ControlError
+from shared.errors import TOO_MANY_REQUESTS, ControlError
+
+__all__ = ["BadRequest", "error_response", "routes"]
+
+T = TypeVar("T")
+RETRY_AFTER_S = 1
+REQUEST_ID_HEADER = "x-request-id"
 
 
-class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None, code: int = 400) -> None:
-        super().__init__(message)
-        self.message, self.param, self.code = message, param, code
-
-
-def error_response(message: str, code: int = 400, param: str | None = None) -> JSONResponse:
-    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}
+def error_response(
+    message: str, code: int = 400, param: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    kind = {
+        400: "invalid_request_error",
+        401: "authentication_error",
+        404: "not_found_error",
+        429: "rate_limit_error",
+    }
     body = {
         "error": {
             "message": message,
@@ -44,7 +62,72 @@ def error_response(message: str, code: int = 400, param: str | None = None) -> J
             "code": code,
         }
     }
-    return JSONResponse(body, status_code=code)
+    if code == TOO_MANY_REQUESTS:
+        headers = {"Retry-After": str(RETRY_AFTER_S), **(headers or {})}
+    return JSONResponse(body, status_code=code, headers=headers)
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was ready."""
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Run ``work`` unless the client disconnects first: then cancel it (its request
+    is cancelled in the engine) and raise :class:`ClientGone`."""
+    task = asyncio.ensure_future(work)
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise ClientGone()
+    return task.result()
+
+
+class BoundedStream(StreamingResponse):
+    """An SSE response that gives up on a reader too slow to keep its buffer bounded:
+    once ``gave_up`` is set, a write blocked on that reader is abandoned, the stream is
+    closed (its request cancelled) and so is the connection."""
+
+    def __init__(self, content: AsyncIterator[bytes], gave_up: asyncio.Event, **kw: Any) -> None:
+        super().__init__(content, media_type="text/event-stream", **kw)
+        self.gave_up = gave_up
+
+    async def stream_response(self, send: Send) -> None:
+        async def guarded(message: Any) -> bool:
+            sending = asyncio.ensure_future(send(message))
+            giving_up = asyncio.ensure_future(self.gave_up.wait())
+            await asyncio.wait({sending, giving_up}, return_when=asyncio.FIRST_COMPLETED)
+            giving_up.cancel()
+            if not sending.done():
+                sending.cancel()
+                return False
+            sending.result()
+            return True
+
+        body = self.body_iterator
+        assert isinstance(body, AsyncIterator)
+        try:
+            if not await guarded(
+                {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
+            ):
+                return
+            async for chunk in body:
+                if not await guarded(
+                    {"type": "http.response.body", "body": chunk, "more_body": True}
+                ):
+                    return
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await body.aclose()  # type: ignore[attr-defined]
 
 
 @dataclass
@@ -59,17 +142,6 @@ class Job:
     chat: bool
     logprobs: bool
     choices: dict[int, dict[str, Any]] = field(default_factory=dict)
-
-
-def _get(body: dict[str, Any], name: str, kinds: type | tuple[type, ...], default: Any) -> Any:
-    v = body.get(name, default)
-    if v is None:
-        return default
-    if isinstance(v, bool) and bool not in (kinds if isinstance(kinds, tuple) else (kinds,)):
-        raise BadRequest(f"'{name}' must be {kinds}, got {v!r}", name)
-    if not isinstance(v, kinds):
-        raise BadRequest(f"'{name}' has the wrong type: {v!r}", name)
-    return v
 
 
 class _FirstToken:
@@ -99,114 +171,91 @@ class OpenAIRoutes:
 
     def _auth(self, request: Request) -> None:
         key = self.deps.settings.api_key
-        if key and request.headers.get("authorization", "") != f"Bearer {key}":
+        if key and not bearer_ok(request.headers.get("authorization", ""), key):
             raise BadRequest("missing or wrong API key (Authorization: Bearer <key>)", code=401)
 
-    async def _body(self, request: Request) -> dict[str, Any]:
-        try:
-            body = json.loads(await request.body() or b"{}")
-        except ValueError as e:
-            raise BadRequest(f"body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise BadRequest("body must be a JSON object")
-        return body
-
-    def _prompt_ids(self, body: dict[str, Any], chat: bool) -> list[int]:
-        if chat:
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise BadRequest("'messages' must be a non-empty list", "messages")
-            for msg in messages:
-                if not isinstance(msg, dict) or "role" not in msg:
-                    raise BadRequest("each message needs a 'role'", "messages")
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    def _prompt_ids(self, req: schema.Sampling, body: dict[str, Any]) -> list[int]:
+        if isinstance(req, schema.ChatRequest):
+            try:  # the raw messages: a template may use fields the schema does not name
+                text = self.tokenizer.apply_chat_template(
+                    body["messages"], add_generation_prompt=True
+                )
+            except Exception as e:  # noqa: BLE001 - a template rejecting the chat is a 400
+                raise BadRequest(f"the chat template refused 'messages': {e}", "messages") from e
             return self.tokenizer.encode(text, add_special_tokens=False)
-        prompt = body.get("prompt")
+        assert isinstance(req, schema.CompletionRequest)
+        prompt: Any = req.prompt
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
-        if (
-            isinstance(prompt, list)
-            and prompt
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-        ):
-            if not all(0 <= t < self.tokenizer.vocab_size for t in prompt):
+        if prompt and all(isinstance(t, int) for t in prompt):
+            if not all(t < self.tokenizer.vocab_size for t in prompt):
                 raise BadRequest("prompt token id out of the vocabulary", "prompt")
             return list(prompt)
         raise BadRequest(
             "'prompt' must be a string or a list of token ids (one prompt per request)", "prompt"
         )
 
-    def parse(self, body: dict[str, Any], chat: bool) -> Job:
-        model = body.get("model")
-        if model is not None and model != self.model:
+    def parse(self, body: Any, chat: bool) -> Job:
+        if not isinstance(body, dict):
+            raise BadRequest("body must be a JSON object", "body")
+        try:
+            req = schema.convert(body, schema.ChatRequest if chat else schema.CompletionRequest)
+        except msgspec.ValidationError as e:
+            param = m.error_param(e) or "body"
+            raise BadRequest(f"'{param}': {m.error_text(e)}", param) from None
+        if req.model is not None and req.model != self.model:
             raise BadRequest(
-                f"model '{model}' does not exist; this server serves '{self.model}'", "model"
+                f"model '{req.model}' does not exist; this server serves '{self.model}'", "model"
             )
-        ids = self._prompt_ids(body, chat)
+        ids = self._prompt_ids(req, body)
         room = self.max_model_len - len(ids)
         if room <= 0:
             raise BadRequest(
                 f"prompt has {len(ids)} tokens; the maximum context length is {self.max_model_len}",
                 "prompt" if not chat else "messages",
             )
-        default_max = 16 if not chat else room
-        max_tokens = _get(
-            body,
-            "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens",
-            int,
-            default_max,
-        )
-        if max_tokens <= 0:
-            raise BadRequest(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+        max_name, max_tokens = "max_tokens", req.max_tokens
+        if isinstance(req, schema.ChatRequest) and req.max_completion_tokens is not None:
+            max_name, max_tokens = "max_completion_tokens", req.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = room if chat else min(16, room)
         if max_tokens > room:
             raise BadRequest(
-                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the maximum "
+                f"prompt ({len(ids)} tokens) + {max_name} ({max_tokens}) exceeds the maximum "
                 f"context length {self.max_model_len}",
-                "max_tokens",
+                max_name,
             )
-        n = _get(body, "n", int, 1)
-        if not 1 <= n <= 128:
-            raise BadRequest(f"n must be between 1 and 128, got {n}", "n")
-        temperature = float(_get(body, "temperature", (int, float), 1.0))
-        top_p = float(_get(body, "top_p", (int, float), 1.0))
-        top_k = _get(body, "top_k", int, 0)
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise BadRequest("temperature must be >= 0 and top_p in (0, 1]", "temperature")
-        seed = _get(body, "seed", int, None)
-        stop = body.get("stop") or []
-        stops = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-            raise BadRequest("'stop' must be a string or a list of strings", "stop")
-        stop_ids = list(_get(body, "stop_token_ids", list, []))
-        if not _get(body, "ignore_eos", bool, False):
-            stop_ids += [self.tokenizer.eos_token_id]
-        if chat:
-            logprobs = bool(_get(body, "logprobs", bool, False))
-        else:
-            lp = _get(body, "logprobs", int, None)
-            logprobs = lp is not None
-        stream = bool(_get(body, "stream", bool, False))
-        opts = body.get("stream_options") or {}
+        n, max_n = req.n or 1, self.deps.settings.max_n
+        if n > max_n:
+            raise BadRequest(f"n is {n}; the limit is {max_n} (ROLLBUS_MAX_N)", "n")
+        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        stop_ids = list(req.stop_token_ids or [])
+        if any(t >= self.tokenizer.vocab_size for t in stop_ids):
+            raise BadRequest("stop_token_ids: token id out of the vocabulary", "stop_token_ids")
+        if not req.ignore_eos:
+            stop_ids += self.tokenizer.stop_token_ids  # every eos id of the model's configs
+        logprobs = bool(req.logprobs) if chat else req.logprobs is not None
+        opts = req.stream_options
         gen = m.GenRequest(
             request_id=uuid.uuid4().hex,
             prompt_token_ids=ids,
             max_tokens=max_tokens,
             n=n,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=max(0, top_k),
-            seed=seed,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=max(0, req.top_k or 0),
+            seed=req.seed,
             logprobs=logprobs,
             stop_token_ids=stop_ids,
         )
         return Job(
             gen,
             stops,
-            stream,
-            bool(opts.get("include_usage")),
-            bool(body.get("return_token_ids")),
+            bool(req.stream),
+            bool(opts and opts.include_usage),
+            bool(req.return_token_ids),
             chat,
             logprobs,
         )
@@ -248,16 +297,13 @@ class OpenAIRoutes:
                 {"version": s.version, "start": s.start, "end": s.end} for s in first
             ]
 
-    async def complete(self, job: Job) -> dict[str, Any]:
+    async def complete(self, job: Job, call: GenCall) -> dict[str, Any]:
         acc: dict[int, dict[str, Any]] = {
             i: {"text": "", "token_ids": [], "logprobs": [], "finish_reason": None, "spans": []}
             for i in range(job.gen.n)
         }
-        assert self.deps.bus is not None
         first = _FirstToken(self.deps)
-        async for d in generate(
-            self.deps.bus, self.deps.subjects, self.tokenizer, job.gen, job.stops, self._seen
-        ):
+        async for d in call.deltas():
             first.seen(d)
             a = acc[d.index]
             a["text"] += d.text
@@ -301,24 +347,23 @@ class OpenAIRoutes:
         self.deps.metrics.gen_tokens.inc(out_tokens)
         return body
 
-    async def sse(self, job: Job) -> AsyncIterator[bytes]:
+    async def sse(self, job: Job, call: GenCall) -> AsyncIterator[bytes]:
         rid = ("chatcmpl-" if job.chat else "cmpl-") + job.gen.request_id
         created = int(time.time())
         obj = "chat.completion.chunk" if job.chat else "text_completion"
         started: set[int] = set()
         out_tokens = 0
-        assert self.deps.bus is not None
         first = _FirstToken(self.deps)
         try:
-            async for d in generate(
-                self.deps.bus, self.deps.subjects, self.tokenizer, job.gen, job.stops, self._seen
-            ):
+            async for d in call.deltas():
                 first.seen(d)
                 out_tokens += len(d.token_ids)
                 yield self._sse_chunk(job, rid, created, obj, d, started)
         except ControlError as e:
             err = {"error": {"message": e.message, "type": "server_error", "code": e.code}}
             yield f"data: {json.dumps(err)}\n\n".encode()
+        finally:
+            await call.close()
         if job.include_usage:
             p = len(job.gen.prompt_token_ids)
             usage = {
@@ -374,20 +419,47 @@ class OpenAIRoutes:
     # ------------------------------------------------------------------ routes
 
     async def handle(self, request: Request, chat: bool) -> Response:
+        client_id = request.headers.get(REQUEST_ID_HEADER)
+        resp = await self._handle(request, chat)
+        if client_id is not None:
+            resp.headers[REQUEST_ID_HEADER] = client_id  # echoed, never used on the bus
+        return resp
+
+    async def _handle(self, request: Request, chat: bool) -> Response:
         route = "chat" if chat else "completions"
+        s = self.deps.settings
         try:
             self._auth(request)
-            job = self.parse(await self._body(request), chat)
+            raw = await read_body(request, s.max_body_bytes)
+            job = self.parse(parse_json(raw, empty={}), chat)
+            assert self.deps.bus is not None
+            gave_up = asyncio.Event()
+            call = GenCall(
+                self.deps.bus,
+                self.deps.subjects,
+                self.tokenizer,
+                job.gen,
+                job.stops,
+                self._seen,
+                max_unread=s.stream_buffer * job.gen.n,  # a step sends n chunks at once
+                on_overflow=gave_up.set,
+            )
+            await until_disconnect(request, call.open())  # refused (400/429/503) -> raises
             if job.stream:
-                return StreamingResponse(self.sse(job), media_type="text/event-stream")
-            body = await self.complete(job)
+                return BoundedStream(self.sse(job, call), gave_up)
+            try:
+                body = await until_disconnect(request, self.complete(job, call))
+            finally:
+                await call.close()
             for c in body["choices"]:
                 self.deps.metrics.gen_requests.labels(route, str(c["finish_reason"])).inc()
             return JSONResponse(body)
         except BadRequest as e:
             return error_response(e.message, e.code, e.param)
         except ControlError as e:
-            return error_response(e.message, e.code)
+            return error_response(e.message, e.code, (e.result or {}).get("param"))
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it; the engine was told to cancel
 
     async def models(self, request: Request) -> Response:
         try:
@@ -403,7 +475,7 @@ class OpenAIRoutes:
                         "object": "model",
                         "created": 0,
                         "owned_by": "rollbus",
-                        "root": str(self.deps.settings.model_dir),
+                        "root": self.model,  # the id, never a filesystem path
                         "max_model_len": self.max_model_len,
                     }
                 ],

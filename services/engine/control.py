@@ -18,6 +18,7 @@ from services.engine.state import State
 from shared import messages as m
 from shared.bus import new_request_id
 from shared.errors import NOT_FOUND, ControlError
+from shared.redact import public_url
 
 if TYPE_CHECKING:
     from services.engine.main import Engine
@@ -25,10 +26,15 @@ if TYPE_CHECKING:
 
 async def pause(eng: Engine, args: m.PauseArgs) -> dict[str, Any]:
     """Idempotent. Pausing an already paused engine with ``abort`` still ends every live
-    request (kept or queued meanwhile): abort means "nothing is left running"."""
+    request (kept or queued meanwhile): abort means "nothing is left running".
+
+    ``wait`` drains while the state still says running; the state turns paused only
+    once no step runs (a drain that times out leaves it running: 503)."""
+    if args.mode == "wait" and eng.state.state is State.RUNNING:
+        await eng.scheduler.pause("wait")
     changed = eng.state.pause(args.mode)
     aborted = 0
-    if changed or args.mode == "abort":
+    if (changed and args.mode != "wait") or args.mode == "abort":
         aborted = await eng.scheduler.pause(args.mode)
     if changed:
         await eng.state_changed("paused", {"mode": args.mode, "aborted": aborted})
@@ -37,7 +43,8 @@ async def pause(eng: Engine, args: m.PauseArgs) -> dict[str, Any]:
 
 async def resume(eng: Engine, _: m.NoArgs) -> dict[str, Any]:
     if eng.state.resume():
-        eng.scheduler.resume()
+        async with eng.scheduler.quiet():
+            eng.scheduler.resume()
         await eng.state_changed("running", {})
     return {"is_paused": eng.state.is_paused}
 
@@ -54,12 +61,13 @@ async def sleep(eng: Engine, args: m.TagArgs) -> dict[str, Any]:
         aborted = await eng.scheduler.pause("abort")
     eng.state.sleep(tags)  # recorded first: a half-failed sleep must not look awake
     await eng.state_changed("sleeping", {"tags": list(tags)})
-    if "kv_cache" in tags:
-        eng.scheduler.drop_kv()
-    replies = await eng.ranks.call(
-        "sleep",
-        m.SleepWorkerArgs(list(tags), eng.settings.shutdown_comm_group_if_worker_idle),
-    )
+    async with eng.scheduler.quiet():
+        if "kv_cache" in tags:
+            eng.scheduler.drop_kv()
+        replies = await eng.ranks.call(
+            "sleep",
+            m.SleepWorkerArgs(list(tags), eng.settings.shutdown_comm_group_if_worker_idle),
+        )
     return {
         "is_paused": True,
         "tags": list(tags),
@@ -72,13 +80,15 @@ async def wakeup(eng: Engine, args: m.TagArgs) -> dict[str, Any]:
     tags = args.tag_set()
     eng.state.check_wakeup(tags, eng.settings.use_cudagraph)
     t0 = time.perf_counter()
-    replies = await eng.ranks.call(
-        "wakeup",
-        m.WakeupWorkerArgs(list(tags), eng.state.weight_version, eng.settings.load_strategy),
-    )
-    resumed = eng.state.woke(tags)
+    async with eng.scheduler.quiet():
+        replies = await eng.ranks.call(
+            "wakeup",
+            m.WakeupWorkerArgs(list(tags), eng.state.weight_version, eng.settings.load_strategy),
+        )
+        resumed = eng.state.woke(tags)
+        if resumed:
+            eng.scheduler.resume()
     if resumed:
-        eng.scheduler.resume()
         await eng.state_changed("running", {"woke": list(tags)})
     return {
         "is_paused": eng.state.is_paused,
@@ -101,6 +111,11 @@ def default_version(eng: Engine) -> str:
 
 
 async def update_weights(eng: Engine, args: m.UpdateWeightsArgs, actor: str = "") -> dict[str, Any]:
+    async with eng.scheduler.quiet():  # no step in flight while ranks change weights
+        return await _update_weights(eng, args, actor)
+
+
+async def _update_weights(eng: Engine, args: m.UpdateWeightsArgs, actor: str) -> dict[str, Any]:
     eng.state.check_update()  # the 409 comes before anything else is looked at
     version = args.version or default_version(eng)
     eng.state.begin_update()
@@ -153,7 +168,15 @@ async def update_weights(eng: Engine, args: m.UpdateWeightsArgs, actor: str = ""
 
 async def status(eng: Engine, _: object = None) -> dict[str, Any]:
     ranks = await eng.ranks.statuses(timeout=min(2.0, eng.settings.control_timeout_s))
+    ours = eng.state.weight_version
     return {
+        "version_mismatch": sorted(
+            r["rank"] for r in ranks if r.get("alive") and r.get("version", ours) != ours
+        )
+        if eng.state.state not in (State.UPDATING, State.SLEEPING)
+        else [],
+        "problems": eng.problems(),
+        "tasks": eng.supervisor.report(),
         "state": eng.state.state.value,
         "is_paused": eng.state.is_paused,
         "weight_version": eng.state.weight_version,
@@ -166,7 +189,7 @@ async def status(eng: Engine, _: object = None) -> dict[str, Any]:
         "pause_mode": eng.state.pause_mode,
         "ranks": ranks,
         "ranks_ready": all(r.get("alive") for r in ranks),
-        "nats_url": eng.bus.url,
+        "nats_url": public_url(eng.bus.url),  # never credentials
         **eng.scheduler.counts(),
     }
 
@@ -178,7 +201,17 @@ def model_config(eng: Engine, _: object = None) -> dict[str, Any]:
 
 
 def health(eng: Engine, _: object = None) -> dict[str, Any]:
+    """``problems`` empty = healthy; ``tasks`` carries the supervisor's failure counts
+    and ``callback_errors`` the bus's, for ``/metrics``."""
     return {
+        "problems": eng.problems(),
+        "version_mismatch": sorted(eng.version_mismatch),
+        "tasks": eng.supervisor.report(),
+        "callback_errors": dict(eng.bus.callback_errors),
+        "ranks_health": {
+            str(r): {k: p.get(k, {}) for k in ("callback_errors", "task_failures")}
+            for r, p in eng.rank_pings.items()
+        },
         "ready": eng.ready,
         "ranks_alive": eng.ranks_alive,
         "state": eng.state.state.value,

@@ -11,25 +11,39 @@ Gates: ``admit`` (start waiting requests) and ``run`` (step running ones).
   re-prefilled (recomputed) first if the weights or the KV cache changed meanwhile.
 * Requests that arrive while paused or asleep wait in the queue.
 
-One step at a time holds ``step_lock``; control methods take it to act between steps.
+One step at a time holds ``step_lock``; every scheduler change (cancel, abort, resume,
+KV drop, weights changed) and every rank-state change (update_weights, sleep, wakeup:
+:meth:`Generation.quiet`) takes it too, so none happens while a step is in flight.
+
+Supervision: the step loop and the heartbeats run under the engine's
+:class:`~shared.tasks.Supervisor`. A loop failure ends every live request with 503 and
+the loop restarts. ``last_progress`` is the loop's watermark: :meth:`stall` names a
+loop that holds the step lock (a step in flight) without progress for ``STALL_S``;
+past ``STALL_S + CONTROL_TIMEOUT_S`` the heartbeat task restarts the loop, so no client
+is kept waiting by heartbeats alone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from nats.aio.msg import Msg
 from nats.micro.service import Service
 
 from services.engine.scheduler import Output, Scheduler, Seq
 from shared import messages as m
 from shared.bus import REQUEST_ID
-from shared.errors import BAD_REQUEST, UNAVAILABLE, ControlError
+from shared.errors import BAD_REQUEST, TOO_MANY_REQUESTS, UNAVAILABLE, ControlError
+from shared.model_config import context_length
+from shared.tasks import Supervisor
 
 if TYPE_CHECKING:
     from services.engine.main import Engine
@@ -42,8 +56,19 @@ HEARTBEAT_S = 5.0
 def max_model_len(model_dir: Path, setting: int) -> int:
     if setting:
         return setting
-    cfg = json.loads((model_dir / "config.json").read_text())
-    return int(cfg.get("max_position_embeddings", 2048))
+    return context_length(json.loads((model_dir / "config.json").read_text()))
+
+
+def vocab_size(model_dir: Path) -> int:
+    return int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+
+
+class Refused(Exception):
+    """A generation request the engine will not queue: ``code`` and the field."""
+
+    def __init__(self, code: int, message: str, param: str = "") -> None:
+        super().__init__(message)
+        self.code, self.message, self.param = code, message, param
 
 
 class Generation:
@@ -51,6 +76,7 @@ class Generation:
         self.engine = engine
         s = engine.settings
         self.max_model_len = max_model_len(s.model_dir, s.max_model_len)
+        self.vocab_size = vocab_size(s.model_dir)
         engine.max_model_len = self.max_model_len
         self.sched = Scheduler(
             s.kv_cache_blocks,
@@ -68,6 +94,11 @@ class Generation:
         self._cancels: list[str] = []
         self.step_seconds = 0.0
         self.steps = 0
+        # progress watermark: set when the loop takes the step lock and after each step
+        self.active = False  # the loop holds the step lock (a step may be in flight)
+        self.last_progress = time.monotonic()
+        self.in_step = 0  # number of the step in flight, 0 when none
+        self.supervisor: Supervisor | None = None
 
     # ------------------------------------------------------------------ bus side
 
@@ -76,40 +107,73 @@ class Generation:
         await self.engine.bus.subscribe(subj, self.on_gen, queue="engine")
         await self.engine.bus.subscribe(subj + ".cancel", self.on_cancel)
 
-    def background(self) -> list[asyncio.Task[Any]]:
-        return [asyncio.create_task(self.loop()), asyncio.create_task(self.heartbeats())]
+    def background(self, sup: Supervisor) -> None:
+        self.supervisor = sup
+        sup.start("step_loop", self.loop, self.on_loop_error)
+        sup.start("heartbeats", self.heartbeats)
 
     async def on_gen(self, msg: Msg) -> None:
-        try:
-            gen = m.unpack(msg.data, type=m.GenRequest)
-        except Exception as e:  # noqa: BLE001 - a bad message must still get an answer
-            if msg.reply:
-                await self._send(
-                    msg.reply,
-                    m.GenChunk(
-                        "",
-                        finish_reason="error",
-                        error_code=BAD_REQUEST,
-                        error_message=f"bad request: {e}",
-                    ),
-                )
-            return
+        """Queue a request, acknowledged by a first heartbeat, or refuse it with one error
+        chunk. Anything may arrive here over raw NATS: nothing in it can fail the loop."""
         if not msg.reply:
             return
-        why = self.sched.check(gen)
-        if why:
-            await self._send(
-                msg.reply,
-                m.GenChunk(
-                    gen.request_id, finish_reason="error", error_code=BAD_REQUEST, error_message=why
-                ),
+        rid = ""
+        try:
+            gen = self.admit_request(msg.data)
+            rid = gen.request_id
+            self.sched.add(gen, msg.reply)
+        except Refused as e:
+            chunk = m.GenChunk(
+                rid,
+                finish_reason="error",
+                error_code=e.code,
+                error_message=e.message,
+                error_param=e.param,
             )
+            await self._send(msg.reply, chunk)
             return
-        self.sched.add(gen, msg.reply)
+        await self._send(msg.reply, m.GenChunk(rid, heartbeat=True))  # queued
         self.work.set()
 
+    def admit_request(self, data: bytes) -> m.GenRequest:
+        """Decode and check one ``gen`` message against every limit; raises ``Refused``."""
+        try:
+            gen = m.unpack(data, type=m.GenRequest)
+        except msgspec.ValidationError as e:
+            param = m.error_param(e) or ""
+            raise Refused(BAD_REQUEST, f"bad request: {e}", param) from None
+        except Exception as e:  # noqa: BLE001 - not msgpack at all
+            raise Refused(BAD_REQUEST, f"bad request: not a GenRequest: {e}") from None
+        s = self.engine.settings
+        if gen.n > s.max_n:
+            raise Refused(BAD_REQUEST, f"n is {gen.n}; the limit is {s.max_n}", "n")
+        for name in ("prompt_token_ids", "stop_token_ids"):
+            if any(t >= self.vocab_size for t in getattr(gen, name)):
+                raise Refused(
+                    BAD_REQUEST, f"{name}: token id out of the vocabulary ({self.vocab_size})", name
+                )
+        if gen.request_id in self.sched.requests:
+            raise Refused(
+                BAD_REQUEST, f"request_id {gen.request_id!r} is already running", "request_id"
+            )
+        why = self.sched.check(gen)
+        if why:
+            raise Refused(BAD_REQUEST, why, "max_tokens")
+        if self.sched.num_queued >= s.max_waiting:
+            raise Refused(
+                TOO_MANY_REQUESTS,
+                f"the engine queue is full ({s.max_waiting} requests waiting, "
+                "ROLLBUS_MAX_WAITING); retry later",
+            )
+        return gen
+
     async def on_cancel(self, msg: Msg) -> None:
-        self._cancels.append(m.json_decode(msg.data, type=m.GenCancel).request_id)
+        try:
+            rid = m.json_decode(msg.data, type=m.GenCancel).request_id
+        except msgspec.MsgspecError:
+            log.warning("ignored a malformed gen.cancel message (%d bytes)", len(msg.data))
+            return
+        self._cancels.append(rid)
         self.work.set()
 
     async def _send(self, reply: str, chunk: m.GenChunk) -> None:
@@ -117,6 +181,12 @@ class Generation:
 
     def _chunk(self, out: Output) -> m.GenChunk:
         seq = out.seq
+        if out.error:
+            code, why = out.error
+            return m.GenChunk(
+                seq.req.request_id, seq.index, finish_reason="error", error_code=code,
+                error_message=why,
+            )
         return m.GenChunk(
             seq.req.request_id,
             seq.index,
@@ -140,41 +210,81 @@ class Generation:
         while True:
             await self.work.wait()
             async with self.step_lock:
-                for rid in self._cancels:
-                    await self._end(self.sched.abort(rid, "abort"))
-                self._cancels.clear()
-                plan = self.sched.schedule(admit=self.admit, run=self.run)
-                if plan is None:
-                    self.work.clear()
-                    if not self.sched.running:
-                        self.drained.set()
-                    continue
-                self.drained.clear()
+                self.active, self.last_progress = True, time.monotonic()
                 try:
-                    outputs = await self._step(plan)
-                except ControlError as e:
-                    await self._fail_all(e)
-                    continue
-                await self._publish(outputs)
+                    await self._one()
+                finally:
+                    self.active, self.in_step = False, 0
             await asyncio.sleep(0)  # let control handlers take the lock between steps
 
+    async def _one(self) -> None:
+        for rid in self._cancels:
+            await self._end(self.sched.abort(rid, "abort"))
+        self._cancels.clear()
+        plan = self.sched.schedule(admit=self.admit, run=self.run)
+        if plan is None:
+            self.work.clear()
+            if not self.sched.running:
+                self.drained.set()
+            return
+        self.drained.clear()
+        try:
+            outputs = await self._step(plan)
+        except ControlError as e:
+            await self._fail_all(e)
+            return
+        self.last_progress = time.monotonic()
+        await self._publish(outputs)
+
     async def _step(self, plan: Any) -> list[Output]:
+        """Send one step; a rank's error or no reply within CONTROL_TIMEOUT_S raises 503."""
         eng = self.engine
         t0 = time.perf_counter()
         plan.step.version = eng.state.weight_version  # no rank steps on another version
+        self.in_step = plan.step.step
         rep = await eng.bus.request(
             eng.subjects.worker_step, m.pack(plan.step), timeout=eng.settings.control_timeout_s
         )
         reply = m.unpack(rep.data, type=m.StepReply)
         if reply.error:
-            raise ControlError(UNAVAILABLE, f"step failed: {reply.error}")
+            raise ControlError(UNAVAILABLE, f"step {plan.step.step} failed: {reply.error}")
         self.step_seconds += time.perf_counter() - t0
         self.steps += 1
         return self.sched.apply(plan, reply, eng.state.weight_version)
 
+    async def on_loop_error(self, err: BaseException) -> None:
+        """The step loop died: every live request gets 503 (the loop restarts)."""
+        async with self.step_lock:
+            why = f"step loop failed: {type(err).__name__}: {err}"
+            await self._fail_all(ControlError(UNAVAILABLE, why))
+        self.work.set()
+
+    def stall(self) -> str | None:
+        """Why the step loop counts as stalled (None when it is not): it holds the step
+        lock — work to do, a step maybe in flight — without progress for ``STALL_S``, or
+        it sits idle that long while requests wait and the gates are open (nothing it
+        can schedule: e.g. KV blocks lost)."""
+        age = time.monotonic() - self.last_progress
+        if age < self.engine.settings.stall_s:
+            return None
+        if not self.active:
+            if self.admit and self.run and self.sched.requests:
+                return (
+                    f"step loop stalled: idle for {age:.0f}s while "
+                    f"{len(self.sched.requests)} requests wait"
+                )
+            return None
+        where = f" (step {self.in_step} in flight)" if self.in_step else ""
+        return (
+            f"step loop stalled: no progress for {age:.0f}s{where} while "
+            f"{len(self.sched.requests)} requests wait"
+        )
+
     async def _fail_all(self, err: ControlError) -> None:
-        log.error("failing all requests: %s", err.message)
+        """End every live request with ``err`` (the caller holds the step lock)."""
         ended = self.sched.abort(None, "error")
+        n = len({s.req.request_id for s in ended})
+        log.error("%s: failing %d live requests", err.message, n)
         self.sched.reset_blocks()
         for seq in ended:
             chunk = m.GenChunk(
@@ -188,16 +298,29 @@ class Generation:
         await self.engine.event("step_error", {"error": err.message, "requests": len(ended)})
 
     async def heartbeats(self) -> None:
-        """Tell the API every waiting request is still alive (it may wait for a resume)."""
+        """Tell the API every waiting request is still alive (it may wait for a resume),
+        unless the step loop is wedged: then restart it, which fails them with 503."""
+        s = self.engine.settings
         while True:
-            await asyncio.sleep(HEARTBEAT_S)
+            await asyncio.sleep(min(HEARTBEAT_S, s.stall_s))
+            if self.active and time.monotonic() - self.last_progress > (
+                s.stall_s + s.control_timeout_s
+            ):
+                why = self.stall() or "step loop stalled"
+                if self.supervisor and self.supervisor.restart("step_loop", why):
+                    continue
+            if not self.active and self.sched.requests:
+                self.work.set()  # a lost wakeup must not leave requests waiting
             for req in list(self.sched.requests.values()):
                 await self._send(req.reply, m.GenChunk(req.request_id, heartbeat=True))
 
     # ------------------------------------------------------------------ control hooks
 
     async def pause(self, mode: str) -> int:
-        """Close the gates; returns how many requests were aborted."""
+        """Close the gates; returns how many requests were aborted.
+
+        ``wait`` drains first; if requests still run after CONTROL_TIMEOUT_S it opens
+        admission again and raises 503: the engine is still running, and says so."""
         if mode == "wait":
             self.admit = False
             self.work.set()
@@ -205,13 +328,14 @@ class Generation:
             try:
                 await asyncio.wait_for(self._drain(), timeout)
             except TimeoutError:
-                # admission stays closed; the running requests go on finishing
+                self.admit = True
+                self.work.set()
                 raise ControlError(
                     UNAVAILABLE,
                     f"pause(wait): {len(self.sched.running)} requests still running after "
-                    f"{timeout:g}s; the engine stays paused and admits nothing",
+                    f"{timeout:g}s; not paused: the engine keeps running",
                 ) from None
-            self.run = False
+            self.run = False  # drained: no step is in flight, none will start
             return 0
         self.admit = self.run = False
         async with self.step_lock:  # the in-flight step completes first
@@ -227,7 +351,19 @@ class Generation:
             self.work.set()
             await self.drained.wait()
 
+    @contextlib.asynccontextmanager
+    async def quiet(self) -> AsyncIterator[None]:
+        """Hold the step lock: no step is in flight meanwhile, none starts. The
+        scheduler changes below must be called inside it."""
+        async with self.step_lock:
+            yield
+
+    def _locked(self, what: str) -> None:
+        if not self.step_lock.locked():
+            raise RuntimeError(f"{what} outside the step lock")
+
     def resume(self) -> None:
+        self._locked("resume")
         if self.recompute:
             self.sched.recompute_all()
             self.recompute = False
@@ -235,12 +371,14 @@ class Generation:
         self.work.set()
 
     def drop_kv(self) -> None:
+        self._locked("drop_kv")
         self.sched.reset_blocks()
         self.recompute = True
 
     def weights_changed(self, version: str) -> None:
+        self._locked("weights_changed")
         if self.sched.running:
             self.recompute = True
 
     def counts(self) -> dict[str, Any]:
-        return {**self.sched.counts(), "steps": self.steps}
+        return {**self.sched.counts(), "steps": self.steps, "admitting": self.admit}

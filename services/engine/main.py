@@ -19,8 +19,8 @@ from typing import Any
 
 from services.engine import autoupdate, control, persist
 from services.engine.generation import Generation
-from services.engine.ranks import Ranks
-from services.engine.state import EngineState
+from services.engine.ranks import RankError, Ranks
+from services.engine.state import EngineState, State
 from shared import messages as m
 from shared import objstore
 from shared.bus import REQUEST_ID, Bus, new_request_id
@@ -34,6 +34,7 @@ from shared.errors import (
 )
 from shared.settings import Settings, settings_or_exit
 from shared.subjects import Subjects
+from shared.tasks import Supervisor
 
 log = logging.getLogger("rollbus.engine")
 
@@ -66,6 +67,12 @@ class Engine:
         self.ranks_alive = False
         self.latest_published = ""
         self.max_model_len = 0
+        self.supervisor = Supervisor("engine")
+        # what the last ping of each rank said (version, compute-thread watermark)
+        self.rank_pings: dict[int, dict[str, Any]] = {}
+        self.ranks_error = ""
+        self.version_mismatch: dict[int, str] = {}  # rank -> version, when not ours
+        self._mismatch_seen: dict[int, str] = {}
         self.scheduler = Generation(self)
         self.persist = persist.Persister(self)
         self.rank_pids: dict[int, int] = {}  # the ranks last brought to the engine's state
@@ -226,24 +233,75 @@ class Engine:
 
     async def watch_ranks(self, period: float = 2.0) -> None:
         """Keep ``ranks_alive`` true only while every rank answers a ping and serves the
-        engine's state; ranks that come back restarted are brought to it first."""
+        engine's state (ranks that come back restarted are brought to it first); keep
+        each rank's last ping (version, compute-thread watermark) for ``problems``."""
         while True:
             await asyncio.sleep(period)
             try:
                 replies = await self.ranks.call("ping", timeout=period)
-                alive = True
-            except ControlError as e:
-                alive = False
+                alive, error = True, ""
+            except RankError as e:
+                replies, alive, error = e.replies, False, e.message
                 if self.ranks_alive:
                     log.warning("ranks lost: %s", e.message)
                     await self.event("ranks", {"alive": False, "error": e.message})
             if alive:
                 changed = persist.ranks_changed(self, replies)
                 if changed and not self.lock.locked():
-                    alive = await self.bring_ranks(None, changed)
-                elif changed == "restarted":
-                    alive = False  # an operation holds the lock: next round
-            self.ranks_alive = alive
+                    if not await self.bring_ranks(None, changed):
+                        alive, error = False, f"ranks {changed}: not brought to the engine's state"
+                elif changed == "restarted":  # an operation holds the lock: next round
+                    alive, error = False, "ranks restarted: not yet brought to the engine's state"
+            self.rank_pings = {r: rep.result for r, rep in replies.items()}
+            self.ranks_alive, self.ranks_error = alive, error
+            await self._check_versions()
+
+    async def _check_versions(self) -> None:
+        """Ranks serving another version than ours, seen in two pings in a row (an
+        update switches the ranks a moment before the engine). Not checked while
+        updating, nor asleep (wakeup loads the engine's version, whatever ranks hold)."""
+        ours = self.state.weight_version
+        seen = {
+            r: str(p.get("version", ""))
+            for r, p in self.rank_pings.items()
+            if p.get("version", ours) != ours
+        }
+        if self.state.state in (State.UPDATING, State.SLEEPING):
+            seen = {}
+        confirmed = {r: v for r, v in seen.items() if self._mismatch_seen.get(r) == v}
+        self._mismatch_seen = seen
+        if confirmed != self.version_mismatch:
+            self.version_mismatch = confirmed
+            if confirmed:
+                log.error("ranks serve another version than the engine (%s): %s", ours, confirmed)
+            await self.event(
+                "version_mismatch",
+                {"engine": ours, "ranks": {str(r): v for r, v in confirmed.items()}},
+            )
+
+    def problems(self) -> list[str]:
+        """Why the engine is not healthy now (empty when it is): what ``/health`` says."""
+        out: list[str] = []
+        if not self.ready:
+            out.append("engine not ready: waiting for the ranks")
+        elif not self.ranks_alive:
+            out.append(self.ranks_error or "ranks not answering")
+        stall = self.scheduler.stall()
+        if stall:
+            out.append(stall)
+        limit = self.settings.stall_s
+        for r, p in sorted(self.rank_pings.items()):
+            job, busy = str(p.get("busy", "")), float(p.get("busy_s", 0.0))
+            if job.startswith("step") and busy >= limit:
+                out.append(f"rank {r}: compute thread stuck in {job} for {busy:.0f}s")
+        if self.version_mismatch:
+            ranks = ", ".join(f"rank {r} serves {v!r}" for r, v in self.version_mismatch.items())
+            ours = self.state.weight_version
+            out.append(f"version mismatch: {ranks}; the engine serves {ours!r}")
+        for name in self.supervisor.report()["down"]:
+            err = self.supervisor.last_error.get(name, "")
+            out.append(f"task {name} failed ({err}); restarting")
+        return out
 
 
 def _jsonable(result: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -275,12 +333,15 @@ async def amain(settings: Settings) -> int:
     stopping.cancel()
     ready.result()
     log.info("engine ready: %d ranks, version %s", settings.tp, engine.state.weight_version)
-    tasks = [asyncio.create_task(engine.watch_ranks()), *engine.scheduler.background()]
-    tasks.append(asyncio.create_task(engine.persist.run()))
-    tasks += autoupdate.tasks(engine)
+    sup = engine.supervisor
+    sup.start("watch_ranks", engine.watch_ranks)
+    sup.start("persist", engine.persist.run)
+    engine.scheduler.background(sup)
+    sup.start("versions_track", lambda: autoupdate.track(engine))
+    if settings.auto_update:
+        sup.start("auto_update", lambda: autoupdate.follow(engine))
     await stop.wait()
-    for t in tasks:
-        t.cancel()
+    await sup.stop()
     await bus.close()
     return 0
 

@@ -99,10 +99,8 @@ def apply(eng: Engine, rec: Record) -> Update | None:
         state = State.SLEEPING if st.asleep else State.PAUSED
         st.pause_mode = st.pause_mode or "abort"
     st.state = state
-    if state is not State.RUNNING:
+    if state is not State.RUNNING:  # at start: nothing scheduled yet, no step in flight
         eng.scheduler.admit = eng.scheduler.run = False
-    if "kv_cache" in st.asleep:
-        eng.scheduler.drop_kv()
     return rec.update
 
 
@@ -257,7 +255,7 @@ async def reconcile(eng: Engine, update: Update | None = None) -> dict[str, Any]
         )
         done["asleep"] = sorted(st.asleep)
     # the ranks' KV cache is not the one the scheduler planned for any more
-    async with eng.scheduler.step_lock:
+    async with eng.scheduler.quiet():
         eng.scheduler.drop_kv()
     final = await eng.ranks.call("ping", timeout=min(5.0, s.control_timeout_s))
     eng.rank_pids = {r: int(rep.result.get("pid", 0)) for r, rep in final.items()}

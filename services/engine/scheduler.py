@@ -9,6 +9,11 @@ preemption or a weight change are the same operation.
 ``n`` choices share the prompt's prefill: the request's first sequence prefills once
 and rank 0 samples ``n`` tokens from that position; the other choices then fork, sharing
 the full prompt blocks (reference counts) and copying the partial last block.
+
+Fairness: a step's rows are shared among the running requests round-robin, and while
+requests wait for admission one request may take at most ``max_batch // (running
+requests + 1)`` rows, so one large-``n`` request cannot starve small ones. Within a
+request, the sequences stepped least recently go first.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ class Request:
     reply: str
     seqs: list[Seq] = field(default_factory=list)
     forked: bool = False
+    started: bool = False  # scheduled once: no longer counts against the waiting limit
 
     @property
     def request_id(self) -> str:
@@ -74,6 +80,7 @@ class Seq:
     logprobs: list[float] = field(default_factory=list)
     spans: list[m.VersionSpan] = field(default_factory=list)
     finish_reason: str | None = None
+    last_step: int = 0
 
     @property
     def output_len(self) -> int:
@@ -101,6 +108,7 @@ class Output:
     token: int | None
     logprob: float | None
     finish_reason: str | None
+    error: tuple[int, str] | None = None  # (code, why): this request failed alone
 
 
 @dataclass
@@ -167,6 +175,11 @@ class Scheduler:
     def num_live(self) -> int:
         return len(self.requests)
 
+    @property
+    def num_queued(self) -> int:
+        """Requests not yet admitted to a step (what ``ROLLBUS_MAX_WAITING`` bounds)."""
+        return sum(1 for r in self.requests.values() if not r.started)
+
     # ------------------------------------------------------------------ planning
 
     def _ensure_blocks(self, seq: Seq, upto: int) -> bool:
@@ -202,6 +215,22 @@ class Scheduler:
             ]
         return m.StepRow(seq.seq_id, new, seq.num_computed, list(seq.blocks), sample)
 
+    def _fair_order(self, admitting: bool) -> list[Seq]:
+        """Running sequences in the order they get rows: round-robin over requests,
+        least recently stepped first within one; while others wait for admission, one
+        request gets at most half the rows."""
+        by_req: dict[str, list[Seq]] = {}
+        for seq in self.running:
+            by_req.setdefault(seq.req.request_id, []).append(seq)
+        cap = self.max_batch
+        if admitting and len(by_req) < self.max_batch:
+            cap = max(1, self.max_batch // (len(by_req) + 1))
+        queues = [sorted(q, key=lambda s: s.last_step)[:cap] for q in by_req.values()]
+        order: list[Seq] = []
+        for i in range(max((len(q) for q in queues), default=0)):
+            order += [q[i] for q in queues if i < len(q)]
+        return order
+
     def schedule(self, *, admit: bool = True, run: bool = True) -> Plan | None:
         """The next step, or None when there is nothing to do.
 
@@ -213,22 +242,21 @@ class Scheduler:
         rows: list[m.StepRow] = []
         seqs: list[Seq] = []
         budget = self.max_step_tokens
-        if run:
-            for seq in list(self.running):
-                if seq not in self.running or len(rows) >= self.max_batch or budget <= 0:
-                    continue
-                upto = min(len(seq.tokens), seq.num_computed + budget)
-                while not self._ensure_blocks(seq, upto):
-                    victim = self.running[-1]
-                    self._preempt(victim)
-                    if victim is seq:
-                        break
-                if seq not in self.running:
-                    continue
-                row = self._row(seq, budget)
-                budget -= len(row.token_ids)
-                rows.append(row)
-                seqs.append(seq)
+        for seq in self._fair_order(admit and bool(self.waiting)):
+            if seq not in self.running or len(rows) >= self.max_batch or budget <= 0:
+                continue
+            upto = min(len(seq.tokens), seq.num_computed + budget)
+            while not self._ensure_blocks(seq, upto):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq not in self.running:
+                continue
+            row = self._row(seq, budget)
+            budget -= len(row.token_ids)
+            rows.append(row)
+            seqs.append(seq)
         if admit:
             while self.waiting and len(rows) < self.max_batch and budget > 0:
                 seq = self.waiting[0]
@@ -237,6 +265,7 @@ class Scheduler:
                     break
                 self.waiting.popleft()
                 self.running.append(seq)
+                seq.req.started = True
                 row = self._row(seq, budget)
                 budget -= len(row.token_ids)
                 rows.append(row)
@@ -244,6 +273,8 @@ class Scheduler:
         if not rows and not self._copies and not self._finished_ids:
             return None
         self._step += 1
+        for seq in seqs:
+            seq.last_step = self._step
         step = m.StepRequest(self._step, rows, self._copies, self._finished_ids)
         self._copies, self._finished_ids = [], []
         return Plan(step, seqs)
@@ -267,7 +298,7 @@ class Scheduler:
                     if child.finish_reason is None:
                         self._fork(seq, child)
                 req.forked = True
-        outputs: list[Output] = []
+        outputs = self._fail(reply.failed, by_id)
         for seq, token, logprob in samples:
             if seq.finish_reason is not None:
                 continue  # ended meanwhile
@@ -276,6 +307,19 @@ class Scheduler:
             outputs.append(Output(seq, token, logprob, reason))
             if reason:
                 self.finish(seq, reason)
+        return outputs
+
+    def _fail(self, failed: list[tuple[int, int, str]], by_id: dict[int, Seq]) -> list[Output]:
+        """End the requests whose sampling failed on the rank; the others go on."""
+        outputs: list[Output] = []
+        for sid, code, why in failed:
+            seq = by_id.get(sid)
+            if seq is None:
+                continue
+            for s in seq.req.seqs:
+                if s.finish_reason is None:
+                    self.finish(s, "error")
+                    outputs.append(Output(s, None, None, "error", (code, why)))
         return outputs
 
     def _fork(self, leader: Seq, child: Seq) -> None:
@@ -344,6 +388,7 @@ class Scheduler:
 
     def counts(self) -> dict[str, int]:
         return {
+            "queued": self.num_queued,
             "waiting": len(self.waiting),
             "running": len(self.running),
             "requests": len(self.requests),

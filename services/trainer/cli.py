@@ -14,12 +14,16 @@ import warnings
 from datetime import UTC, datetime
 from pathlib import Path
 
+from shared import creds
 from shared.errors import BusUnreachable
 from shared.settings import Settings
 
 
 def nats_url_of(args: argparse.Namespace, settings: Settings) -> str:
-    return args.nats_url or settings.nats_url or f"nats://127.0.0.1:{settings.nats_port}"
+    """``--nats-url``, else ``ROLLBUS_NATS_URL``, else the embedded server of the stack
+    beside us; with the trainer's credentials from ``DATA_DIR/creds`` unless it has some."""
+    url = args.nats_url or settings.nats_url or creds.local_server_url(settings)
+    return creds.role_url(url, "trainer", settings.creds_dir)
 
 
 class ProgressLine:

@@ -24,15 +24,21 @@ second event); publishing different content under an existing version is refused
 ``ipc=True`` writes the shards to shared memory instead (``<ipc_dir>/<model>/<version>/``,
 default ``/dev/shm/rollbus``; for ranks on this host with ``ROLLBUS_LOAD_STRATEGY=ipc``),
 then publishes the same event. Shared memory is RAM: :meth:`remove_ipc` frees it.
+Directories are created 0700 and files 0600, through a temporary dir renamed into
+place; an existing ipc dir that is a symlink, not ours, or world-writable is refused
+(:class:`UnsafeIpcDir`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import shutil
 import socket
+import stat
+import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -49,6 +55,7 @@ from services.worker.sources import ipc_version_dir
 from shared import manifest as mf
 from shared import objstore
 from shared.bus import Bus
+from shared.creds import default_dir, role_url
 from shared.messages import ControlReply, VersionPublished, json_decode
 from shared.subjects import Subjects, ckpt_object_name
 
@@ -129,7 +136,8 @@ class CheckpointPublisher:
         connect_timeout: float = 5.0,
         instance: str = "default",
     ) -> None:
-        self.nats_url = nats_url
+        # beside the stack, the trainer's credentials are found under DATA_DIR/creds
+        self.nats_url = role_url(nats_url, "trainer", default_dir())
         self.instance = instance  # asked for the served config when a state dict has none
         self.bucket = bucket
         self.ipc_dir = Path(ipc_dir)
@@ -257,7 +265,7 @@ class CheckpointPublisher:
     async def _existing(self, nc: Any, model: str, version: str) -> mf.Manifest | None:
         name = ckpt_object_name(model, version, "manifest.json")
         try:
-            raw = await objstore.read_object(nc, self.bucket, name)
+            raw = await objstore.read_object(nc, self.bucket, name, max_size=mf.MAX_MANIFEST_BYTES)
         except objstore.ObjectMissing:
             return None
         return mf.decode(bytes(raw), name)
@@ -304,24 +312,46 @@ class CheckpointPublisher:
         man: mf.Manifest,
         progress: Progress | None,
     ) -> bool:
+        """Write the version under ``<ipc_dir>/<model>/<version>/``: directories 0700,
+        files 0600 (created exclusively, never through a symlink), all written in a
+        fresh temporary dir beside it and renamed into place, so a rank never sees half a
+        version and nobody else can slip a file in."""
         d = ipc_version_dir(self.ipc_dir, model, version)
-        if (d / "manifest.json").is_file():
-            old = mf.decode((d / "manifest.json").read_bytes(), str(d / "manifest.json"))
-            if _digests(old) != _digests(man):
-                raise VersionConflict(f"{d} already holds different content")
-            return False
-        # written beside, renamed into place: a reader never sees half a version
-        tmp = d.with_name(d.name + f".tmp{os.getpid()}")
-        tmp.mkdir(parents=True, exist_ok=True)
-        done = 0
-        for spec, blob in zip(man.shards, blobs, strict=True):
-            (tmp / spec.file).write_bytes(blob)
-            done += len(blob)
-            if progress:
-                progress(done, man.total_bytes)
-        (tmp / "manifest.json").write_bytes(mf.encode(man))
-        os.replace(tmp, d)
+        secure_dir(self.ipc_dir)
+        secure_dir(d.parent)
+        if os.path.lexists(d):
+            return self._same_ipc(d, man)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{d.name}.", suffix=".tmp", dir=d.parent))  # 0700
+        try:
+            done = 0
+            for spec, blob in zip(man.shards, blobs, strict=True):
+                _write_private(tmp / spec.file, blob)
+                done += len(blob)
+                if progress:
+                    progress(done, man.total_bytes)
+            _write_private(tmp / "manifest.json", mf.encode(man))
+            try:
+                os.rename(tmp, d)
+            except OSError as e:
+                if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise
+                return self._same_ipc(d, man)  # written meanwhile by another publisher
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
         return True
+
+    @staticmethod
+    def _same_ipc(d: Path, man: mf.Manifest) -> bool:
+        """``d`` already exists: False if it holds this content, else VersionConflict."""
+        st = os.lstat(d)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            raise UnsafeIpcDir(f"{d} exists and is not a directory of ours: refusing it")
+        fd = os.open(d / "manifest.json", os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd, "rb") as f:
+            old = mf.decode(f.read(mf.MAX_MANIFEST_BYTES), str(d / "manifest.json"))
+        if _digests(old) != _digests(man):
+            raise VersionConflict(f"{d} already holds different content")
+        return False
 
     async def _announce(self, nc: Any, man: mf.Manifest) -> int:
         for seq, ev in await objstore.list_versions(nc, man.model):
@@ -335,6 +365,34 @@ class CheckpointPublisher:
             publisher=self.name,
         )
         return await objstore.publish_version(nc, ev)
+
+
+class UnsafeIpcDir(PermissionError):
+    """An ipc directory is a symlink, not ours, or writable by others."""
+
+
+def secure_dir(path: Path) -> None:
+    """Create ``path`` 0700 if missing; else it must be a real directory (no symlink),
+    owned by us and not world-writable."""
+    try:
+        os.makedirs(path, mode=0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise UnsafeIpcDir(f"{path} is a symlink or not a directory: refusing to write there")
+    if st.st_uid != os.geteuid():
+        raise UnsafeIpcDir(f"{path} is owned by uid {st.st_uid}, not by us: refusing it")
+    if st.st_mode & stat.S_IWOTH:
+        raise UnsafeIpcDir(f"{path} is world-writable: refusing it")
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """A new 0600 file (exclusive create, no symlink followed)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(path, flags, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
 
 
 def _digests(m: mf.Manifest) -> list[tuple[int, str]]:

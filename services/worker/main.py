@@ -4,7 +4,11 @@ Holds one tensor-parallel shard of the model and its KV cache, answers
 ``rollbus.<i>.worker.ctl.<method>`` (queue group ``rank<R>``, so a publish reaches every
 rank once) and executes ``rollbus.<i>.worker.step``. All paddle work runs on one
 thread, in arrival order, so control methods and model steps never interleave and the
-event loop stays free to answer ``ping``/``status`` during a long load.
+event loop stays free to answer ``ping``/``status`` during a long load. Those two
+report the compute thread's watermark (``busy``: the job it runs, ``busy_s``: for how
+long), so a rank blocked in a collective shows; one blocked in a single step past
+``max(4 × STALL_S, 4 × CONTROL_TIMEOUT_S)`` exits with code 4 and a line naming the step
+(gloo's own collective timeout is 30 min and paddle offers no way to shorten it).
 """
 
 from __future__ import annotations
@@ -25,12 +29,15 @@ from services.worker import control
 from services.worker import model as mdl
 from services.worker.comm import CommGroup, configure_env
 from services.worker.sources import make_source
+from services.worker.stepper import Stepper, Watermark
 from services.worker.weights import WeightStore, load_config, model_dir_version
 from shared import messages as m
 from shared.bus import RANK, Bus
 from shared.errors import INTERNAL, ControlError
+from shared.model_config import ConfigError
 from shared.settings import Settings, settings_or_exit
 from shared.subjects import Subjects
+from shared.tasks import Supervisor
 
 log = logging.getLogger("rollbus.worker")
 
@@ -50,6 +57,8 @@ METHODS: dict[str, tuple[Callable[[control.Rank, Any], dict[str, Any]], type | N
     "selfbench": (control.selfbench, m.SelfBenchArgs),
 }
 INIT_FAILED = 3  # exit code: a start that failed for a reason a restart may clear
+CONFIG_ERROR = 2  # exit code: the model config cannot be served; never restarted
+STEP_HUNG = 4  # exit code: the compute thread was blocked in one step past the bound
 INIT_TIMEOUT_S = 600.0  # rendezvous + loading one shard of a large model
 # answered on the event loop, not queued behind paddle work
 INLINE = {"ping", "status"}
@@ -76,6 +85,8 @@ class WorkerServer:
         self.settings, self.rank, self.state, self.bus = settings, rank, state, bus
         self.subjects = Subjects(settings.instance)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"paddle-rank{rank}")
+        self.watermark = Watermark()
+        self.supervisor = Supervisor(f"rank {rank}")
         # test-only windows (ROLLBUS_TEST_*_DELAY_S) for tests/faults
         self.test_delays = {
             "stage": settings.test_stage_delay_s,
@@ -87,6 +98,14 @@ class WorkerServer:
             return m.json_encode(m.WorkerReply(self.rank, err.code, err.message, err.result or {}))
         return m.json_encode(m.WorkerReply(self.rank, result=result or {}))
 
+    def health(self) -> dict[str, Any]:
+        """What ``ping``/``status`` add: the compute thread's watermark, failures."""
+        return {
+            **self.watermark.report(),
+            "callback_errors": dict(self.bus.callback_errors),
+            "task_failures": dict(self.supervisor.failures),
+        }
+
     def _handler(self, method: str) -> Callable[[bytes, dict[str, str]], Any]:
         fn, argtype = METHODS[method]
 
@@ -94,12 +113,14 @@ class WorkerServer:
             try:
                 args = m.decode_args(data, argtype) if argtype else None
                 if method in INLINE:
-                    return self.reply(fn(self.state, args))
+                    return self.reply({**fn(self.state, args), **self.health()})
                 if delay := self.test_delays.get(method):
                     log.warning("rank %d: test delay before %s: %gs", self.rank, method, delay)
                     await asyncio.sleep(delay)
                 loop = asyncio.get_running_loop()
-                result = await loop.run_in_executor(self.pool, fn, self.state, args)
+                result = await loop.run_in_executor(
+                    self.pool, self.watermark.run, method, fn, self.state, args
+                )
                 return self.reply(result)
             except ControlError as e:
                 return self.reply(err=e)
@@ -124,9 +145,14 @@ class WorkerServer:
                 reply_headers=hdr,
                 concurrent=method in INLINE,
             )
-        from services.worker.stepper import Stepper
-
-        self.stepper = Stepper(self.state, self.bus, self.pool, self.rank)
+        self.stepper = Stepper(
+            self.state,
+            self.bus,
+            self.pool,
+            self.rank,
+            self.watermark,
+            peers=(self.subjects.worker_ctl("ping"), self.settings.tp),
+        )
         await self.bus.subscribe(
             self.subjects.worker_step, self.stepper.on_step, queue=f"rank{self.rank}"
         )
@@ -162,6 +188,10 @@ async def amain(settings: Settings, rank: int) -> int:
         state = build.result()
     except ControlError:
         raise  # a real problem (bad model dir, bad shard): main() prints it, exit 1
+    except ConfigError as e:  # a model config we cannot serve: a restart cannot help
+        print(f"rollbus-worker rank {rank}: {e}", file=sys.stderr, flush=True)
+        await bus.close()
+        return CONFIG_ERROR
     except Exception as e:  # e.g. gloo's full-mesh connect refused: worth a restart
         print(f"rollbus-worker rank {rank}: start failed: {e}", file=sys.stderr, flush=True)
         await bus.close()
@@ -169,9 +199,31 @@ async def amain(settings: Settings, rank: int) -> int:
     server = WorkerServer(settings, rank, state, bus)
     await server.start()
     log.info("rank %d ready: version %s", rank, state.weights.version)
+    bound = hang_bound(settings)
+    server.supervisor.start("step_watchdog", lambda: step_watchdog(server.watermark, rank, bound))
     await stop.wait()
+    await server.supervisor.stop()
     await bus.close()
     return 0
+
+
+def hang_bound(settings: Settings) -> float:
+    return max(4 * settings.stall_s, 4 * settings.control_timeout_s)
+
+
+async def step_watchdog(mark: Watermark, rank: int, bound: float) -> None:
+    """Leave the process when the compute thread is stuck in one step past ``bound``:
+    a peer never got the step (or is stopped). Such a thread cannot be interrupted."""
+    while True:
+        await asyncio.sleep(min(1.0, bound / 4))
+        if mark.job.startswith("step") and mark.busy_s() > bound:
+            print(
+                f"rollbus-worker rank {rank}: {mark.job} blocked for {mark.busy_s():.0f}s "
+                "(a peer rank never got it, or is stopped); exiting",
+                file=sys.stderr,
+                flush=True,
+            )
+            os._exit(STEP_HUNG)
 
 
 def main(argv: list[str] | None = None) -> int:

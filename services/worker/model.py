@@ -1,4 +1,5 @@
-"""Llama-family decoder (llama, qwen2) with tensor parallelism and a paged KV cache.
+"""Llama-family decoder (llama, qwen2, qwen3, ernie4_5 dense) with tensor parallelism and
+a paged KV cache. The architecture comes from :class:`shared.model_config.ModelConfig`.
 
 Pure compute: the caller owns the weights (a dict of this rank's shards, HF names and
 HF layout ``[out, in]``, float32 paddle tensors) and the :class:`KVCache`; the model
@@ -7,12 +8,14 @@ holds no parameters, so swapping the dict is a weight update and dropping it is 
 Sharding over ``tp`` ranks (Megatron style):
 
 - column-parallel (dim 0 split): q/k/v/gate/up weights and the q/k/v biases, so each
-  rank owns whole attention heads and a slice of the MLP;
+  rank owns whole attention heads and a slice of the MLP; with fewer kv heads than
+  ranks, each rank holds a copy of the one kv head its query heads read;
 - row-parallel (dim 1 split): o_proj and down_proj; their partial outputs are summed
   with one ``all_reduce`` each per layer;
-- replicated: the norms, ``embed_tokens`` and ``lm_head``. The vocabulary is replicated
-  rather than vocab-parallel so every rank returns full logits with no extra
-  all-gather; the price is ``vocab * hidden * 4`` bytes per rank.
+- replicated: the norms (qwen3's per-head q/k norms too), ``embed_tokens`` and
+  ``lm_head``. The vocabulary is replicated rather than vocab-parallel so every rank
+  returns full logits with no extra all-gather; the price is ``vocab * hidden * 4``
+  bytes per rank.
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ import numpy as np
 import paddle
 import paddle.distributed as dist
 import paddle.nn.functional as F
+
+from shared.model_config import ConfigError, ModelConfig
+
+__all__ = ["ConfigError", "ModelConfig"]  # re-exported: the config lives in shared
 
 
 def _prefer_avx2_mkl_on_amd() -> None:
@@ -46,114 +53,32 @@ _prefer_avx2_mkl_on_amd()
 
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 _ROW = ("o_proj", "down_proj")
-_REPLICATED = ("input_layernorm", "post_attention_layernorm", "norm", "embed_tokens", "lm_head")
-_HF_REQUIRED = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
+_REPLICATED = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "norm",
+    "embed_tokens",
+    "lm_head",
+    "q_norm",
+    "k_norm",
 )
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 2048
-    attention_bias: bool = False  # qwen2-style bias on q/k/v only
-    tie_word_embeddings: bool = False
-    bos_token_id: int | None = None
-    eos_token_id: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError("hidden_size must be divisible by num_attention_heads")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError("num_attention_heads must be divisible by num_key_value_heads")
-        if self.head_dim % 2:
-            raise ValueError("head_dim must be even for rotary embeddings")
-
-    @classmethod
-    def from_hf(cls, config: dict[str, Any]) -> ModelConfig:
-        model_type = config.get("model_type", "llama")
-        if model_type not in ("llama", "qwen2"):
-            raise ValueError(f"model_type {model_type!r} is not supported (llama, qwen2)")
-        if config.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported (silu)")
-        scaling = config.get("rope_scaling") or {}
-        if scaling.get("rope_type", scaling.get("type", "default")) != "default":
-            raise ValueError(f"rope_scaling {scaling!r} is not supported")
-        if config.get("use_sliding_window"):
-            raise ValueError("use_sliding_window is not supported")
-        if model_type == "llama" and (config.get("attention_bias") or config.get("mlp_bias")):
-            # HF llama's attention_bias also adds an o_proj bias, which we do not model.
-            raise ValueError("llama attention_bias/mlp_bias is not supported")
-        missing = [k for k in _HF_REQUIRED if k not in config]
-        if missing:
-            raise ValueError(f"config lacks {', '.join(missing)}")
-        sizes = {k: int(config[k]) for k in _HF_REQUIRED}
-        heads = sizes["num_attention_heads"]
-        if config.get("head_dim", sizes["hidden_size"] // heads) * heads != sizes["hidden_size"]:
-            raise ValueError("head_dim != hidden_size / num_attention_heads is not supported")
-        return cls(
-            **sizes,
-            num_key_value_heads=int(config.get("num_key_value_heads") or heads),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(config.get("rope_theta", 10000.0)),
-            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-            attention_bias=model_type == "qwen2",
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            bos_token_id=_first(config.get("bos_token_id")),
-            eos_token_id=_first(config.get("eos_token_id")),
-        )
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    def validate_tp(self, tp: int) -> None:
-        if tp < 1:
-            raise ValueError(f"tp must be >= 1, got {tp}")
-        for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-            if getattr(self, name) % tp:
-                raise ValueError(f"{name}={getattr(self, name)} is not divisible by tp={tp}")
-
-
-def _first(value: int | list[int] | None) -> int | None:
-    # HF configs may list several eos ids; the first is the canonical one.
-    if isinstance(value, list):
-        return value[0] if value else None
-    return value
 
 
 def full_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Unsharded HF shape of every parameter the model needs, in a stable order."""
     d, kv = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim
+    q = cfg.num_attention_heads * cfg.head_dim
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, d)}
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
-        for proj, out in (("q_proj", d), ("k_proj", kv), ("v_proj", kv)):
+        for proj, out in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
             shapes[f"{p}self_attn.{proj}.weight"] = (out, d)
             if cfg.attention_bias:
                 shapes[f"{p}self_attn.{proj}.bias"] = (out,)
-        shapes[f"{p}self_attn.o_proj.weight"] = (d, d)
+        if cfg.qk_norm:
+            shapes[f"{p}self_attn.q_norm.weight"] = (cfg.head_dim,)
+            shapes[f"{p}self_attn.k_norm.weight"] = (cfg.head_dim,)
+        shapes[f"{p}self_attn.o_proj.weight"] = (d, q)
         shapes[f"{p}mlp.gate_proj.weight"] = (cfg.intermediate_size, d)
         shapes[f"{p}mlp.up_proj.weight"] = (cfg.intermediate_size, d)
         shapes[f"{p}mlp.down_proj.weight"] = (d, cfg.intermediate_size)
@@ -182,6 +107,21 @@ def _split_axis(name: str) -> int | None:
     raise ValueError(f"unknown parameter {name!r}")
 
 
+def _part(cfg: ModelConfig, name: str, length: int, rank: int, tp: int) -> tuple[int, int]:
+    """(start, size) of `rank`'s part of a split axis of `length`. With fewer kv heads
+    than ranks (tp a multiple of num_key_value_heads), k/v are replicated per kv head:
+    rank r holds the kv head its query heads read, ``r // (tp / kv_heads)``."""
+    kv = cfg.num_key_value_heads
+    if kv < tp and name.split(".")[-2] in ("k_proj", "v_proj"):
+        if length % kv:
+            raise ValueError(f"{name}: axis of {length} cannot hold {kv} kv heads")
+        size = length // kv
+        return (rank // (tp // kv)) * size, size
+    if length % tp:
+        raise ValueError(f"{name}: axis of {length} cannot be split {tp} ways")
+    return rank * (length // tp), length // tp
+
+
 def shard_shape(
     cfg: ModelConfig, name: str, full_shape: tuple[int, ...], rank: int, tp: int
 ) -> tuple[int, ...]:
@@ -191,22 +131,27 @@ def shard_shape(
     axis = _split_axis(name)
     if axis is None:
         return tuple(full_shape)
-    if axis >= len(full_shape) or full_shape[axis] % tp:
+    if axis >= len(full_shape):
         raise ValueError(f"{name}: shape {tuple(full_shape)} cannot be split {tp} ways")
     shape = list(full_shape)
-    shape[axis] //= tp
+    shape[axis] = _part(cfg, name, full_shape[axis], rank, tp)[1]
     return tuple(shape)
 
 
 def shard_tensor(cfg: ModelConfig, name: str, full: np.ndarray, rank: int, tp: int) -> np.ndarray:
-    local = shard_shape(cfg, name, full.shape, rank, tp)
+    shard_shape(cfg, name, full.shape, rank, tp)  # validates
     axis = _split_axis(name)
     if axis is None:
         return np.ascontiguousarray(full)
-    size = local[axis]
+    start, size = _part(cfg, name, full.shape[axis], rank, tp)
     index = [slice(None)] * full.ndim
-    index[axis] = slice(rank * size, (rank + 1) * size)
+    index[axis] = slice(start, start + size)
     return np.ascontiguousarray(full[tuple(index)])
+
+
+def local_kv_heads(cfg: ModelConfig, tp: int) -> int:
+    """kv heads per rank: a 1/tp share, or 1 (replicated) when there are fewer than tp."""
+    return max(1, cfg.num_key_value_heads // tp)
 
 
 def init_weights(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
@@ -233,7 +178,7 @@ class KVCache:
         self.num_layers = cfg.num_hidden_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.shape = (num_blocks, block_size, cfg.num_key_value_heads // tp, cfg.head_dim)
+        self.shape = (num_blocks, block_size, local_kv_heads(cfg, tp), cfg.head_dim)
         self.keys: list[paddle.Tensor] = []
         self.values: list[paddle.Tensor] = []
         self.allocate()
@@ -300,18 +245,13 @@ class TPModel:
             raise ValueError(f"rank {rank} out of range for tp={tp}")
         self.cfg, self.rank, self.tp, self.group = cfg, rank, tp, group
         self.heads = cfg.num_attention_heads // tp
-        self.kv_heads = cfg.num_key_value_heads // tp
+        self.kv_heads = local_kv_heads(cfg, tp)
         self._names = shard_names(cfg)
         self._cos = self._sin = np.zeros((0, cfg.head_dim), np.float32)
         self._grow_rope(cfg.max_position_embeddings)
 
     def _grow_rope(self, length: int) -> None:
-        # HF "rotate_half" layout: the frequency vector is repeated, not interleaved.
-        d = self.cfg.head_dim
-        inv_freq = 1.0 / (self.cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
-        freqs = np.outer(np.arange(length, dtype=np.float64), inv_freq)
-        emb = np.concatenate([freqs, freqs], axis=-1)
-        self._cos, self._sin = np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
+        self._cos, self._sin = rope_tables(self.cfg, np.arange(length), inv_freq(self.cfg))
 
     def _plan(self, kv: KVCache, batch: Batch) -> _Plan:
         n_seqs = len(batch.token_ids)
@@ -348,10 +288,20 @@ class TPModel:
         positions = np.concatenate(pos)
         if positions.max() >= len(self._cos):
             self._grow_rope(2 * int(positions.max()) + 1)
+        cos, sin = self._cos[positions], self._sin[positions]
+        if self.cfg.rope_type == "dynamic":
+            # transformers' dynamic NTK: a forward whose sequence reaches past
+            # max_position_embeddings rotates its new q/k with a base grown for that
+            # length; cached keys keep the rotation they were written with.
+            for s, p in enumerate(pos):
+                end = int(p[-1]) + 1
+                if end > self.cfg.max_position_embeddings:
+                    rows = slice(firsts[s], firsts[s] + len(p))
+                    cos[rows], sin[rows] = rope_tables(self.cfg, p, inv_freq(self.cfg, end))
         plan = _Plan(
             token_ids=paddle.to_tensor(token_ids),
-            cos=paddle.to_tensor(self._cos[positions][:, None, :]),
-            sin=paddle.to_tensor(self._sin[positions][:, None, :]),
+            cos=paddle.to_tensor(cos[:, None, :]),
+            sin=paddle.to_tensor(sin[:, None, :]),
             write_block=paddle.to_tensor(np.concatenate(wblk)),
             write_slot=paddle.to_tensor(np.concatenate(wslot)),
             last_rows=paddle.to_tensor(np.asarray(last, dtype=np.int64)),
@@ -411,7 +361,12 @@ class TPModel:
 
         q, k = project("q_proj", self.heads), project("k_proj", self.kv_heads)
         v = project("v_proj", self.kv_heads)
-        q, k = _rope(q, plan.cos, plan.sin), _rope(k, plan.cos, plan.sin)
+        if self.cfg.qk_norm:  # qwen3: per-head RMSNorm over head_dim, before RoPE
+            eps = self.cfg.rms_norm_eps
+            q = _rms_norm(q, weights[f"{prefix}q_norm.weight"], eps)
+            k = _rms_norm(k, weights[f"{prefix}k_norm.weight"], eps)
+        inter = self.cfg.rope_interleaved
+        q, k = _rope(q, plan.cos, plan.sin, inter), _rope(k, plan.cos, plan.sin, inter)
         k_cache, v_cache = kv.keys[layer], kv.values[layer]
         # Write first, then read: new tokens see themselves and earlier chunks via the cache.
         paddle.index_put_(k_cache, (plan.write_block, plan.write_slot), k)
@@ -484,9 +439,51 @@ def _rms_norm(x: paddle.Tensor, w: paddle.Tensor, eps: float) -> paddle.Tensor:
     return x * paddle.rsqrt(x.pow(2).mean(axis=-1, keepdim=True) + eps) * w
 
 
-def _rope(x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor) -> paddle.Tensor:
-    half = x.shape[-1] // 2
-    rotated = paddle.concat([-x[..., half:], x[..., :half]], axis=-1)
+def inv_freq(cfg: ModelConfig, seq_len: int = 0) -> np.ndarray:
+    """RoPE inverse frequencies [head_dim / 2] (float64) as transformers computes them for
+    the config's rope type; ``seq_len`` (the sequence length reached) matters for
+    ``dynamic`` only."""
+    d, base, factor = cfg.head_dim, cfg.rope_theta, cfg.rope_factor
+    if cfg.rope_type == "dynamic":
+        length = max(seq_len, cfg.max_position_embeddings)
+        base *= ((factor * length / cfg.max_position_embeddings) - (factor - 1)) ** (d / (d - 2))
+    inv = 1.0 / (base ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    if cfg.rope_type == "linear":
+        inv = inv / factor
+    elif cfg.rope_type == "llama3":
+        old = cfg.rope_original_max_position_embeddings or cfg.max_position_embeddings
+        low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > old / low, inv / factor, inv)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / high) & ~(wavelen > old / low)
+        inv = np.where(medium, smoothed, scaled)
+    return inv
+
+
+def rope_tables(
+    cfg: ModelConfig, positions: np.ndarray, inv: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin [len(positions), head_dim] (float32) in the layout :func:`_rope` uses:
+    HF "rotate_half" repeats the frequency vector; interleaved RoPE repeats each one."""
+    freqs = np.outer(np.asarray(positions, dtype=np.float64), inv)
+    if cfg.rope_interleaved:
+        emb = np.repeat(freqs, 2, axis=-1)
+    else:
+        emb = np.concatenate([freqs, freqs], axis=-1)
+    return np.cos(emb).astype(np.float32), np.sin(emb).astype(np.float32)
+
+
+def _rope(
+    x: paddle.Tensor, cos: paddle.Tensor, sin: paddle.Tensor, interleaved: bool = False
+) -> paddle.Tensor:
+    if interleaved:  # pairs (2i, 2i+1) -> (-x[2i+1], x[2i])
+        pairs = x.reshape([*x.shape[:-1], -1, 2])
+        rotated = paddle.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(x.shape)
+    else:
+        half = x.shape[-1] // 2
+        rotated = paddle.concat([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos + rotated * sin
 
 

@@ -13,6 +13,7 @@ behaviour policy's logprob of the token.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,12 +30,14 @@ class SamplingParams:
     logprobs: bool = False
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
 
 
 def make_generator(seed: int | None, request_salt: int) -> np.random.Generator:
@@ -62,6 +65,20 @@ def sample(
     return tokens, logprobs
 
 
+def sample_each(
+    logits: np.ndarray, params: list[SamplingParams], generators: list[np.random.Generator]
+) -> list[tuple[int, float] | Exception]:
+    """Like :func:`sample`, but a row that fails (e.g. non-finite logits) yields its
+    exception instead of failing the others."""
+    out: list[tuple[int, float] | Exception] = []
+    for row, p, gen in zip(logits, params, generators, strict=True):
+        try:
+            out.append(_sample_row(row.astype(np.float64), p, gen))
+        except Exception as e:  # noqa: BLE001 - belongs to this row's request only
+            out.append(e)
+    return out
+
+
 def _log_softmax(x: np.ndarray) -> np.ndarray:
     shifted = x - x.max()
     return shifted - np.log(np.exp(shifted).sum())
@@ -70,6 +87,8 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 def _sample_row(
     logits: np.ndarray, p: SamplingParams, gen: np.random.Generator
 ) -> tuple[int, float]:
+    if np.isnan(logits).any():  # a broken row must not turn into a silent random token
+        raise ValueError("logits contain NaN")
     if p.temperature == 0:
         token = int(np.argmax(logits))
         return token, float(_log_softmax(logits)[token])

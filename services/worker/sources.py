@@ -16,7 +16,13 @@ buffer) on top of the staged paddle copy; the buffer is freed once staged.
 ``ipc``: a trainer on the same host wrote ``<ipc_dir>/<model>/<version>/`` (manifest and
 shards, see :mod:`services.trainer.publisher`); the rank maps its shard file
 (``mmap``, shared memory under ``/dev/shm``) and parses it as views of the mapping: no
-copy through the bus, one copy into paddle tensors.
+copy through the bus, one copy into paddle tensors. Only what the service can trust is
+read: see :class:`IpcSource`.
+
+Integrity by default: ``verify_checksum`` None (not given) means verify, since both
+strategies always have a manifest. The manifest is validated first
+(:func:`shared.manifest.validate`: plain names, this rank's tensors, a size that fits
+them), so no buffer is ever sized by an unchecked number.
 
 Errors: unknown version → 404 naming it; size or SHA-256 mismatch, unreadable
 safetensors, wrong names/shapes/dtypes → 422 naming the rank and file; a transfer
@@ -26,10 +32,12 @@ that fails (lost chunk, stall, NATS restarted) → 503. A failed pull never stag
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import json
 import mmap
 import os
+import stat
 import struct
 import threading
 import time
@@ -41,7 +49,13 @@ from urllib.parse import quote
 import numpy as np
 
 from services.worker import model as mdl
-from services.worker.weights import LoadedShard, SnapshotSource, Source, model_dir_version
+from services.worker.weights import (
+    Expected,
+    LoadedShard,
+    SnapshotSource,
+    Source,
+    model_dir_version,
+)
 from shared import manifest as mf
 from shared import objstore
 from shared.bus import Bus
@@ -118,13 +132,6 @@ def _check_version_name(version: str) -> None:
         raise ControlError(BAD_REQUEST, f"bad version name {version!r}")
 
 
-def _check_tp(man: mf.Manifest, version: str, tp: int) -> None:
-    if man.tp != tp:
-        raise ControlError(
-            UNPROCESSABLE, f"version {version!r} is sharded for tp={man.tp}, serving tp={tp}"
-        )
-
-
 class _LoopThread:
     """An asyncio loop on its own daemon thread, for blocking callers to submit to."""
 
@@ -154,38 +161,48 @@ class ObjectStoreSource:
         self._io: _LoopThread | None = None
         self._bus: Bus | None = None
 
-    def __call__(self, version: str, verify_checksum: bool) -> LoadedShard:
+    def __call__(
+        self, version: str, verify_checksum: bool | None, expected: Expected = None
+    ) -> LoadedShard:
         if version == model_dir_version(self.settings.model_dir):
-            return self.fallback(version, verify_checksum)
+            return self.fallback(version, verify_checksum, expected)
         _check_version_name(version)
         if self._io is None:
             self._io = _LoopThread(f"objstore-rank{self.rank}")
+        verify = True if verify_checksum is None else verify_checksum  # a manifest exists
         # bound the whole pull a little under the engine's scatter timeout
-        return self._io.run(self._pull(version, verify_checksum), self.settings.control_timeout_s)
+        return self._io.run(
+            self._pull(version, verify, expected), self.settings.control_timeout_s
+        )
 
     async def _connect(self) -> Bus:
         if self._bus is None or self._bus.nc.is_closed:
             self._bus = await Bus.connect(self.settings.nats_url, f"rollbus-pull-{self.rank}")
         return self._bus
 
-    async def _pull(self, version: str, verify: bool) -> LoadedShard:
+    async def _pull(self, version: str, verify: bool, expected: Expected) -> LoadedShard:
         t0 = time.perf_counter()
         nc = (await self._connect()).nc
         prefix = f"{self.model}/{version}"
         try:
             raw = await objstore.read_object(
-                nc, self.bucket, ckpt_object_name(self.model, version, "manifest.json")
+                nc,
+                self.bucket,
+                ckpt_object_name(self.model, version, "manifest.json"),
+                max_size=mf.MAX_MANIFEST_BYTES,
             )
         except objstore.ObjectMissing:
             raise ControlError(
                 NOT_FOUND,
                 f"unknown version {version!r}: no {prefix}/manifest.json in bucket {self.bucket}",
             ) from None
+        except objstore.ObjectCorrupt as e:
+            raise ControlError(UNPROCESSABLE, f"rank {self.rank}: {e}") from None
         except objstore.ObjectReadError as e:
             raise ControlError(UNAVAILABLE, f"rank {self.rank}: {e}") from None
         man = mf.decode(bytes(raw), f"{prefix}/manifest.json")
-        _check_tp(man, version, self.tp)
-        spec = man.shard(self.rank)
+        # names, tensors and size checked before the shard's buffer is allocated
+        spec = mf.validate(man, self.rank, self.tp, expected, prefix)
         name = ckpt_object_name(self.model, version, spec.file)
         where = f"rank {self.rank}: {name}"
         t1 = time.perf_counter()
@@ -233,31 +250,153 @@ def ipc_version_dir(ipc_dir: Path, model: str, version: str) -> Path:
     return Path(ipc_dir) / quote(model, safe="") / quote(version, safe="")
 
 
+def _ipc_error(where: str, e: OSError, what: str) -> ControlError:
+    if e.errno == errno.ENOENT:
+        return ControlError(NOT_FOUND, f"{where}: no such {what}")
+    if e.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
+        return ControlError(UNPROCESSABLE, f"{where}: is a symlink or not a {what}: refused")
+    return ControlError(UNPROCESSABLE, f"{where}: cannot open: {e.strerror}")
+
+
+def check_owner(st: os.stat_result, uids: frozenset[int], where: str, is_dir: bool) -> None:
+    """The ipc trust rule for one entry: a real directory / regular file, owned by the
+    service's uid (or the configured trainer uid), not writable by others (files: nor by
+    the group)."""
+    if is_dir and not stat.S_ISDIR(st.st_mode):
+        raise ControlError(UNPROCESSABLE, f"{where}: not a directory: refused")
+    if not is_dir and not stat.S_ISREG(st.st_mode):
+        raise ControlError(UNPROCESSABLE, f"{where}: not a regular file: refused")
+    if st.st_uid not in uids:
+        raise ControlError(
+            UNPROCESSABLE,
+            f"{where}: owned by uid {st.st_uid}, not by this service or the trainer "
+            f"(uids {sorted(uids)}): refused",
+        )
+    bad = stat.S_IWOTH if is_dir else stat.S_IWOTH | stat.S_IWGRP
+    if st.st_mode & bad:
+        raise ControlError(
+            UNPROCESSABLE,
+            f"{where}: mode {stat.S_IMODE(st.st_mode):04o} is writable by others: refused",
+        )
+
+
+def open_confined(
+    name: str, dir_fd: int | None, uids: frozenset[int], where: str, is_dir: bool
+) -> int:
+    """Open ``name`` (one path component, or the absolute ipc root when ``dir_fd`` is
+    None) without following a symlink, and check it with :func:`check_owner`."""
+    if dir_fd is not None and (not name or "/" in name or name in (".", "..")):
+        raise ControlError(UNPROCESSABLE, f"{where}: not a plain name inside the version")
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    flags |= os.O_DIRECTORY if is_dir else os.O_NONBLOCK  # never block on a FIFO
+    try:
+        fd = os.open(name, flags, dir_fd=dir_fd)
+    except OSError as e:
+        raise _ipc_error(where, e, "directory" if is_dir else "file") from None
+    try:
+        check_owner(os.fstat(fd), uids, where, is_dir)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 class IpcSource:
-    """Map this rank's shard from shared memory written by a same-host trainer."""
+    """Map this rank's shard from shared memory written by a same-host trainer.
+
+    Trust rules (else 422 naming the file): every directory from the ipc root down to
+    the version dir and every file read is opened without following symlinks
+    (``O_NOFOLLOW``, one component at a time relative to its parent), is a real
+    directory / regular file, is owned by this service's uid or
+    ``ROLLBUS_IPC_TRAINER_UID``, and is not writable by others; the manifest names
+    plain files inside the version dir only, with sizes that fit the served tensors.
+    """
 
     def __init__(self, settings: Settings, fallback: SnapshotSource, rank: int, tp: int) -> None:
         self.settings, self.fallback, self.rank, self.tp = settings, fallback, rank, tp
         self.model = settings.served_model_name
+        uids = {os.geteuid()}
+        if settings.ipc_trainer_uid >= 0:
+            uids.add(settings.ipc_trainer_uid)
+        self.uids = frozenset(uids)
 
-    def __call__(self, version: str, verify_checksum: bool) -> LoadedShard:
+    def __call__(
+        self, version: str, verify_checksum: bool | None, expected: Expected = None
+    ) -> LoadedShard:
         if version == model_dir_version(self.settings.model_dir):
-            return self.fallback(version, verify_checksum)
+            return self.fallback(version, verify_checksum, expected)
         _check_version_name(version)
         t0 = time.perf_counter()
-        d = ipc_version_dir(self.settings.ipc_dir, self.model, version)
-        man_file = d / "manifest.json"
-        if not man_file.is_file():
-            raise ControlError(NOT_FOUND, f"unknown version {version!r}: no {man_file}")
-        man = mf.decode(man_file.read_bytes(), str(man_file))
-        _check_tp(man, version, self.tp)
-        spec = man.shard(self.rank)
-        path = d / spec.file
-        where = f"rank {self.rank}: {path}"
+        verify = True if verify_checksum is None else verify_checksum  # a manifest exists
+        qmodel, qversion = quote(self.model, safe=""), quote(version, safe="")
+        prefix = f"{qmodel}/{qversion}"
+        fds: list[int] = []
         try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError as e:
-            raise ControlError(UNPROCESSABLE, f"{where}: cannot open: {e.strerror}") from None
+            try:
+                root = open_confined(
+                    str(self.settings.ipc_dir),
+                    None,
+                    self.uids,
+                    f"rank {self.rank}: ipc dir (ROLLBUS_IPC_DIR)",
+                    True,
+                )
+            except ControlError as e:
+                if e.code == NOT_FOUND:
+                    raise ControlError(
+                        NOT_FOUND, f"unknown version {version!r}: no ipc dir"
+                    ) from None
+                raise
+            fds.append(root)
+            fds.append(
+                open_confined(qmodel, root, self.uids, f"rank {self.rank}: ipc {qmodel}", True)
+            )
+            try:
+                vdir = open_confined(
+                    qversion, fds[-1], self.uids, f"rank {self.rank}: ipc {prefix}", True
+                )
+            except ControlError as e:
+                if e.code == NOT_FOUND:
+                    raise ControlError(
+                        NOT_FOUND, f"unknown version {version!r}: no ipc {prefix}"
+                    ) from None
+                raise
+            fds.append(vdir)
+            return self._load(version, verify, expected, vdir, prefix, t0)
+        except OSError as e:  # its reason, never an absolute path
+            raise ControlError(
+                UNPROCESSABLE, f"rank {self.rank}: ipc {prefix}: {e.strerror or e}"
+            ) from None
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _load(
+        self, version: str, verify: bool, expected: Expected, vdir: int, prefix: str, t0: float
+    ) -> LoadedShard:
+        mwhere = f"rank {self.rank}: ipc {prefix}/manifest.json"
+        try:
+            fd = open_confined("manifest.json", vdir, self.uids, mwhere, False)
+        except ControlError as e:
+            if e.code == NOT_FOUND:
+                raise ControlError(
+                    NOT_FOUND, f"unknown version {version!r}: {e.message}"
+                ) from None
+            raise
+        with os.fdopen(fd, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > mf.MAX_MANIFEST_BYTES:
+                raise ControlError(UNPROCESSABLE, f"{mwhere}: {size} bytes: refused")
+            raw = f.read(mf.MAX_MANIFEST_BYTES)
+        man = mf.decode(raw, f"ipc {prefix}/manifest.json")
+        spec = mf.validate(man, self.rank, self.tp, expected, f"ipc {prefix}")
+        name = f"{prefix}/{spec.file}"
+        where = f"rank {self.rank}: ipc {name}"
+        try:
+            fd = open_confined(spec.file, vdir, self.uids, where, False)
+        except ControlError as e:
+            if e.code == NOT_FOUND:  # the manifest names it: a broken version, not unknown
+                raise ControlError(UNPROCESSABLE, f"{where}: shard file is missing") from None
+            raise
         try:
             size = os.fstat(fd).st_size
             if size != spec.size:
@@ -268,8 +407,8 @@ class IpcSource:
             )
         finally:
             os.close(fd)
-        timings: dict[str, Any] = {}
-        if verify_checksum:
+        timings: dict[str, Any] = {"verified": verify}
+        if verify:
             t1 = time.perf_counter()
             if hashlib.sha256(buf).hexdigest() != spec.sha256:
                 raise ControlError(UNPROCESSABLE, f"{where}: SHA-256 mismatch with manifest")
@@ -277,7 +416,7 @@ class IpcSource:
         arrays = parse_safetensors(buf, where)
         mf.check_tensors(spec.tensors, {k: _spec(v) for k, v in arrays.items()}, where)
         timings["load_s"] = time.perf_counter() - t0
-        return LoadedShard(version, arrays, [str(path)], size, timings)
+        return LoadedShard(version, arrays, [f"ipc {name}"], size, timings)
 
 
 class FallbackSource:
@@ -291,15 +430,17 @@ class FallbackSource:
     def __init__(self, first: Source, second: Source) -> None:
         self.first, self.second = first, second
 
-    def __call__(self, version: str, verify_checksum: bool) -> LoadedShard:
+    def __call__(
+        self, version: str, verify_checksum: bool | None, expected: Expected = None
+    ) -> LoadedShard:
         try:
-            return self.first(version, verify_checksum)
+            return self.first(version, verify_checksum, expected)
         except ControlError as e:
             if e.code != NOT_FOUND:
                 raise
             first_error = e.message
         try:
-            return self.second(version, verify_checksum)
+            return self.second(version, verify_checksum, expected)
         except ControlError as e:
             if e.code == NOT_FOUND:
                 raise ControlError(NOT_FOUND, f"{first_error}; {e.message}") from None
@@ -307,7 +448,7 @@ class FallbackSource:
 
 
 def make_source(settings: Settings, cfg: mdl.ModelConfig, rank: int) -> Source:
-    snap = SnapshotSource(cfg, settings.model_dir, rank, settings.tp)
+    snap = SnapshotSource(cfg, settings.model_dir, rank, settings.tp, settings.dtype)
     store = ObjectStoreSource(settings, snap, rank, settings.tp)  # connects on first use
     if settings.load_strategy == "object_store":
         return FallbackSource(store, snap)

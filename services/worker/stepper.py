@@ -3,42 +3,160 @@
 Every rank runs the forward pass of the step (the all-reduces need all of them);
 rank 0 alone samples and replies. Sampling state (one generator per sequence) lives on
 rank 0 and survives preemption; the engine names finished sequences so it is dropped.
+
+A step only some ranks received must not hang the others: steps are numbered 1, 2, ...
+by the engine, so a rank that sees a gap (it missed a step its peers may be running)
+refuses the step without entering a collective and replies with the error — any rank
+replies on an error, so the engine learns it at once. Until it has seen (by pinging
+them) that no peer is busy in a step it missed, it refuses the next ones too: its
+collectives would pair with that step's and abort both processes. A smaller number
+than the last one means a restarted engine: the count starts over. The :class:`Watermark` says what
+the compute thread runs and since when; ``ping`` reports it, so a rank blocked in a
+collective shows as stuck (``services.worker.main`` also exits past a bound).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import numpy as np
 from nats.aio.msg import Msg
 
 from services.worker import model as mdl
 from services.worker.control import Rank
-from services.worker.sampling import SamplingParams, make_generator, sample
+from services.worker.sampling import SamplingParams, make_generator, sample_each
+from services.worker.stepcheck import StepLimits, check_step
 from shared import messages as m
-from shared.bus import REQUEST_ID, Bus
+from shared.bus import RANK, REQUEST_ID, Bus
+from shared.errors import BAD_REQUEST, INTERNAL, Timeout
 
 log = logging.getLogger("rollbus.worker.step")
 
+T = TypeVar("T")
+
+
+class Watermark:
+    """What the rank's one compute thread runs now, and since when (monotonic)."""
+
+    def __init__(self) -> None:
+        self.job = ""
+        self.since = 0.0
+        self.done = 0
+
+    def run(self, job: str, fn: Callable[..., T], *args: Any) -> T:
+        self.job, self.since = job, time.monotonic()
+        try:
+            return fn(*args)
+        finally:
+            self.job = ""
+            self.done += 1
+
+    def busy_s(self) -> float:
+        return time.monotonic() - self.since if self.job else 0.0
+
+    def report(self) -> dict[str, Any]:
+        return {"busy": self.job, "busy_s": round(self.busy_s(), 3), "jobs_done": self.done}
+
 
 class Stepper:
-    def __init__(self, state: Rank, bus: Bus, pool: ThreadPoolExecutor, rank: int) -> None:
+    def __init__(
+        self,
+        state: Rank,
+        bus: Bus,
+        pool: ThreadPoolExecutor,
+        rank: int,
+        watermark: Watermark | None = None,
+        peers: tuple[str, int] | None = None,
+    ) -> None:
         self.state, self.bus, self.pool, self.rank = state, bus, pool, rank
+        self.watermark = watermark or Watermark()
+        self.peers = peers  # (ping subject of every rank, tp)
         self.generators: dict[int, np.random.Generator] = {}
+        self.last_step = 0  # last step number received (0: none yet)
+        self.missed: list[tuple[int, int]] = []  # [lo, hi) ranges of steps never received
+
+    @functools.cached_property
+    def limits(self) -> StepLimits:
+        kv = self.state.kv
+        # positions are bounded by what a block table can address (the engine's context
+        # length setting may exceed the config's max_position_embeddings)
+        return StepLimits(
+            self.state.cfg.vocab_size, kv.num_blocks, kv.block_size, kv.num_blocks * kv.block_size
+        )
+
+    def gap(self, step: int) -> str:
+        """The error for a step that follows a gap ('' when in sequence)."""
+        last, self.last_step = self.last_step, step
+        if last == 0 or step <= last:  # the first step seen, or a restarted engine
+            self.missed.clear()
+            return ""
+        if step == last + 1:
+            return ""
+        self.missed = [*self.missed[-7:], (last + 1, step)]
+        missed = f"step {last + 1}" if step == last + 2 else f"steps {last + 1}..{step - 1}"
+        return (
+            f"rank {self.rank}: missed {missed} (got step {step}): a step only some ranks "
+            "received; not run"
+        )
+
+    def _was_missed(self, step: int) -> bool:
+        return any(lo <= step < hi for lo, hi in self.missed)
+
+    async def blocked_peer(self) -> str:
+        """Why a peer may still be inside a step this rank missed ('' when none is:
+        then the missed steps are forgotten)."""
+        if not self.missed or self.peers is None:
+            return ""
+        subject, tp = self.peers
+        try:
+            replies = await self.bus.scatter(subject, b"{}", expected=tp, timeout=1.0)
+        except Timeout as e:
+            return f"ranks {e.missing} do not answer (they may hold a step this rank missed)"
+        for r, rep in sorted(replies.items()):
+            busy = str(json.loads(rep.data).get("result", {}).get("busy", ""))
+            head, _, num = busy.partition(" ")
+            if head == "step" and num.isdigit() and self._was_missed(int(num)):
+                return f"rank {r} is in step {num}, which rank {self.rank} never got"
+        self.missed.clear()
+        return ""
 
     async def on_step(self, msg: Msg) -> None:
-        req = m.unpack(msg.data, type=m.StepRequest)
-        loop = asyncio.get_running_loop()
-        try:
-            reply = await loop.run_in_executor(self.pool, self.run, req)
-        except Exception as e:  # the engine must learn of it, not time out
-            log.exception("rank %d: step %d failed", self.rank, req.step)
-            reply = m.StepReply(req.step, [], [], [], error=f"rank {self.rank}: {e!r}")
-        if self.rank == 0 and msg.reply:
-            headers = {REQUEST_ID: (msg.headers or {}).get(REQUEST_ID, "")}
+        try:  # raw NATS reaches this subject too: refuse, reply, keep serving
+            req = m.unpack(msg.data, type=m.StepRequest)
+            why = check_step(req, self.limits)
+        except Exception as e:  # noqa: BLE001 - not a StepRequest at all
+            req, why = m.StepRequest(-1, []), f"not a step message: {e}"
+        if why:
+            log.warning("rank %d: refused step %d: %s", self.rank, req.step, why)
+            error = f"rank {self.rank}: bad step: {why}"
+        else:
+            error = self.gap(req.step)
+            if not error:
+                blocked = await self.blocked_peer()
+                if blocked:
+                    error = f"rank {self.rank}: step {req.step} not run: {blocked}"
+            if error:
+                log.error("%s", error)
+        if error:
+            reply = m.StepReply(req.step, [], [], [], error=error)
+        else:
+            loop = asyncio.get_running_loop()
+            try:
+                reply = await loop.run_in_executor(
+                    self.pool, self.watermark.run, f"step {req.step}", self.run, req
+                )
+            except Exception as e:  # the engine must learn of it, not time out
+                log.exception("rank %d: step %d failed", self.rank, req.step)
+                reply = m.StepReply(req.step, [], [], [], error=f"rank {self.rank}: {e!r}")
+        if (self.rank == 0 or reply.error) and msg.reply:
+            headers = {REQUEST_ID: (msg.headers or {}).get(REQUEST_ID, ""), RANK: str(self.rank)}
             await self.bus.publish(msg.reply, m.pack(reply), headers=headers)
 
     def run(self, req: m.StepRequest) -> m.StepReply:
@@ -74,18 +192,32 @@ class Stepper:
                 specs.append(spec)
         if not specs:
             return m.StepReply(req.step, [], [], [], seconds=time.perf_counter() - t0)
-        host = logits.numpy()[rows]
-        params = [
-            SamplingParams(s.temperature, s.top_p, s.top_k, s.seed, s.logprobs) for s in specs
-        ]
-        gens = [self._generator(s) for s in specs]
-        tokens, logprobs = sample(host, params, gens)
+        host = logits.numpy()
+        # a bad sampling spec fails its own sequence only (reported in ``failed``)
+        good: list[tuple[int, m.SamplingSpec, SamplingParams]] = []
+        failed: list[tuple[int, int, str]] = []
+        for row, s in zip(rows, specs, strict=True):
+            try:
+                p = SamplingParams(s.temperature, s.top_p, s.top_k, s.seed, s.logprobs)
+            except (ValueError, TypeError) as e:
+                failed.append((s.seq_id, BAD_REQUEST, f"bad sampling parameters: {e}"))
+                continue
+            good.append((row, s, p))
+        results = sample_each(
+            host[[r for r, _, _ in good]] if good else host[:0],
+            [p for _, _, p in good],
+            [self._generator(s) for _, s, _ in good],
+        )
+        seq_ids, tokens, logprobs = [], [], []
+        for (_, s, _), res in zip(good, results, strict=True):
+            if isinstance(res, Exception):
+                failed.append((s.seq_id, INTERNAL, f"sampling failed: {res!r}"))
+                continue
+            seq_ids.append(s.seq_id)
+            tokens.append(res[0])
+            logprobs.append(res[1])
         return m.StepReply(
-            req.step,
-            [s.seq_id for s in specs],
-            tokens,
-            logprobs,
-            seconds=time.perf_counter() - t0,
+            req.step, seq_ids, tokens, logprobs, seconds=time.perf_counter() - t0, failed=failed
         )
 
     def _generator(self, spec: m.SamplingSpec) -> np.random.Generator:

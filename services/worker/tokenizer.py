@@ -74,8 +74,16 @@ class ByteTokenizer:
     pad_token_id: int = 258
     vocab_size: int = 259
 
-    def __init__(self) -> None:
-        self.stop_token_ids = [self.eos_token_id]
+    def __init__(
+        self, stop_token_ids: Sequence[int] | None = None, vocab_size: int | None = None
+    ) -> None:
+        # A model dir without tokenizer.json names its own eos ids (maybe none) and
+        # vocabulary in config.json; the byte tokenizer's <eos> is the default.
+        self.stop_token_ids = (
+            [self.eos_token_id] if stop_token_ids is None else list(stop_token_ids)
+        )
+        if vocab_size:
+            self.vocab_size = vocab_size
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = list(text.encode("utf-8"))
@@ -189,11 +197,22 @@ class HFTokenizer:
         )
 
 
+def config_eos_ids(model_dir: Path) -> list[int]:
+    """Every eos id of ``generation_config.json`` and ``config.json`` (each an int or a
+    list), in that order, without repeats: generation stops on any of them."""
+    gcfg = _read_json(Path(model_dir) / "generation_config.json")
+    mcfg = _read_json(Path(model_dir) / "config.json")
+    return list(dict.fromkeys(_ids(gcfg.get("eos_token_id")) + _ids(mcfg.get("eos_token_id"))))
+
+
 def load_tokenizer(model_dir: Path) -> Tokenizer:
     model_dir = Path(model_dir)
     if (model_dir / "tokenizer.json").exists():
         return HFTokenizer(model_dir)
-    return ByteTokenizer()
+    if not (model_dir / "config.json").is_file():
+        return ByteTokenizer()
+    vocab = _read_json(model_dir / "config.json").get("vocab_size")
+    return ByteTokenizer(config_eos_ids(model_dir), vocab if isinstance(vocab, int) else None)
 
 
 def decode_incremental(

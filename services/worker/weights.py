@@ -1,8 +1,8 @@
 """One rank's weights: load a version's shard, stage and validate it, commit, free.
 
 A version is loaded by a *source* (the load strategy) into host arrays, checked against
-the tensor spec this rank started with (names, shapes, dtypes; SHA-256 against the
-version's manifest when asked), kept in staging, and only swapped in on ``commit`` —
+the tensor spec this rank started with (names, shapes, dtypes, sizes; SHA-256 against
+the version's manifest unless turned off), kept in staging, and only swapped in on ``commit`` —
 the engine commits every rank together or aborts every rank, so a failure anywhere
 leaves the previous weights serving everywhere.
 
@@ -11,7 +11,8 @@ Sources:
 * ``snapshot`` — version ``V`` is the directory ``<model>/versions/V/``; the model dir
   itself is the version named in its ``version.txt``. A directory holds either
   pre-sharded ``rank<r>-of-<tp>.safetensors`` files (with ``manifest.json``: SHA-256
-  verifiable) or HF ``*.safetensors`` files, from which each rank reads only its slice.
+  verifiable) or HF ``*.safetensors`` files, from which each rank reads only its slice
+  (bf16 / fp16 converted to fp32, see :mod:`services.worker.hf_files`).
 * ``object_store`` / ``ipc`` — see :mod:`services.worker.sources`.
 """
 
@@ -19,20 +20,24 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import paddle
 import paddle.utils.dlpack
 from safetensors import SafetensorError, safe_open
 
+from services.worker import hf_files
 from services.worker import model as mdl
 from shared import manifest as mf
 from shared.errors import BAD_REQUEST, NOT_FOUND, UNPROCESSABLE, ControlError
+from shared.redact import public_path
 from shared.subjects import rank_shard_file
 
 
@@ -42,12 +47,15 @@ class LoadedShard:
 
     version: str
     arrays: dict[str, np.ndarray]
-    files: list[str]
+    files: list[str]  # relative names (model dir / version), never absolute paths
     nbytes: int
-    timings: dict[str, float] = field(default_factory=dict)
+    timings: dict[str, Any] = field(default_factory=dict)
 
 
-Source = Callable[[str, bool], LoadedShard]  # (version, verify_checksum) -> shard
+Expected = dict[str, mf.TensorSpec] | None  # the served tensors of this rank, if known
+# (version, verify_checksum, expected) -> shard. verify_checksum None = the default:
+# verify wherever the version has a manifest.
+Source = Callable[..., LoadedShard]
 
 
 def read_version_txt(model_dir: Path) -> str | None:
@@ -71,7 +79,9 @@ def snapshot_dir(model_dir: Path, version: str) -> Path:
         raise ControlError(BAD_REQUEST, f"bad version name {version!r}")
     d = model_dir / "versions" / version
     if not d.is_dir():
-        raise ControlError(NOT_FOUND, f"unknown version {version!r}: no directory {d}")
+        raise ControlError(
+            NOT_FOUND, f"unknown version {version!r}: no directory versions/{version}"
+        )
     return d
 
 
@@ -87,39 +97,75 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def read_small(path: Path, limit: int, where: str) -> bytes:
+    """A file of at most ``limit`` bytes (a manifest): larger is a 422, unread."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size > limit:
+            raise ControlError(UNPROCESSABLE, f"{where}: {size} bytes, more than {limit}")
+        return f.read(limit + 1)[:limit]
+
+
 class SnapshotSource:
     """Load versions from local directories (FastDeploy's ``ipc_snapshot``)."""
 
-    def __init__(self, cfg: mdl.ModelConfig, model_dir: Path, rank: int, tp: int) -> None:
+    def __init__(
+        self, cfg: mdl.ModelConfig, model_dir: Path, rank: int, tp: int, dtype: str = "float32"
+    ) -> None:
         self.cfg, self.model_dir, self.rank, self.tp = cfg, model_dir, rank, tp
+        self.dtype = hf_files.compute_dtype(dtype)  # ROLLBUS_DTYPE; float32 on CPU
 
-    def __call__(self, version: str, verify_checksum: bool) -> LoadedShard:
+    def _rel(self, p: Path) -> str:
+        return public_path(p, self.model_dir) or "."
+
+    def __call__(
+        self, version: str, verify_checksum: bool | None, expected: Expected = None
+    ) -> LoadedShard:
+        try:
+            return self._load(version, verify_checksum, expected)
+        except OSError as e:  # an unreadable file: its reason, never its absolute path
+            raise ControlError(
+                UNPROCESSABLE, f"rank {self.rank}: version {version!r}: {e.strerror or e}"
+            ) from None
+
+    def _load(
+        self, version: str, verify_checksum: bool | None, expected: Expected
+    ) -> LoadedShard:
         t0 = time.perf_counter()
         d = snapshot_dir(self.model_dir, version)
         shard_file = d / rank_shard_file(self.rank, self.tp)
         manifest_file = d / "manifest.json"
         if manifest_file.is_file() or shard_file.exists():
-            return self._load_sharded(version, d, shard_file, manifest_file, verify_checksum, t0)
+            return self._load_sharded(
+                version, d, shard_file, manifest_file, verify_checksum, expected, t0
+            )
         if verify_checksum:
             raise ControlError(
                 BAD_REQUEST,
-                f"version {version!r} ({d}) has no manifest.json: cannot verify checksums",
+                f"version {version!r} ({self._rel(d)}) has no manifest.json: "
+                "cannot verify checksums",
             )
         return self._load_hf(version, d, t0)
 
     def _load_sharded(
-        self, version: str, d: Path, shard_file: Path, manifest_file: Path, verify: bool, t0: float
+        self,
+        version: str,
+        d: Path,
+        shard_file: Path,
+        manifest_file: Path,
+        verify: bool | None,
+        expected: Expected,
+        t0: float,
     ) -> LoadedShard:
-        where = f"rank {self.rank}: {shard_file}"
+        where = f"rank {self.rank}: {self._rel(shard_file)}"
         spec: mf.ShardSpec | None = None
         if manifest_file.is_file():
-            man = mf.decode(manifest_file.read_bytes(), str(manifest_file))
-            if man.tp != self.tp:
-                raise ControlError(
-                    UNPROCESSABLE,
-                    f"version {version!r} is sharded for tp={man.tp}, serving tp={self.tp}",
-                )
-            spec = man.shard(self.rank)
+            mwhere = self._rel(manifest_file)
+            man = mf.decode(read_small(manifest_file, mf.MAX_MANIFEST_BYTES, mwhere), mwhere)
+            spec = mf.validate(man, self.rank, self.tp, expected, self._rel(d))
+            shard_file = d / spec.file
+            where = f"rank {self.rank}: {self._rel(shard_file)}"
+            verify = True if verify is None else verify
         elif verify:
             raise ControlError(
                 BAD_REQUEST, f"version {version!r} has no manifest.json: cannot verify checksums"
@@ -129,7 +175,9 @@ class SnapshotSource:
         size = shard_file.stat().st_size
         if spec is not None and size != spec.size:
             raise ControlError(UNPROCESSABLE, f"{where}: size {size} != manifest size {spec.size}")
-        timings: dict[str, float] = {}
+        if spec is None:
+            mf.check_file_size(size, expected, where)
+        timings: dict[str, Any] = {"verified": bool(verify and spec is not None)}
         if verify and spec is not None:
             t1 = time.perf_counter()
             digest = _sha256_file(shard_file)
@@ -140,28 +188,40 @@ class SnapshotSource:
         if spec is not None:
             mf.check_tensors(spec.tensors, {k: _spec_of(v) for k, v in arrays.items()}, where)
         timings["load_s"] = time.perf_counter() - t0
-        return LoadedShard(version, arrays, [str(shard_file)], size, timings)
+        return LoadedShard(version, arrays, [self._rel(shard_file)], size, timings)
 
     def _load_hf(self, version: str, d: Path, t0: float) -> LoadedShard:
         files = sorted(d.glob("*.safetensors"))
         if not files:
-            raise ControlError(UNPROCESSABLE, f"rank {self.rank}: no *.safetensors in {d}")
+            raise ControlError(
+                UNPROCESSABLE, f"rank {self.rank}: no *.safetensors in {self._rel(d)}"
+            )
         arrays: dict[str, np.ndarray] = {}
+        shapes = mdl.full_shapes(self.cfg)
         wanted = set(mdl.shard_names(self.cfg))
         nbytes = 0
-        for f in files:
-            try:
-                with safe_open(str(f), framework="numpy") as st:
-                    for name in st.keys():
-                        if name not in wanted:
-                            continue
-                        full = st.get_tensor(name)
-                        part = mdl.shard_tensor(self.cfg, name, full, self.rank, self.tp)
-                        arrays[name] = np.ascontiguousarray(part)
-                        nbytes += part.nbytes
-            except (SafetensorError, OSError, ValueError) as e:
+        where = ""
+
+        def take(name: str, full: np.ndarray) -> np.ndarray:
+            # the header's shape is checked before this rank's slice is copied out
+            if tuple(full.shape) != tuple(shapes[name]):
                 raise ControlError(
-                    UNPROCESSABLE, f"rank {self.rank}: cannot read {f}: {e}"
+                    UNPROCESSABLE,
+                    f"{where}: {name} has shape {list(full.shape)}, the served config "
+                    f"says {list(shapes[name])}",
+                )
+            return mdl.shard_tensor(self.cfg, name, full, self.rank, self.tp)
+
+        for f in files:
+            where = f"rank {self.rank}: {self._rel(f)}"
+            try:
+                # only this rank's slices, bf16/fp16 converted to the fp32 compute dtype
+                part = hf_files.read_slices(f, wanted - set(arrays), take)
+                arrays.update(part)
+                nbytes += sum(a.nbytes for a in part.values())
+            except (OSError, ValueError) as e:
+                raise ControlError(
+                    UNPROCESSABLE, f"{where}: cannot read: {_no_paths(e, f)}"
                 ) from None
         missing = sorted(wanted - set(arrays))
         if missing:
@@ -169,8 +229,18 @@ class SnapshotSource:
                 UNPROCESSABLE, f"rank {self.rank}: version {version!r} lacks tensors {missing[:5]}"
             )
         return LoadedShard(
-            version, arrays, [str(f) for f in files], nbytes, {"load_s": time.perf_counter() - t0}
+            version,
+            arrays,
+            [self._rel(f) for f in files],
+            nbytes,
+            {"load_s": time.perf_counter() - t0, "verified": False},
         )
+
+
+def _no_paths(e: Exception, path: Path) -> str:
+    """An exception's text with the file's absolute path taken out."""
+    msg = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+    return msg.replace(str(path), path.name)
 
 
 def _read_safetensors(path: Path, where: str) -> dict[str, np.ndarray]:
@@ -178,7 +248,9 @@ def _read_safetensors(path: Path, where: str) -> dict[str, np.ndarray]:
         with safe_open(str(path), framework="numpy") as st:
             return {k: st.get_tensor(k) for k in st.keys()}
     except (SafetensorError, OSError, ValueError) as e:
-        raise ControlError(UNPROCESSABLE, f"{where}: cannot read safetensors: {e}") from None
+        raise ControlError(
+            UNPROCESSABLE, f"{where}: cannot read safetensors: {_no_paths(e, path)}"
+        ) from None
 
 
 def to_paddle(arrays: dict[str, np.ndarray]) -> dict[str, paddle.Tensor]:
@@ -245,17 +317,22 @@ class WeightStore:
         return sum(int(np.prod(t.shape)) * t.element_size() for t in self.current.values())
 
     def load_initial(self, version: str) -> LoadedShard:
-        shard = self.source(version, False)
+        shard = self.source(version, None, None)
         self.spec = {k: _spec_of(v) for k, v in shard.arrays.items()}
         self.current = to_paddle(shard.arrays)
         self.version = version
         return shard
 
-    def stage(self, version: str, verify_checksum: bool, update_id: str = "") -> dict[str, object]:
-        """Load and validate ``version``; keep it staged. Raises ``ControlError``."""
+    def stage(
+        self, version: str, verify_checksum: bool | None, update_id: str = ""
+    ) -> dict[str, object]:
+        """Load and validate ``version``; keep it staged. Raises ``ControlError``.
+
+        The source is given this rank's tensor spec, so sizes are checked against what
+        the served model implies before anything is read."""
         self.abort()
         self.finalize()
-        shard = self.source(version, verify_checksum)
+        shard = self.source(version, verify_checksum, self.spec or None)
         got = {k: _spec_of(v) for k, v in shard.arrays.items()}
         mf.check_tensors(self.spec, got, f"rank {self.rank}: version {version!r}")
         t0 = time.perf_counter()
@@ -305,7 +382,7 @@ class WeightStore:
 
     def reload(self) -> LoadedShard:
         """Load the current version again (wakeup after sleep)."""
-        shard = self.source(self.version, False)
+        shard = self.source(self.version, None, self.spec or None)
         got = {k: _spec_of(v) for k, v in shard.arrays.items()}
         mf.check_tensors(self.spec, got, f"rank {self.rank}: version {self.version!r}")
         self.current = to_paddle(shard.arrays)

@@ -89,11 +89,14 @@ def start_stack(
     model_config: dict[str, Any] | None = None,
     env: dict[str, str] | None = None,
     model_name: str = "tiny",
+    model_dir: Path | None = None,
 ) -> Stack:
+    """``model_dir``: serve that existing model dir (e.g. a transformers checkpoint)
+    instead of creating a tiny model under ``tmp``."""
     from services.tiny_model import create_model_dir
 
     tmp.mkdir(parents=True, exist_ok=True)
-    model_dir = tmp / "models" / model_name
+    model_dir = model_dir or tmp / "models" / model_name
     if not (model_dir / "config.json").exists():
         model_dir.parent.mkdir(parents=True, exist_ok=True)
         create_model_dir(model_dir, model_config, seed=0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from types import SimpleNamespace
 from typing import Any
 
@@ -47,7 +48,7 @@ def engine(ranks: ScriptedRanks) -> Any:
         ranks=ranks,
         latest_published="",
         settings=SimpleNamespace(load_strategy="snapshot", model_dir="/nonexistent"),
-        scheduler=SimpleNamespace(weights_changed=lambda v: None),
+        scheduler=SimpleNamespace(weights_changed=lambda v: None, quiet=contextlib.nullcontext),
         state_changed=nothing,
         event=nothing,
     )

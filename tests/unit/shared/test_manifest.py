@@ -50,3 +50,71 @@ def test_sha256_of_chunks() -> None:
     import hashlib
 
     assert mf.sha256_of([b"ab", memoryview(b"cd")]) == hashlib.sha256(b"abcd").hexdigest()
+
+
+# --------------------------------------------------------------------------- validate
+
+EXPECTED = {"w": _spec([4, 8]), "b": _spec([8], "float16")}  # 128 + 16 data bytes
+
+
+def _man(size: int = 144 + 200, **over: object) -> mf.Manifest:
+    shards = [
+        mf.ShardSpec(r, f"rank{r}-of-2.safetensors", size, "a" * 64, dict(EXPECTED))
+        for r in range(2)
+    ]
+    man = mf.Manifest("m", "v1", 2, shards)
+    for k, v in over.items():
+        setattr(man.shards[1], k, v)
+    return man
+
+
+def test_tensor_bytes_from_shapes_and_dtypes() -> None:
+    assert mf.tensor_bytes(EXPECTED, "x") == 4 * 8 * 4 + 8 * 2
+    with pytest.raises(ControlError, match="bad dtype"):
+        mf.tensor_bytes({"w": _spec([2], "complex512")}, "x")
+
+
+def test_valid_manifest_passes() -> None:
+    assert mf.validate(_man(), 1, 2, EXPECTED, "m/v1").rank == 1
+
+
+@pytest.mark.parametrize("size", [50_000_000_000, 144 + 8, 144 + mf.header_allowance(2) + 1, 0])
+def test_forged_size_is_422_naming_rank_and_file(size: int) -> None:
+    with pytest.raises(ControlError) as e:
+        mf.validate(_man(size=size), 1, 2, EXPECTED, "m/v1")
+    assert e.value.code == 422
+    msg = e.value.message
+    assert "rank 1" in msg and "m/v1/rank1-of-2.safetensors" in msg and str(size) in msg
+
+
+def test_forged_tensors_are_422_before_any_read() -> None:
+    big = {"w": _spec([4, 8 << 30]), "b": _spec([8], "float16")}
+    with pytest.raises(ControlError, match="rank 1.*w has shape"):
+        mf.validate(_man(tensors=big, size=50 << 30), 1, 2, EXPECTED, "m/v1")
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["../v0/rank1-of-2.safetensors", "/etc/passwd", "a/b.safetensors", "..", ".hidden",
+     "x\\y", "", "rank1..safetensors"],
+)
+def test_file_names_are_confined_to_the_version(name: str) -> None:
+    with pytest.raises(ControlError) as e:
+        mf.validate(_man(file=name), 0, 2, EXPECTED, "m/v1")
+    assert e.value.code == 422 and "plain file name" in e.value.message
+
+
+def test_ranks_tp_and_digest_shape_are_checked() -> None:
+    with pytest.raises(ControlError, match="tp=2, serving tp=4"):
+        mf.validate(_man(), 0, 4, EXPECTED, "m/v1")
+    with pytest.raises(ControlError, match="ranks"):
+        mf.validate(_man(rank=0), 0, 2, EXPECTED, "m/v1")
+    with pytest.raises(ControlError, match="sha256"):
+        mf.validate(_man(sha256="zz"), 1, 2, EXPECTED, "m/v1")
+
+
+def test_file_size_without_manifest_is_bounded_by_the_served_tensors() -> None:
+    mf.check_file_size(144 + 100, EXPECTED, "rank 0: f")
+    mf.check_file_size(1 << 40, None, "rank 0: f")  # nothing known yet: not checked
+    with pytest.raises(ControlError, match="rank 0: f: size"):
+        mf.check_file_size(50_000_000_000, EXPECTED, "rank 0: f")

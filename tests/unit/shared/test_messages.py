@@ -17,7 +17,7 @@ def test_control_reply_json_shape() -> None:
 
 def test_update_args_defaults_and_types() -> None:
     a = m.decode_args(b"", m.UpdateWeightsArgs)
-    assert a.version is None and a.verify_checksum is False
+    assert a.version is None and a.verify_checksum is None  # None: verify if a manifest
     a = m.decode_args(b'{"version": "v3", "verify_checksum": true}', m.UpdateWeightsArgs)
     assert (a.version, a.verify_checksum) == ("v3", True)
 

@@ -148,14 +148,17 @@ def test_from_hf_rejects_unsupported(bad: dict[str, object]) -> None:
     "field,heads,kv_heads,inter,tp",
     [
         ("num_attention_heads", 4, 4, 96, 3),
-        ("num_key_value_heads", 8, 2, 96, 4),
+        ("num_key_value_heads", 12, 3, 96, 2),
         ("intermediate_size", 4, 4, 90, 4),
     ],
 )
 def test_validate_tp_names_field(
     field: str, heads: int, kv_heads: int, inter: int, tp: int
 ) -> None:
-    cfg = tiny(num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=inter)
+    cfg = tiny(
+        num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=inter,
+        head_dim=16,
+    )  # fmt: skip
     with pytest.raises(ValueError, match=field):
         cfg.validate_tp(tp)
     with pytest.raises(ValueError, match=field):
@@ -188,6 +191,23 @@ def test_shards_concatenate_back(tp: int) -> None:
         np.testing.assert_array_equal(np.concatenate(parts, axis=axis), tensor, err_msg=name)
     assert shard_shape(cfg, "model.layers.0.self_attn.o_proj.weight", (64, 64), 1, 2) == (64, 32)
     assert shard_shape(cfg, "model.layers.0.self_attn.q_proj.bias", (64,), 1, 2) == (32,)
+
+
+def test_fewer_kv_heads_than_ranks_are_replicated() -> None:
+    """tp=4 over 2 kv heads: ranks 0-1 hold kv head 0, ranks 2-3 kv head 1 (the one their
+    query heads read); q is split as usual."""
+    cfg = tiny(num_attention_heads=8, num_key_value_heads=2, attention_bias=True)
+    cfg.validate_tp(4)
+    full = init_weights(cfg, 0)
+    hd = cfg.head_dim
+    for proj in ("k_proj.weight", "v_proj.bias"):
+        name = f"model.layers.0.self_attn.{proj}"
+        for r in range(4):
+            part = shard_tensor(cfg, name, full[name], r, 4)
+            head = r // 2
+            np.testing.assert_array_equal(part, full[name][head * hd : (head + 1) * hd])
+    assert KVCache(cfg, 1, 1, 4).shape[2] == 1
+    assert TPModel(cfg, 3, 4).kv_heads == 1
 
 
 def test_shard_rejects_unknown_and_bad_rank() -> None:

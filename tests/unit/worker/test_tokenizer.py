@@ -108,6 +108,20 @@ def test_default_chat_template() -> None:
 
 def test_load_without_tokenizer_json_is_bytes(tmp_path: Path) -> None:
     assert isinstance(load_tokenizer(tmp_path), ByteTokenizer)
+    assert load_tokenizer(tmp_path).stop_token_ids == [257]
+
+
+def test_bytes_stop_on_every_config_eos_id(tmp_path: Path) -> None:
+    """A model dir without tokenizer.json (e.g. a bare transformers checkpoint) stops on
+    the eos ids of generation_config.json and config.json, int or list, and nothing else."""
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2, "vocab_size": 512}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [9, 2]}))
+    tok = load_tokenizer(tmp_path)
+    assert isinstance(tok, ByteTokenizer)
+    assert tok.stop_token_ids == [9, 2] and tok.vocab_size == 512
+    (tmp_path / "generation_config.json").unlink()
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": None, "vocab_size": 64}))
+    assert load_tokenizer(tmp_path).stop_token_ids == []  # transformers stops on none either
 
 
 # ---------- HF tokenizer ----------
@@ -117,6 +131,8 @@ def test_hf_tokenizer_ids_round_trip_and_stream(tmp_path: Path) -> None:
     tok = load_tokenizer(make_hf_dir(tmp_path, None))
     assert isinstance(tok, HFTokenizer)
     assert tok.bos_token_id == 0 and tok.eos_token_id == 1 and tok.stop_token_ids == [1, 5]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 7]}))
+    assert load_tokenizer(tmp_path).stop_token_ids == [1, 7, 5]
     assert tok.vocab_size > 256
     rng = random.Random(0)
     for text in SAMPLES + ["the quick 🙂 fox"]:

@@ -16,7 +16,7 @@ VERSIONS = {
 }
 
 
-def source(version: str, verify: bool) -> LoadedShard:
+def source(version: str, verify: bool | None, expected: object = None) -> LoadedShard:
     if version not in VERSIONS:
         raise ControlError(404, f"unknown version {version!r}")
     arrays = {k: v.copy() for k, v in VERSIONS[version].items()}

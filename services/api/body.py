@@ -1,0 +1,96 @@
+"""Reading a request body within limits: size (``ROLLBUS_MAX_BODY_BYTES``), UTF-8,
+JSON, nesting depth, finite numbers, no lone surrogates. Every failure is a
+:class:`BadRequest` naming the field (``body`` for the document as a whole).
+
+JSON is parsed by Python's ``json`` on purpose: it reads ``NaN`` / ``Infinity`` as
+Python writes them, so such a value is refused naming its field rather than as
+"malformed JSON".
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from starlette.requests import Request
+
+from services.api.schema import MAX_JSON_DEPTH
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, code: int = 400) -> None:
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The raw body, refused once it passes ``limit`` bytes (never buffered past it)."""
+    too_big = f"body is larger than {limit} bytes (ROLLBUS_MAX_BODY_BYTES)"
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BadRequest(too_big, "body")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BadRequest(too_big, "body")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_json(raw: bytes, *, empty: Any = None) -> Any:
+    """``raw`` as JSON (``empty`` when blank), checked by :func:`check_tree`."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadRequest(f"body is not valid UTF-8 (byte {e.start})", "body") from None
+    if not text.strip():
+        return empty
+    try:
+        doc = json.loads(text)
+    except RecursionError:
+        raise BadRequest(f"body nests deeper than {MAX_JSON_DEPTH} levels", "body") from None
+    except ValueError as e:
+        raise BadRequest(f"body is not valid JSON: {e}", "body") from None
+    check_tree(doc)
+    return doc
+
+
+def _name(path: str, key: object) -> str:
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    return f"{path}.{key}" if path else str(key)
+
+
+def check_tree(doc: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
+    """Depth, finite numbers and valid unicode everywhere in a parsed JSON document."""
+    todo: list[tuple[Any, str, int]] = [(doc, "", 1)]
+    while todo:
+        node, path, depth = todo.pop()
+        if isinstance(node, float):
+            if not math.isfinite(node):
+                raise BadRequest(f"'{path or 'body'}' must be a finite number", path or "body")
+        elif isinstance(node, str):
+            _check_unicode(node, path)
+        elif isinstance(node, dict | list):
+            if depth > max_depth:
+                raise BadRequest(f"body nests deeper than {max_depth} levels", "body")
+            if isinstance(node, list) and all(type(v) is int for v in node):
+                continue  # token ids: nothing to look at, and often long
+            items = node.items() if isinstance(node, dict) else enumerate(node)
+            for key, value in items:
+                if isinstance(key, str):
+                    _check_unicode(key, path)
+                todo.append((value, _name(path, key), depth + 1))
+
+
+def _check_unicode(text: str, path: str) -> None:
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        where = path or "body"
+        raise BadRequest(f"'{where}' is not valid unicode (lone surrogate)", where) from None

@@ -1,0 +1,87 @@
+"""Request bodies of the OpenAI routes as msgspec Structs: the types and ranges are the
+check. Unknown fields are tolerated (OpenAI clients send more than we use).
+
+Limits not expressible here (``n`` <= ``ROLLBUS_MAX_N``, token ids within the
+vocabulary, prompt + ``max_tokens`` within the context length) are checked by the
+route once the model is known. Every limit is listed in the README ("Limits").
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
+
+from shared.messages import FLOAT_MAX, INT64_MAX, INT64_MIN, MAX_STOP_TOKEN_IDS, TOKEN_LIMIT
+
+MAX_STOP = 64  # stop strings per request
+MAX_STOP_LEN = 1024  # characters per stop string
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias
+MAX_MESSAGES = 4096  # chat messages per request
+MAX_TOP_LOGPROBS = 20
+MAX_JSON_DEPTH = 64  # nesting of any request body
+
+Count = Annotated[int, Meta(ge=1, le=TOKEN_LIMIT)]
+TokenId = Annotated[int, Meta(ge=0, le=TOKEN_LIMIT)]
+StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_LEN)]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool | None = None
+
+
+class Sampling(msgspec.Struct, kw_only=True):
+    """What both routes accept. ``None`` = not given (OpenAI clients send nulls)."""
+
+    model: str | None = None
+    max_tokens: Count | None = None
+    n: Count | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=FLOAT_MAX)] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Meta(ge=-1, le=TOKEN_LIMIT)] | None = None  # -1 and 0: off
+    seed: Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)] | None = None
+    stop: StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    ignore_eos: bool | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool | None = None
+    # accepted for compatibility and range-checked; not applied (README "Limits")
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=FLOAT_MAX)] | None = None
+    logit_bias: Annotated[dict[str, Bias], Meta(max_length=MAX_LOGIT_BIAS)] | None = None
+    min_tokens: Annotated[int, Meta(ge=0, le=TOKEN_LIMIT)] | None = None
+    user: Annotated[str, Meta(max_length=1024)] | None = None
+
+
+class CompletionRequest(Sampling, kw_only=True):
+    # one prompt per request: a string, token ids, or a one-element list of either
+    prompt: str | list[str | TokenId | list[TokenId]]
+    logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    echo: bool | None = None
+
+
+class ContentPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class Message(msgspec.Struct):
+    role: Annotated[str, Meta(min_length=1, max_length=64)]
+    content: str | list[ContentPart] | None = None
+
+
+class ChatRequest(Sampling, kw_only=True):
+    messages: Annotated[list[Message], Meta(min_length=1, max_length=MAX_MESSAGES)]
+    max_completion_tokens: Count | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+
+
+def convert(body: Any, kind: type[Sampling]) -> Sampling:
+    """The body as ``kind``; raises ``msgspec.ValidationError`` naming the field."""
+    return msgspec.convert(body, type=kind, strict=True)

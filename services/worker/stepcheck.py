@@ -1,0 +1,57 @@
+"""Checks of a ``worker.step`` message before any rank computes it. Pure.
+
+The step subject is reachable over raw NATS: a malformed or out-of-range message must
+get an error reply, never reach paddle (an out-of-range token id or block index would
+crash or corrupt a rank). Every rank runs the same check on the same message, so they
+all refuse it together and none waits alone in a collective.
+
+Sampling parameters are checked per sequence on rank 0 (``sampling.check_spec``): a bad
+one fails only its own request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared import messages as m
+
+
+@dataclass(frozen=True)
+class StepLimits:
+    vocab_size: int
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    max_rows: int = 4096
+    max_samples: int = 1 << 16
+
+
+def check_step(req: m.StepRequest, lim: StepLimits) -> str | None:
+    """Why ``req`` must not run (None when it may)."""
+    if len(req.rows) > lim.max_rows:
+        return f"{len(req.rows)} rows; the limit is {lim.max_rows}"
+    for src, dst in req.copies:
+        if not (0 <= src < lim.num_blocks and 0 <= dst < lim.num_blocks):
+            return f"block copy {src}->{dst} outside 0..{lim.num_blocks - 1}"
+    samples = 0
+    seen: set[int] = set()
+    for i, row in enumerate(req.rows):
+        where = f"row {i} (seq {row.seq_id})"
+        if not row.token_ids:
+            return f"{where}: no tokens"
+        if row.seq_id in seen:
+            return f"{where}: sequence twice in one step"
+        seen.add(row.seq_id)
+        if any(not 0 <= t < lim.vocab_size for t in row.token_ids):
+            return f"{where}: token id outside 0..{lim.vocab_size - 1}"
+        end = row.start_pos + len(row.token_ids)
+        if row.start_pos < 0 or end > lim.max_model_len:
+            return f"{where}: positions {row.start_pos}..{end} outside 0..{lim.max_model_len}"
+        if len(row.block_table) * lim.block_size < end:
+            return f"{where}: {len(row.block_table)} blocks cannot hold {end} positions"
+        if any(not 0 <= b < lim.num_blocks for b in row.block_table):
+            return f"{where}: block id outside 0..{lim.num_blocks - 1}"
+        samples += len(row.sample)
+    if samples > lim.max_samples:
+        return f"{samples} sampled sequences; the limit is {lim.max_samples}"
+    return None

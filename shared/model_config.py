@@ -1,0 +1,274 @@
+"""The served model's architecture, parsed from a HF ``config.json`` (no paddle, no numpy).
+
+Families: ``llama`` (GQA, untied), ``qwen2`` (q/k/v bias), ``qwen3`` (per-head q/k
+RMSNorm, explicit ``head_dim``) and ``ernie4_5`` (dense, interleaved RoPE), with the
+defaults transformers uses for a field the file leaves out. RoPE: both config layouts
+are read — transformers < 5 writes a top-level ``rope_theta`` and an optional
+``rope_scaling`` dict, transformers 5 writes one ``rope_parameters`` dict holding
+``rope_theta`` too — with rope types ``default``, ``linear``, ``dynamic`` and ``llama3``.
+
+Anything the model code cannot honour raises :class:`ConfigError` naming the field, so
+a start stops with one line instead of serving wrong tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+FAMILIES = ("llama", "qwen2", "qwen3", "ernie4_5")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+_ROPE_KEYS = {
+    "rope_type",
+    "type",
+    "rope_theta",
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "original_max_position_embeddings",
+    "partial_rotary_factor",
+}
+_REQUIRED = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
+# transformers' per-family defaults for fields a config.json may leave out
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048,
+              "tie_word_embeddings": False, "head_dim": None},
+    "qwen2": {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
+              "tie_word_embeddings": False, "head_dim": None},
+    "qwen3": {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
+              "tie_word_embeddings": False, "head_dim": 128},
+    "ernie4_5": {"rope_theta": 500000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+                 "tie_word_embeddings": True, "head_dim": 128},
+}  # fmt: skip
+
+
+class ConfigError(ValueError):
+    """The model config asks for something rollbus cannot serve exactly."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    attention_bias: bool = False  # qwen2-style bias on q/k/v only
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    model_type: str = "llama"
+    head_dim: int = 0  # 0 = hidden_size // num_attention_heads
+    qk_norm: bool = False  # qwen3: RMSNorm over head_dim on q and k, before RoPE
+    rope_interleaved: bool = False  # ernie4_5: rotate pairs (2i, 2i+1), not halves
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0  # llama3
+    rope_high_freq_factor: float = 4.0  # llama3
+    rope_original_max_position_embeddings: int = 0  # llama3; 0 = max_position_embeddings
+    eos_token_ids: tuple[int, ...] = ()  # every eos id of config.json
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+        ):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.head_dim:
+            if self.hidden_size % self.num_attention_heads:
+                raise ConfigError("hidden_size must be divisible by num_attention_heads")
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError("num_attention_heads must be divisible by num_key_value_heads")
+        if self.head_dim < 2 or self.head_dim % 2:
+            raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.rope_type not in ROPE_TYPES:
+            raise ConfigError(f"rope_type {self.rope_type!r} is not supported ({ROPE_TYPES})")
+        if self.rope_type == "dynamic" and self.head_dim <= 2:
+            raise ConfigError(f"dynamic RoPE needs head_dim > 2, got {self.head_dim}")
+        if self.rope_type != "default" and self.rope_factor <= 0:
+            raise ConfigError(f"rope factor must be > 0, got {self.rope_factor}")
+        if self.rope_theta <= 0:
+            raise ConfigError(f"rope_theta must be > 0, got {self.rope_theta}")
+        if self.eos_token_id is not None and self.eos_token_id not in self.eos_token_ids:
+            object.__setattr__(self, "eos_token_ids", (self.eos_token_id, *self.eos_token_ids))
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any]) -> ModelConfig:
+        """Parse a HF config dict; :class:`ConfigError` names the first field we can't honour."""
+        model_type = config.get("model_type", "llama")
+        if model_type not in FAMILIES:
+            raise ConfigError(f"model_type={model_type!r} is not supported ({', '.join(FAMILIES)})")
+        d = _DEFAULTS[model_type]
+        _refuse(config, "hidden_act", lambda v: v not in (None, "silu"), "only silu")
+        _refuse(config, "quantization_config", bool, "quantized checkpoints")
+        _refuse(config, "use_sliding_window", bool, "sliding-window attention")
+        _refuse(config, "partial_rotary_factor", lambda v: v not in (None, 1, 1.0), "partial RoPE")
+        for i, kind in enumerate(config.get("layer_types") or []):
+            if kind != "full_attention":
+                raise ConfigError(
+                    f"config field layer_types[{i}]={kind!r} is not supported (full_attention)"
+                )
+        if model_type == "llama":
+            # HF llama's attention_bias also adds an o_proj bias, which we do not model.
+            _refuse(config, "attention_bias", bool, "llama with attention bias")
+            _refuse(config, "mlp_bias", bool, "llama with MLP bias")
+        if model_type == "qwen3":
+            _refuse(config, "attention_bias", bool, "qwen3 with attention bias (o_proj bias)")
+        if model_type == "ernie4_5":
+            _refuse(config, "use_bias", bool, "ernie4_5 with linear biases")
+        missing = [k for k in _REQUIRED if config.get(k) is None]
+        if missing:
+            raise ConfigError(f"config lacks {', '.join(missing)}")
+        sizes: dict[str, Any] = {k: int(config[k]) for k in _REQUIRED}
+        heads = sizes["num_attention_heads"]
+        head_dim = config.get("head_dim") or d["head_dim"] or 0
+        eos = _ids(config.get("eos_token_id"), "eos_token_id")
+        bos = _ids(config.get("bos_token_id"), "bos_token_id")
+        max_pos = int(config.get("max_position_embeddings") or d["max_position_embeddings"])
+        rope = _rope(config, d["rope_theta"])
+        tie = config.get("tie_word_embeddings")
+        try:
+            return cls(
+                **sizes,
+                num_key_value_heads=int(config.get("num_key_value_heads") or heads),
+                rms_norm_eps=float(config.get("rms_norm_eps") or d["rms_norm_eps"]),
+                max_position_embeddings=max_pos,
+                attention_bias=model_type == "qwen2",
+                tie_word_embeddings=bool(d["tie_word_embeddings"] if tie is None else tie),
+                bos_token_id=bos[0] if bos else None,
+                eos_token_id=eos[0] if eos else None,
+                eos_token_ids=tuple(eos),
+                model_type=model_type,
+                head_dim=int(head_dim),
+                qk_norm=model_type == "qwen3",
+                rope_interleaved=model_type == "ernie4_5",
+                **rope,
+            )
+        except ConfigError as e:
+            raise ConfigError(f"config.json: {e}") from None
+
+    def validate_tp(self, tp: int) -> None:
+        if tp < 1:
+            raise ValueError(f"tp must be >= 1, got {tp}")
+        for name in ("num_attention_heads", "intermediate_size"):
+            if getattr(self, name) % tp:
+                raise ValueError(f"{name}={getattr(self, name)} is not divisible by tp={tp}")
+        kv = self.num_key_value_heads
+        if kv % tp and tp % kv:  # fewer kv heads than ranks: replicated, tp a multiple
+            raise ValueError(
+                f"num_key_value_heads={kv} is neither divisible by tp={tp} nor divides it"
+            )
+
+    @property
+    def max_model_len(self) -> int:
+        """Default context length: ``max_position_embeddings``, times the factor for
+        ``linear`` / ``dynamic`` RoPE scaling (as vLLM derives it)."""
+        if self.rope_type in ("linear", "dynamic"):
+            return int(self.max_position_embeddings * self.rope_factor)
+        return self.max_position_embeddings
+
+
+def _refuse(config: dict[str, Any], field: str, bad: Any, what: str) -> None:
+    value = config.get(field)
+    if bad(value):
+        raise ConfigError(f"config field {field}={value!r} is not supported ({what})")
+
+
+def _ids(value: Any, field: str) -> list[int]:
+    """A token id field: null, an int or a list of ints (several eos ids)."""
+    if value is None:
+        return []
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ConfigError(f"config field {field}={value!r} must be an int or a list of ints")
+    return list(dict.fromkeys(values))
+
+
+def _rope(config: dict[str, Any], default_theta: float) -> dict[str, Any]:
+    """RoPE fields from either layout: ``rope_parameters`` (transformers 5) or a top-level
+    ``rope_theta`` plus ``rope_scaling`` (earlier). A value in ``rope_parameters`` wins."""
+    out: dict[str, Any] = {}
+    theta = config.get("rope_theta")
+    field, params = "rope_scaling", config.get("rope_scaling")
+    if config.get("rope_parameters") is not None:
+        field, params = "rope_parameters", config["rope_parameters"]
+        if params and config.get("rope_scaling"):
+            # both present: transformers 5 reads rope_parameters only; a differing
+            # rope_scaling would be a second, contradicting answer
+            given, scaling = _type_key(params), _type_key(config["rope_scaling"])
+            extra = {k: v for k, v in scaling.items() if given.get(k) != v}
+            if extra:
+                raise ConfigError(f"config fields rope_scaling {extra} contradict rope_parameters")
+    params = params or {}
+    if not isinstance(params, dict):
+        raise ConfigError(f"config field {field}={params!r} must be an object")
+    if any(isinstance(v, dict) for v in params.values()):
+        raise ConfigError(f"config field {field} per layer type is not supported")
+    unknown = sorted(set(params) - _ROPE_KEYS)
+    if unknown:
+        raise ConfigError(f"config field {field}.{unknown[0]} is not supported")
+    if params.get("partial_rotary_factor") not in (None, 1, 1.0):
+        raise ConfigError(
+            f"config field {field}.partial_rotary_factor="
+            f"{params['partial_rotary_factor']!r} is not supported (partial RoPE)"
+        )
+    if params.get("rope_theta") is not None:
+        theta = params["rope_theta"]
+    out["rope_theta"] = float(theta if theta is not None else default_theta)
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        key = "rope_type" if "rope_type" in params else "type"
+        raise ConfigError(
+            f"config field {field}.{key}={kind!r} is not supported ({', '.join(ROPE_TYPES)})"
+        )
+    out["rope_type"] = kind
+    if kind == "default":
+        return out
+    needed = ["factor"]
+    if kind == "llama3":
+        needed += ["low_freq_factor", "high_freq_factor"]
+    for key in needed:
+        if not isinstance(params.get(key), int | float) or isinstance(params.get(key), bool):
+            raise ConfigError(f"config field {field}.{key} is missing or not a number")
+    out["rope_factor"] = float(params["factor"])
+    if kind == "llama3":
+        out["rope_low_freq_factor"] = float(params["low_freq_factor"])
+        out["rope_high_freq_factor"] = float(params["high_freq_factor"])
+        if out["rope_high_freq_factor"] == out["rope_low_freq_factor"]:
+            raise ConfigError(f"config field {field}: high_freq_factor == low_freq_factor")
+        out["rope_original_max_position_embeddings"] = int(
+            params.get("original_max_position_embeddings")
+            or config.get("max_position_embeddings")
+            or 0
+        )
+    return out
+
+
+def _type_key(params: dict[str, Any]) -> dict[str, Any]:
+    return {("rope_type" if k == "type" else k): v for k, v in params.items()}
+
+
+def context_length(config: dict[str, Any], setting: int = 0) -> int:
+    """The context length to serve: the setting when non-zero, else from the config."""
+    if setting:
+        return setting
+    try:
+        return ModelConfig.from_hf(config).max_model_len
+    except (ConfigError, TypeError, ValueError):
+        return int(config.get("max_position_embeddings", 2048))

@@ -1,0 +1,389 @@
+"""Bad input, backpressure and correlation ids against a real stack (issue 7, items 1,
+4, 5): over HTTP and over raw NATS, with other requests running beside them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import nats
+import pytest
+
+from shared import messages as m
+from shared.subjects import Subjects
+from tests.e2e.stack import Stack, start_stack
+
+MAX_WAITING = 3
+STREAM_BUFFER = 32
+
+
+@pytest.fixture(scope="module")
+def stack(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = start_stack(
+        Path(tmp_path_factory.mktemp("edge")),
+        nats_url,
+        tp=2,
+        env={
+            "ROLLBUS_KV_CACHE_BLOCKS": "2048",
+            "ROLLBUS_MAX_WAITING": str(MAX_WAITING),
+            "ROLLBUS_STREAM_BUFFER": str(STREAM_BUFFER),
+        },
+    )
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(autouse=True)
+def running(stack: Stack) -> Iterator[None]:
+    yield
+    with stack.client() as c:
+        c.post("/v1/resume")
+    wait_for(lambda: stack.status()["requests"] == 0, "requests left running")
+
+
+def wait_for(cond: Any, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out: {what}")
+
+
+def post(stack: Stack, path: str, body: Any = None, **kw: Any) -> httpx.Response:
+    with stack.client() as c:
+        if isinstance(body, bytes):
+            kw.setdefault("headers", {})["content-type"] = "application/json"
+            return c.post(path, content=body, **kw)
+        return c.post(path, json=body, **kw)
+
+
+class LongStream(threading.Thread):
+    """A streamed completion of ``tokens`` tokens, read in the background."""
+
+    def __init__(self, stack: Stack, tokens: int = 400) -> None:
+        super().__init__(daemon=True)
+        self.stack, self.tokens = stack, tokens
+        self.token_ids: list[int] = []
+        self.finish: str | None = None
+        self.errors: list[Any] = []
+        self.started = threading.Event()
+
+    def run(self) -> None:
+        body = {
+            "prompt": "a long one",
+            "max_tokens": self.tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "return_token_ids": True,
+        }
+        with self.stack.client(timeout=300) as c:
+            with c.stream("POST", "/v1/completions", json=body) as r:
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        self.errors.append(chunk["error"])
+                        continue
+                    for ch in chunk["choices"]:
+                        self.token_ids += ch.get("token_ids") or []
+                        self.finish = ch["finish_reason"] or self.finish
+                    self.started.set()
+
+    def assert_complete(self) -> None:
+        self.join(300)
+        assert not self.errors, self.errors
+        assert len(self.token_ids) == self.tokens and self.finish == "length"
+
+
+def greedy(stack: Stack, prompt: str = "check", tokens: int = 12) -> list[int]:
+    r = post(
+        stack,
+        "/v1/completions",
+        {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "return_token_ids": True},
+    )
+    assert r.status_code == 200, r.text
+    return list(r.json()["choices"][0]["token_ids"])
+
+
+# --------------------------------------------------------------------------- item 1
+
+
+def test_nan_temperature_is_400_while_a_long_stream_completes(stack: Stack) -> None:
+    long = LongStream(stack, tokens=400)
+    long.start()
+    assert long.started.wait(60)
+    for bad in ("NaN", "Infinity", "-Infinity"):  # what Python's json writes
+        raw = f'{{"prompt": "x", "max_tokens": 4, "temperature": {bad}}}'.encode()
+        r = post(stack, "/v1/completions", raw)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "temperature" and err["type"] == "invalid_request_error"
+        assert err["code"] == 400 and "finite" in err["message"]
+    r = post(stack, "/v1/chat/completions", {"messages": [{"role": "user"}], "top_p": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_p"
+    long.assert_complete()
+
+
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [
+        (b'{"prompt": "x", "n": 65}', "n"),  # ROLLBUS_MAX_N=64
+        (b'{"prompt": "x", "stop": ' + json.dumps(["s"] * 65).encode() + b"}", "stop"),
+        (b'{"prompt": "x", "max_tokens": 99999}', "max_tokens"),
+        (b'{"prompt": "\xc3\x28"}', "body"),  # invalid UTF-8
+        (b"[" * 200 + b"]" * 200, "body"),
+        (b'{"prompt": "x", "seed": 18446744073709551616}', "seed"),
+    ],
+)
+def test_bad_generation_bodies_name_the_field(stack: Stack, raw: bytes, param: str) -> None:
+    r = post(stack, "/v1/completions", raw)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_body_over_the_limit_is_400(stack: Stack) -> None:
+    big = b'{"prompt": "' + b"x" * (4 * 1024 * 1024 + 1) + b'"}'
+    r = post(stack, "/v1/completions", big)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "body"
+    r = post(stack, "/v1/update_weights", big)
+    assert r.status_code == 400 and r.json()["result"]["param"] == "body"
+
+
+def test_bad_control_arguments_name_the_field(stack: Stack) -> None:
+    with stack.client() as c:
+        r = c.post("/v1/pause", params={"mode": "sideways"})
+        assert r.status_code == 400 and r.json()["result"]["param"] == "mode"
+        r = c.post("/v1/sleep", params={"tags": "weights"})
+        assert r.status_code == 400 and r.json()["result"]["param"] == "tags"
+        r = c.post("/v1/update_weights", json={"version": 3})
+        assert r.status_code == 400 and r.json()["result"]["param"] == "version"
+        r = c.post("/v1/update_weights", content=b'{"version": NaN}')
+        assert r.status_code == 400 and r.json()["result"]["param"] == "version"
+        assert not c.get("/v1/is_paused").json()["is_paused"]  # none reached the engine
+
+
+async def _raw(stack: Stack, subject: str, data: bytes) -> bytes:
+    nc = await nats.connect(stack.nats_url)
+    try:
+        return bytes((await nc.request(subject, data, timeout=20)).data)
+    finally:
+        await nc.close()
+
+
+def raw_gen(stack: Stack, data: bytes) -> m.GenChunk:
+    reply = asyncio.run(_raw(stack, Subjects(stack.instance).gen, data))
+    return m.unpack(reply, type=m.GenChunk)
+
+
+def raw_step(stack: Stack, data: bytes) -> m.StepReply:
+    reply = asyncio.run(_raw(stack, Subjects(stack.instance).worker_step, data))
+    return m.unpack(reply, type=m.StepReply)
+
+
+def test_hostile_gen_messages_over_raw_nats_fail_alone(stack: Stack) -> None:
+    before = greedy(stack)
+    long = LongStream(stack, tokens=300)
+    long.start()
+    assert long.started.wait(60)
+    gen = {"request_id": "raw-1", "prompt_token_ids": [1, 2, 3], "max_tokens": 4}
+    cases = [
+        (dict(gen, temperature=math.nan), "temperature"),
+        (dict(gen, prompt_token_ids=[1, 10**6]), "prompt_token_ids"),
+        (dict(gen, n=10**6), "n"),
+        (dict(gen, max_tokens=-1), "max_tokens"),
+        (dict(gen, top_p=math.inf), "top_p"),
+        ({"no": "request"}, "request_id"),
+    ]
+    for body, param in cases:
+        chunk = raw_gen(stack, msgspec.msgpack.encode(body))
+        assert chunk.error_code == 400 and chunk.finish_reason == "error", (body, chunk)
+        assert chunk.error_param == param
+    chunk = raw_gen(stack, b"\x00\xff garbage")
+    assert chunk.error_code == 400
+    asyncio.run(_publish(stack, Subjects(stack.instance).gen + ".cancel", b"not json"))
+    long.assert_complete()
+    assert greedy(stack) == before
+    assert stack.status()["requests"] == 0
+
+
+async def _publish(stack: Stack, subject: str, data: bytes) -> None:
+    nc = await nats.connect(stack.nats_url)
+    try:
+        await nc.publish(subject, data)
+        await nc.flush()
+    finally:
+        await nc.close()
+
+
+def test_hostile_step_messages_get_an_error_reply_and_ranks_keep_serving(stack: Stack) -> None:
+    before = greedy(stack)
+    assert "not a step" in raw_step(stack, b"\x93garbage").error
+    bad_rows = [
+        m.StepRow(1 << 40, [1, 10**6], 0, [0], []),  # token id outside the vocabulary
+        m.StepRow(1 << 40, [1, 2], 0, [10**6], []),  # block outside the cache
+        m.StepRow(1 << 40, [1, 2], -5, [0], []),
+        m.StepRow(1 << 40, [], 0, [0], []),
+    ]
+    for row in bad_rows:
+        reply = raw_step(stack, m.pack(m.StepRequest(1 << 40, [row])))
+        assert "bad step" in reply.error, row
+    # a well-formed step whose sampling parameters are bad: only that sequence fails
+    spec = m.SamplingSpec(1 << 40, temperature=math.nan)
+    step = m.StepRequest(1 << 40, [m.StepRow(1 << 40, [1, 2], 0, [1023], [spec])])
+    reply = raw_step(stack, m.pack(step))
+    assert not reply.error and [f[:2] for f in reply.failed] == [(1 << 40, 400)]
+    with stack.client() as c:
+        assert c.get("/health").status_code == 200
+    assert greedy(stack) == before
+
+
+# --------------------------------------------------------------------------- item 4
+
+
+class Pending(threading.Thread):
+    def __init__(self, stack: Stack, body: dict[str, Any], timeout: float = 120) -> None:
+        super().__init__(daemon=True)
+        self.stack, self.body, self.timeout = stack, body, timeout
+        self.response: httpx.Response | None = None
+        self.error: Exception | None = None
+
+    def run(self) -> None:
+        try:
+            with self.stack.client(timeout=self.timeout) as c:
+                self.response = c.post("/v1/completions", json=self.body)
+        except httpx.HTTPError as e:
+            self.error = e
+
+
+def test_full_queue_answers_429_with_retry_after(stack: Stack) -> None:
+    assert post(stack, "/v1/pause", params={"mode": "keep"}).status_code == 200
+    queued = [Pending(stack, {"prompt": f"q{i}", "max_tokens": 3}) for i in range(MAX_WAITING)]
+    for p in queued:
+        p.start()
+    wait_for(lambda: stack.status()["queued"] == MAX_WAITING, "requests queued")
+    for stream in (False, True):
+        r = post(stack, "/v1/completions", {"prompt": "late", "max_tokens": 3, "stream": stream})
+        assert r.status_code == 429, r.text
+        assert r.headers["retry-after"].isdigit()
+        err = r.json()["error"]
+        assert err["code"] == 429 and err["type"] == "rate_limit_error"
+        assert "ROLLBUS_MAX_WAITING" in err["message"]
+    assert post(stack, "/v1/resume").status_code == 200
+    for p in queued:
+        p.join(120)
+        assert p.response is not None and p.response.status_code == 200, p.error
+    assert post(stack, "/v1/completions", {"prompt": "now", "max_tokens": 3}).status_code == 200
+
+
+def test_a_non_streaming_client_that_leaves_frees_its_request(stack: Stack) -> None:
+    assert post(stack, "/v1/pause", params={"mode": "keep"}).status_code == 200
+    leaver = Pending(stack, {"prompt": "bye", "max_tokens": 5}, timeout=3)
+    leaver.start()
+    wait_for(lambda: stack.status()["requests"] == 1, "request queued")
+    leaver.join(30)
+    assert isinstance(leaver.error, httpx.TimeoutException)  # the client gave up, went away
+    wait_for(lambda: stack.status()["requests"] == 0, "the engine cancelled it", timeout=20)
+    st = stack.status()
+    assert st["queued"] == st["waiting"] == st["running"] == 0
+
+
+def test_a_slow_stream_reader_loses_only_its_own_stream(stack: Stack) -> None:
+    """64 choices x 400 tokens of SSE (~10 MB) to a reader that never reads: past the
+    kernel's socket buffers (a few MB on loopback) and ``STREAM_BUFFER`` chunks per choice,
+    the API gives up on it; a stream running beside it (fair rows) completes."""
+    other = LongStream(stack, tokens=100)
+    body = json.dumps(
+        {
+            "prompt": "slow reader",
+            "n": 64,
+            "max_tokens": 400,
+            "ignore_eos": True,
+            "stream": True,
+            "logprobs": 1,
+            "return_token_ids": True,
+        }
+    ).encode()
+    host, port = stack.base_url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((host, int(port)))
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        + f"content-length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
+    try:
+        wait_for(lambda: stack.status()["running"] >= 64, "the slow request runs")
+        other.start()
+        other.assert_complete()
+        # the reader never reads: the API drops its stream and the engine its request
+        wait_for(lambda: stack.status()["requests"] == 0, "slow request cancelled", 240)
+        received = b""
+        sock.settimeout(30)
+        while chunk := sock.recv(1 << 16):  # the server closed the connection
+            received += chunk
+        assert b"data: [DONE]" not in received
+        assert received.count(b'"finish_reason": "length"') < 64
+    finally:
+        sock.close()
+
+
+# --------------------------------------------------------------------------- item 5
+
+ODD_IDS = ["a.b", "*", ">", "a b", "x.*.>", "in  side\tspaces", "y" * 1024, "dup", "dup", "dup"]
+
+
+def test_any_x_request_id_is_echoed_and_replies_never_cross(stack: Stack) -> None:
+    unicode_id = "ünïcødé ✓".encode()
+
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as c:
+
+            async def completion(rid: bytes, prompt: str) -> None:
+                body = {"prompt": prompt, "max_tokens": 8, "temperature": 0}
+                while True:  # ROLLBUS_MAX_WAITING is 3 here: a polite client retries
+                    r = await c.post(
+                        "/v1/completions",
+                        json={**body, "return_token_ids": True},
+                        headers={"X-Request-Id": rid},
+                    )
+                    assert dict(r.headers.raw)[b"x-request-id"] == rid
+                    if r.status_code != 429:
+                        break
+                    await asyncio.sleep(float(r.headers["retry-after"]))
+                assert r.status_code == 200, r.text
+                assert r.headers.raw and dict(r.headers.raw)[b"x-request-id"] == rid
+                assert r.json()["choices"][0]["token_ids"] == expected[prompt]
+
+            async def control(rid: bytes, path: str) -> None:
+                r = await c.get(path, headers={"X-Request-Id": rid})
+                assert r.status_code == 200, r.text
+                assert dict(r.headers.raw)[b"x-request-id"] == rid
+
+            ids = [i.encode() for i in ODD_IDS] + [unicode_id]
+            calls = []
+            for i, rid in enumerate(ids):
+                calls.append(completion(rid, f"p{i % 4}"))
+                calls.append(control(rid, "/v1/status" if i % 2 else "/v1/is_paused"))
+            await asyncio.gather(*calls)
+
+    expected = {f"p{i}": greedy(stack, f"p{i}", 8) for i in range(4)}
+    asyncio.run(run())
+    for rid in ("a.b", "*", ">"):  # the reproduced hang: a control call answered at once
+        with stack.client(timeout=10) as c:
+            r = c.post("/v1/resume", headers={"X-Request-Id": rid})
+            assert r.status_code == 200 and r.json()["request_id"] == rid
+            assert r.headers["x-request-id"] == rid

@@ -1,0 +1,455 @@
+"""Proof of every role's NATS permissions, against the embedded server's generated config
+and against ``infra/nats/single.conf`` + ``auth.conf`` (an external server as deployed).
+
+Each forbidden publish and subscribe of the table must come back as a permissions
+violation from the server (nats-py's error callback), not as a timeout; each allowed path
+must work; a client without or with wrong credentials is refused at connect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import nats
+import pytest
+from nats.aio.client import Client
+
+from services import natsd
+from shared import creds, objstore
+from shared.bus import Bus
+from shared.errors import NoResponders, Timeout
+from shared.messages import VersionPublished
+from tests import natsconf
+
+I = "default"  # noqa: E741 - the instance token, as in rollbus.<i>.…
+BUCKET = "rollbus_ckpt"
+
+
+@dataclass
+class Server:
+    kind: str
+    base: str
+    users: dict[str, tuple[str, str]]
+
+    def url(self, role: str) -> str:
+        return creds.with_creds(self.base, *self.users[role])
+
+
+@pytest.fixture(scope="module", params=["embedded", "auth_conf"])
+def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
+    Server
+]:
+    tmp = Path(tmp_path_factory.mktemp(f"auth-{request.param}"))
+    if request.param == "embedded":
+        users = creds.ensure(tmp / "creds")
+        srv = natsd.start(tmp / "nats", port=0, users=users)
+        try:
+            yield Server("embedded", srv.url, users)
+        finally:
+            srv.stop()
+        return
+    passwords = natsconf.role_passwords()
+    node = natsconf.single_with_auth(tmp, passwords)
+    node.start()
+    try:
+        yield Server("auth_conf", node.url, {r: (r, p) for r, p in passwords.items()})
+    finally:
+        node.stop()
+
+
+class Client_:
+    """A raw nats-py client logged in as a role, collecting the server's -ERRs."""
+
+    def __init__(self, nc: Client, errors: list[str]) -> None:
+        self.nc, self.errors = nc, errors
+
+    async def violation(self, what: str, subject: str) -> None:
+        """The server's permissions violation for ``what`` ("publish"/"subscription")."""
+        want = f'permissions violation for {what} to "{subject}"'.lower()
+        for _ in range(100):
+            if any(want in e.lower() for e in self.errors):
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"no violation for {what} to {subject}: {self.errors}")
+
+
+async def routed(bus: Bus, subject: str) -> None:
+    """Wait until a fresh responder's subscription is routed to this client's publishes
+    (README: now and then a flushed subscription is not yet seen by another connection)."""
+    for _ in range(50):
+        try:
+            await bus.request(subject, b"{}", timeout=2)
+            return
+        except NoResponders:
+            await asyncio.sleep(0.05)
+    raise AssertionError(f"no responder on {subject}")
+
+
+async def connect(url: str, role: str = "", inbox: str | None = None) -> Client_:
+    errors: list[str] = []
+
+    async def on_error(e: Exception) -> None:
+        errors.append(str(e))
+
+    nc = await nats.connect(
+        url,
+        error_cb=on_error,
+        inbox_prefix=inbox or creds.inbox_prefix(role),
+        allow_reconnect=False,
+        connect_timeout=3,
+    )
+    return Client_(nc, errors)
+
+
+@pytest.fixture
+async def as_role(server: Server) -> AsyncIterator[object]:
+    opened: list[Client_] = []
+
+    async def open_(role: str, inbox: str | None = None) -> Client_:
+        c = await connect(server.url(role), role, inbox)
+        opened.append(c)
+        return c
+
+    yield open_
+    for c in opened:
+        await c.nc.close()
+
+
+# ---------------------------------------------------------------------- the table
+
+OTHER_INBOXES = {
+    r: [f"_INBOX_{o}.>" for o in creds.ROLES if o != r] + ["_INBOX.>"] for r in creds.ROLES
+}
+OTHER_INBOXES["operator"].remove("_INBOX.>")  # the nats CLI's inbox, kept for ops
+
+FORBIDDEN_PUBLISH = {
+    "operator": [
+        f"rollbus.{I}.worker.ctl.commit",
+        f"rollbus.{I}.worker.ctl.ping",
+        f"rollbus.{I}.worker.step",
+        f"rollbus.{I}.gen",
+        f"rollbus.{I}.events.control",
+        f"$O.{BUCKET}.C.forged",
+        f"$O.{BUCKET}.M.forged",
+        f"$JS.API.STREAM.INFO.OBJ_{BUCKET}",
+        f"$JS.API.CONSUMER.CREATE.OBJ_{BUCKET}",
+        f"$JS.API.STREAM.PURGE.OBJ_{BUCKET}",
+        "rollbus.ckpt.tiny.published",
+        "_INBOX_api.x.y",
+        "_INBOX_engine.x.y",
+        "$KV.rollbus_state.x",
+    ],
+    "trainer": [
+        f"rollbus.{I}.ctl.pause",
+        f"rollbus.{I}.ctl.update_weights",
+        f"rollbus.{I}.ctl.sleep",
+        f"rollbus.{I}.worker.ctl.commit",
+        f"rollbus.{I}.worker.step",
+        f"rollbus.{I}.gen",
+        f"rollbus.{I}.events.control",
+        "_INBOX_engine.x.y",
+        "$JS.API.STREAM.DELETE.OBJ_rollbus_ckpt",
+        "$JS.API.STREAM.INFO.ROLLBUS_EVENTS",
+        "$KV.rollbus_state.x",
+    ],
+    "api": [
+        f"rollbus.{I}.worker.ctl.commit",
+        f"rollbus.{I}.worker.ctl.sleep",
+        f"rollbus.{I}.worker.step",
+        f"rollbus.{I}.events.control",
+        f"$O.{BUCKET}.C.forged",
+        "rollbus.ckpt.tiny.published",
+        "_INBOX_engine.x.y",
+        "$JS.API.STREAM.INFO.ROLLBUS_EVENTS",
+    ],
+    "engine": [
+        f"$O.{BUCKET}.C.forged",
+        "rollbus.ckpt.tiny.published",
+        "$JS.API.STREAM.PURGE.OBJ_rollbus_ckpt",
+        "$JS.API.STREAM.DELETE.ROLLBUS_EVENTS",
+        "_INBOX_worker.x.y",
+    ],
+    "worker": [
+        f"rollbus.{I}.ctl.pause",
+        f"rollbus.{I}.ctl.update_weights",
+        f"rollbus.{I}.gen",
+        f"rollbus.{I}.worker.step",
+        f"rollbus.{I}.worker.ctl.commit",
+        f"rollbus.{I}.events.control",
+        f"$O.{BUCKET}.C.forged",
+        f"$JS.API.STREAM.PURGE.OBJ_{BUCKET}",
+        f"$JS.API.STREAM.MSG.DELETE.OBJ_{BUCKET}",
+        "rollbus.ckpt.tiny.published",
+        "_INBOX_api.x.y",
+        "_INBOX_operator.x.y",
+        "_INBOX_engine.x.y",  # unasked: a reply only to a request it received
+    ],
+}
+
+FORBIDDEN_SUBSCRIBE = {
+    "operator": [
+        f"rollbus.{I}.ctl.>",
+        f"rollbus.{I}.worker.>",
+        f"rollbus.{I}.gen",
+        f"$O.{BUCKET}.>",
+        "rollbus.ckpt.>",
+        ">",
+        *OTHER_INBOXES["operator"],
+    ],
+    "trainer": [
+        f"rollbus.{I}.ctl.>",
+        f"rollbus.{I}.worker.>",
+        f"rollbus.{I}.gen",
+        f"rollbus.{I}.events.>",
+        *OTHER_INBOXES["trainer"],
+    ],
+    "api": [
+        f"rollbus.{I}.ctl.>",
+        f"rollbus.{I}.worker.>",
+        f"rollbus.{I}.gen",
+        *OTHER_INBOXES["api"],
+    ],
+    "engine": [f"$O.{BUCKET}.>", "rollbus.ckpt.>", *OTHER_INBOXES["engine"]],
+    "worker": [
+        f"rollbus.{I}.ctl.>",
+        f"rollbus.{I}.gen",
+        f"rollbus.{I}.events.>",
+        *OTHER_INBOXES["worker"],
+    ],
+}
+
+
+@pytest.mark.parametrize("role", creds.ROLES)
+async def test_every_forbidden_publish_is_a_violation(role: str, as_role: object) -> None:
+    c = await as_role(role)  # type: ignore[operator]
+    for subject in FORBIDDEN_PUBLISH[role]:
+        await c.nc.publish(subject, b"{}", reply=c.nc.new_inbox())
+        await c.nc.flush()
+        await c.violation("publish", subject)
+
+
+@pytest.mark.parametrize("role", creds.ROLES)
+async def test_every_forbidden_subscribe_is_a_violation(role: str, as_role: object) -> None:
+    c = await as_role(role)  # type: ignore[operator]
+    for subject in FORBIDDEN_SUBSCRIBE[role]:
+        await c.nc.subscribe(subject)
+        await c.nc.flush()
+        await c.violation("subscription", subject)
+    # joining the engine's or a rank's queue group to take calls away: refused too
+    if role not in ("engine", "worker"):
+        await c.nc.subscribe(f"rollbus.{I}.ctl.pause", queue="engine")
+        await c.nc.flush()
+        await c.violation("subscription", f"rollbus.{I}.ctl.pause")
+
+
+async def test_a_request_on_a_forbidden_subject_reports_the_violation(as_role: object) -> None:
+    c = await as_role("trainer")  # type: ignore[operator]
+    with pytest.raises(TimeoutError):
+        await c.nc.request(f"rollbus.{I}.ctl.pause", b"{}", timeout=0.5)
+    await c.violation("publish", f"rollbus.{I}.ctl.pause")
+
+
+async def test_without_or_with_wrong_credentials_connect_is_refused(server: Server) -> None:
+    for url in (server.base, creds.with_creds(server.base, "operator", "S3cretNotShown")):
+        with pytest.raises(nats.errors.Error, match="(?i)authorization"):
+            await nats.connect(url, allow_reconnect=False, connect_timeout=3)
+        with pytest.raises(Exception) as e:
+            await Bus.connect(url, "test", timeout=3)
+        assert "authorization violation" in str(e.value)
+        assert "S3cretNotShown" not in str(e.value)  # never the password
+
+
+# ---------------------------------------------------------------------- what is allowed
+
+
+async def test_allowed_control_gen_and_rank_paths(server: Server) -> None:
+    """api -> engine control and streamed gen; engine -> ranks scatter; operator control
+    with the nats CLI's own inbox; `$SRV.PING` discovery of engine and ranks."""
+    engine = await Bus.connect(server.url("engine"), "engine")
+    workers = [await Bus.connect(server.url("worker"), f"worker-{r}") for r in range(2)]
+    api = await Bus.connect(server.url("api"), "api")
+    try:
+        svc = await engine.add_service("rollbus-engine", "0.1.0")
+
+        async def pong(data: bytes, headers: dict[str, str]) -> bytes:
+            return b'{"ok": true}'
+
+        await engine.serve(svc, "pause", f"rollbus.{I}.ctl.pause", pong, queue="engine")
+
+        async def on_gen(msg: nats.aio.msg.Msg) -> None:
+            for i in range(3):  # several replies to one request: a streamed generation
+                await engine.publish(msg.reply, str(i).encode())
+
+        await engine.subscribe(f"rollbus.{I}.gen", on_gen, queue="engine")
+        for r, w in enumerate(workers):
+            wsvc = await w.add_service("rollbus-worker", "0.1.0")
+
+            async def ping(data: bytes, headers: dict[str, str]) -> bytes:
+                return b"{}"
+
+            await w.serve(
+                wsvc, "ping", f"rollbus.{I}.worker.ctl.ping", ping, queue=f"rank{r}",
+                reply_headers={"Rollbus-Rank": str(r)},
+            )
+        await engine.flush()
+        for w in workers:
+            await w.flush()
+
+        await routed(api, f"rollbus.{I}.ctl.pause")
+        assert (await api.request(f"rollbus.{I}.ctl.pause", b"{}", timeout=5)).data
+        got = []
+        async for rep in api.stream(f"rollbus.{I}.gen", b"{}", idle_timeout=5):
+            got.append(rep.data)
+            if len(got) == 3:
+                break
+        assert got == [b"0", b"1", b"2"]
+        for attempt in range(3):  # fresh ranks' subscriptions: see routed()
+            try:
+                reps = await engine.scatter(
+                    f"rollbus.{I}.worker.ctl.ping", b"{}", expected=2, timeout=2
+                )
+                break
+            except Timeout:
+                if attempt == 2:
+                    raise
+        assert sorted(reps) == [0, 1]
+
+        # an operator, as `nats req --server "$(rollbus creds operator)"` (inbox _INBOX.)
+        op = await connect(server.url("operator"), inbox="_INBOX")
+        try:
+            rep = await op.nc.request(f"rollbus.{I}.ctl.pause", b"{}", timeout=5)
+            assert json.loads(rep.data) == {"ok": True}
+            # micro discovery: engine and both ranks answer $SRV.PING
+            inbox = op.nc.new_inbox()
+            seen: list[str] = []
+
+            async def on_ping(msg: nats.aio.msg.Msg) -> None:
+                seen.append(json.loads(msg.data)["name"])
+
+            await op.nc.subscribe(inbox, cb=on_ping)
+            await op.nc.publish("$SRV.PING", b"", reply=inbox)
+            for _ in range(100):
+                if len(seen) >= 3:
+                    break
+                await asyncio.sleep(0.05)
+            assert sorted(seen) == ["rollbus-engine", "rollbus-worker", "rollbus-worker"]
+            assert op.errors == []
+        finally:
+            await op.nc.close()
+    finally:
+        for b in (api, *workers, engine):
+            await b.close()
+
+
+async def test_allowed_checkpoint_paths(server: Server) -> None:
+    """trainer writes the bucket and the version event; a worker reads the bucket with our
+    own reader; the engine follows versions, writes events and its KV; an operator reads
+    the events."""
+    trainer = await Bus.connect(server.url("trainer"), "trainer")
+    engine = await Bus.connect(server.url("engine"), "engine")
+    worker = await Bus.connect(server.url("worker"), "worker")
+    op = await connect(server.url("operator"), "operator")
+    try:
+        tnc = trainer.nc
+        await objstore.ensure_ckpt_stream(tnc, "tiny")
+        await objstore.ensure_bucket(tnc, BUCKET)
+        data = bytes(range(256)) * 20000  # several chunks: flow control on the read
+        meta = await objstore.put_object(tnc, BUCKET, f"tiny/{server.kind}/x", data)
+        await objstore.put_object(tnc, BUCKET, f"tiny/{server.kind}/x", data)  # replace+purge
+        ev = VersionPublished("tiny", server.kind, 2, len(data), publisher="test")
+        seq = await objstore.publish_version(tnc, ev)
+        assert [v.version for _, v in await objstore.list_versions(tnc, "tiny")][-1] == server.kind
+
+        buf = await objstore.read_object(
+            worker.nc, BUCKET, f"tiny/{server.kind}/x", expect_sha256=meta.digest
+        )
+        assert buf[: len(data)] == data
+
+        enc = engine.nc
+        await objstore.ensure_ckpt_stream(enc, "tiny")
+        seen: list[int] = []
+
+        async def on_version(s: int, e: VersionPublished) -> None:
+            seen.append(s)
+
+        # auto-update's durable feed and its catch-up list, as the engine runs them
+        feed = objstore.VersionFeed(enc, "tiny", f"rollbus_test_{server.kind}")
+        await feed.start()
+        fetched = await feed.fetch(timeout=5)
+        assert seq in [s for s, _, _ in fetched]
+        for _, _, msg in fetched:
+            await objstore.VersionFeed.ack(msg)
+        assert seq in [s for s, _ in await objstore.list_versions(enc, "tiny")]
+        sub = await objstore.watch_versions(enc, "tiny", on_version)
+        for _ in range(100):
+            if seq in seen:
+                break
+            await asyncio.sleep(0.05)
+        assert seq in seen
+        await sub.unsubscribe()
+
+        await objstore.ensure_events_stream(enc, f"rollbus.{I}.events.>")
+        js_op = op.nc.jetstream()
+        got: list[bytes] = []
+
+        async def on_event(msg: nats.aio.msg.Msg) -> None:
+            got.append(msg.data)
+
+        esub = await js_op.subscribe(
+            f"rollbus.{I}.events.>", stream="ROLLBUS_EVENTS", ordered_consumer=True, cb=on_event
+        )
+        await engine.publish(f"rollbus.{I}.events.control", b'{"kind": "x"}')
+        for _ in range(100):
+            if got:
+                break
+            await asyncio.sleep(0.05)
+        assert b'{"kind": "x"}' in got
+        await esub.unsubscribe()
+
+        kv = await enc.jetstream().create_key_value(bucket=natsd.KV_BUCKET)
+        await kv.put(f"{I}.state", b"serving")
+        assert (await kv.get(f"{I}.state")).value == b"serving"
+        await kv.delete(f"{I}.state")
+        assert op.errors == []
+    finally:
+        await op.nc.close()
+        for b in (trainer, engine, worker):
+            await b.close()
+
+
+async def test_a_second_instance_joins_with_the_same_credentials(server: Server) -> None:
+    """Grants are for every instance (`rollbus.*.`): instance B beside A works as is."""
+    engine = await Bus.connect(server.url("engine"), "engine-b")
+    api = await Bus.connect(server.url("api"), "api-b")
+    try:
+        svc = await engine.add_service("rollbus-engine", "0.1.0")
+
+        async def ok(data: bytes, headers: dict[str, str]) -> bytes:
+            return b"b"
+
+        await engine.serve(svc, "ping", "rollbus.b.ctl.ping", ok, queue="engine")
+        await engine.flush()
+        await routed(api, "rollbus.b.ctl.ping")
+        assert (await api.request("rollbus.b.ctl.ping", b"{}", timeout=5)).data == b"b"
+    finally:
+        await api.close()
+        await engine.close()
+
+
+def test_rollbus_creds_finds_the_running_servers_port(tmp_path: Path) -> None:
+    """`NATS_PORT=0` (any free port): `rollbus creds` reads the port the server took."""
+    from shared.settings import Settings
+
+    data = tmp_path / "data"
+    users = creds.ensure(data / "creds")
+    srv = natsd.start(data / "nats", port=0, users=users)
+    try:
+        s = Settings(data_dir=data, nats_port=0)
+        assert creds.local_server_url(s) == srv.url
+    finally:
+        srv.stop()
+    assert creds.local_server_url(s) == "nats://127.0.0.1:0"  # stopped: the setting again

@@ -1,0 +1,123 @@
+"""nats-server started from the configs in ``infra/nats/`` (as an operator would), on free
+ports and temporary stores: the external-server and cluster setups the tests run against."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services import natsd
+from shared import creds
+
+INFRA = Path(__file__).resolve().parents[1] / "infra" / "nats"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def role_passwords() -> dict[str, str]:
+    return {r: secrets.token_urlsafe(16) for r in creds.ROLES}
+
+
+def password_env(passwords: dict[str, str]) -> dict[str, str]:
+    """What infra/nats/auth.conf reads: ``ROLLBUS_NATS_PASSWORD_<ROLE>``."""
+    return {f"ROLLBUS_NATS_PASSWORD_{r.upper()}": p for r, p in passwords.items()}
+
+
+def write_creds_dir(d: Path, passwords: dict[str, str]) -> Path:
+    """A ``ROLLBUS_NATS_CREDS_DIR`` for those passwords (one ``role:password`` file each)."""
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for r, p in passwords.items():
+        (d / r).write_text(f"{r}:{p}\n")
+        os.chmod(d / r, 0o600)
+    return d
+
+
+@dataclass
+class Node:
+    conf: Path
+    env: dict[str, str]
+    port: int
+    proc: subprocess.Popen[bytes] | None = None
+    log: Path = field(default_factory=lambda: Path(os.devnull))
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self, wait_s: float = 20.0) -> None:
+        out = open(self.log, "ab")  # noqa: SIM115 - kept open by the child
+        self.proc = subprocess.Popen(
+            [natsd.find_binary(), "-c", str(self.conf)],
+            env={**os.environ, **self.env},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"nats-server exited: {self.log.read_text()[-2000:]}")
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", self.port)) == 0:
+                    return
+            time.sleep(0.05)
+        raise RuntimeError(f"nats-server on {self.port} did not start")
+
+    def kill(self, sig: int = 9) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+            self.proc.wait(30)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def single_with_auth(tmp: Path, passwords: dict[str, str]) -> Node:
+    """infra/nats/single.conf (it includes auth.conf, copied beside it), on a free port."""
+    shutil.copy(INFRA / "auth.conf", tmp / "auth.conf")
+    port = free_port()
+    text = (INFRA / "single.conf").read_text()
+    text = text.replace("listen: 127.0.0.1:4222", f"listen: 127.0.0.1:{port}")
+    text = text.replace('store_dir: ".data/nats"', f'store_dir: "{tmp / "js"}"')
+    conf = tmp / "single.conf"
+    conf.write_text(text)
+    return Node(conf, password_env(passwords), port, log=tmp / "nats.log")
+
+
+def cluster(tmp: Path, passwords: dict[str, str]) -> list[Node]:
+    """The three infra/nats/cluster-N.conf nodes on free ports (auth.conf included by them)."""
+    shutil.copy(INFRA / "auth.conf", tmp / "auth.conf")
+    client = [free_port() for _ in range(3)]
+    route = [free_port() for _ in range(3)]
+    nodes = []
+    for i in range(3):
+        text = (INFRA / f"cluster-{i + 1}.conf").read_text()
+        for j in range(3):
+            text = text.replace(f"127.0.0.1:{4222 + j}", f"127.0.0.1:{client[j]}")
+            text = text.replace(f"127.0.0.1:{6222 + j}", f"127.0.0.1:{route[j]}")
+        text = re.sub(r'store_dir: "[^"]*"', f'store_dir: "{tmp / f"n{i + 1}"}"', text)
+        conf = tmp / f"cluster-{i + 1}.conf"
+        conf.write_text(text)
+        nodes.append(Node(conf, password_env(passwords), client[i], log=tmp / f"n{i + 1}.log"))
+    return nodes
+
+
+def server_name_of(info: dict[str, object]) -> str:
+    return str(info.get("server_name") or json.dumps(info))

@@ -1,0 +1,102 @@
+"""Model config parsing: both RoPE layouts, every supported family's fields and
+defaults, and one clear error naming the field for anything we cannot honour."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from shared.model_config import ConfigError, ModelConfig, context_length
+
+BASE = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+
+
+def parse(**extra: Any) -> ModelConfig:
+    return ModelConfig.from_hf({**BASE, **extra})
+
+
+def test_rope_theta_from_either_layout() -> None:
+    new = parse(rope_parameters={"rope_theta": 500000.0, "rope_type": "default"})
+    old = parse(rope_theta=500000.0, rope_scaling=None)
+    assert new.rope_theta == old.rope_theta == 500000.0
+    assert new == old
+    # rope_parameters without rope_theta keeps a top-level one
+    assert parse(rope_theta=2e5, rope_parameters={"rope_type": "default"}).rope_theta == 2e5
+
+
+def test_llama3_both_layouts() -> None:
+    params = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192}  # fmt: skip
+    new = parse(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, **params})
+    old = parse(rope_theta=5e5, rope_scaling={"rope_type": "llama3", **params})
+    assert new == old
+    assert (new.rope_type, new.rope_factor, new.rope_original_max_position_embeddings) == (
+        "llama3",
+        8.0,
+        8192,
+    )
+
+
+def test_linear_and_dynamic_context_length() -> None:
+    lin = parse(rope_scaling={"type": "linear", "factor": 2.0}, max_position_embeddings=100)
+    dyn = parse(rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4})
+    assert (lin.rope_type, lin.max_model_len) == ("linear", 200)
+    assert dyn.rope_type == "dynamic" and dyn.max_model_len == 4 * 2048
+    raw = {**BASE, "rope_scaling": {"type": "linear", "factor": 2.0}, "max_position_embeddings": 8}
+    assert context_length(raw) == 16 and context_length(raw, 5) == 5
+
+
+def test_families() -> None:
+    q2 = parse(model_type="qwen2", tie_word_embeddings=True)
+    assert q2.attention_bias and q2.tie_word_embeddings and not q2.qk_norm
+    q3 = parse(model_type="qwen3", head_dim=16)
+    assert q3.qk_norm and q3.head_dim == 16 and not q3.attention_bias
+    assert parse(model_type="qwen3").head_dim == 128  # transformers' Qwen3 default
+    e = parse(model_type="ernie4_5")
+    assert e.rope_interleaved and e.tie_word_embeddings and e.rope_theta == 500000.0
+    assert e.rms_norm_eps == 1e-5 and e.head_dim == 128
+    llama = parse()
+    assert llama.head_dim == 8 and llama.rope_theta == 10000.0 and not llama.tie_word_embeddings
+
+
+def test_eos_ids_int_or_list() -> None:
+    assert parse(eos_token_id=[128001, 128009]).eos_token_ids == (128001, 128009)
+    cfg = parse(eos_token_id=7, bos_token_id=[1])
+    assert (cfg.eos_token_id, cfg.eos_token_ids, cfg.bos_token_id) == (7, (7,), 1)
+    assert parse().eos_token_ids == ()
+
+
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        ({"model_type": "gemma"}, "model_type='gemma'"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1.0}}, "rope_type='yarn'"),
+        ({"rope_scaling": {"type": "dynamic"}}, "rope_scaling.factor"),
+        ({"rope_parameters": {"rope_theta": 1e4, "mrope_section": [1]}}, "mrope_section"),
+        ({"rope_parameters": {"full_attention": {"rope_theta": 1e4}}}, "per layer type"),
+        ({"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+         "partial_rotary_factor"),
+        ({"rope_parameters": {"rope_theta": 1e4, "rope_type": "default"},
+          "rope_scaling": {"type": "linear", "factor": 2.0}}, "contradict"),
+        ({"attention_bias": True}, "attention_bias"),
+        ({"mlp_bias": True}, "mlp_bias"),
+        ({"model_type": "ernie4_5", "use_bias": True}, "use_bias"),
+        ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
+        ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types[1]"),
+        ({"eos_token_id": "x"}, "eos_token_id"),
+        ({"head_dim": 7}, "head_dim"),
+        ({"vocab_size": None}, "vocab_size"),
+    ],
+)  # fmt: skip
+def test_unsupported_names_the_field(extra: dict[str, Any], needle: str) -> None:
+    with pytest.raises(ConfigError, match=r".*") as e:
+        parse(**extra)
+    assert needle in str(e.value) and "\n" not in str(e.value)

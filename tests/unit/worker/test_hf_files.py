@@ -1,0 +1,98 @@
+"""HF safetensors snapshots in bf16 / fp16 / fp32 load as float32, each rank its slice."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from services.worker import hf_files
+from services.worker import model as mdl
+from services.worker.weights import SnapshotSource
+
+
+def write_safetensors(path: Path, tensors: dict[str, tuple[str, np.ndarray]]) -> None:
+    """tensors: name -> (safetensors dtype, raw array of that dtype's bytes)."""
+    header, blobs, offset = {}, [], 0
+    for name, (dtype, raw) in tensors.items():
+        data = np.ascontiguousarray(raw).tobytes()
+        header[name] = {"dtype": dtype, "shape": list(raw.shape),
+                        "data_offsets": [offset, offset + len(data)]}  # fmt: skip
+        blobs.append(data)
+        offset += len(data)
+    head = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(head)) + head + b"".join(blobs))
+
+
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    """The bf16 encoding of float32 values that bf16 represents exactly."""
+    bits = x.astype(np.float32).view(np.uint32)
+    assert not (bits & 0xFFFF).any()
+    return (bits >> 16).astype(np.uint16)
+
+
+CFG = mdl.ModelConfig(
+    vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+    num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True,
+)  # fmt: skip
+
+
+def exact_weights(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    # multiples of 1/8 in [-4, 4]: exact in bf16 and fp16
+    return {
+        n: (rng.integers(-32, 33, size=s) / 8).astype(np.float32)
+        for n, s in mdl.full_shapes(CFG).items()
+    }
+
+
+@pytest.mark.parametrize("dtype", ["BF16", "F16", "F32"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_snapshot_loads_any_float_dtype_as_fp32_slices(tmp_path: Path, dtype: str, tp: int) -> None:
+    full = exact_weights(0)
+    enc = {
+        "BF16": bf16_bits,
+        "F16": lambda a: a.astype(np.float16),
+        "F32": lambda a: a,
+    }[dtype]
+    names = list(full)
+    # a sharded checkpoint: two files, plus a tensor the model does not use
+    write_safetensors(tmp_path / "model-00001-of-00002.safetensors",
+                      {n: (dtype, enc(full[n])) for n in names[: len(names) // 2]})  # fmt: skip
+    rest = {n: (dtype, enc(full[n])) for n in names[len(names) // 2 :]}
+    rest["model.rotary_emb.inv_freq"] = ("F32", np.ones(4, np.float32))
+    write_safetensors(tmp_path / "model-00002-of-00002.safetensors", rest)
+    for rank in range(tp):
+        shard = SnapshotSource(CFG, tmp_path, rank, tp)("v0", False)
+        assert set(shard.arrays) == set(names)
+        for n in names:
+            got = shard.arrays[n]
+            assert got.dtype == np.float32 and got.flags.c_contiguous and got.flags.writeable
+            np.testing.assert_array_equal(got, mdl.shard_tensor(CFG, n, full[n], rank, tp))
+
+
+def test_bf16_conversion_is_exact_upper_half() -> None:
+    x = np.array([1.0, -2.5, 3.140625, 0.0, -0.0, 65280.0], np.float32)
+    out = hf_files._FLOAT["BF16"][1](bf16_bits(x))
+    np.testing.assert_array_equal(out, x)
+
+
+def test_non_float_tensor_and_bad_offsets_are_refused(tmp_path: Path) -> None:
+    p = tmp_path / "a.safetensors"
+    write_safetensors(p, {"w": ("I32", np.arange(4, dtype=np.int32))})
+    with pytest.raises(ValueError, match="I32"):
+        hf_files.read_slices(p, {"w"}, lambda n, a: a)
+    write_safetensors(p, {"w": ("F32", np.arange(4, dtype=np.float32))})
+    raw = bytearray(p.read_bytes())
+    p.write_bytes(bytes(raw[:-4]))  # truncated data
+    with pytest.raises(ValueError, match="bytes"):
+        hf_files.read_slices(p, {"w"}, lambda n, a: a)
+
+
+def test_compute_dtype() -> None:
+    assert hf_files.compute_dtype("float32") == hf_files.compute_dtype("auto") == "float32"
+    with pytest.raises(ValueError):
+        hf_files.compute_dtype("int8")

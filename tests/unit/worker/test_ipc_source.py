@@ -1,0 +1,182 @@
+"""The ipc load strategy's trust rules and the trainer's ipc writing, on real files."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from services.tiny_model import TINY_CONFIG
+from services.trainer.publisher import CheckpointPublisher, UnsafeIpcDir
+from services.worker import model as mdl
+from services.worker.sources import IpcSource, ipc_version_dir
+from shared import manifest as mf
+from shared.errors import ControlError
+from shared.settings import Settings
+
+MODEL = "tiny-ipc"
+NOBODY = 65534
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid needs root")
+
+
+@pytest.fixture
+def ipc(tmp_path: Path) -> tuple[Path, mf.Manifest]:
+    """Version s1 written by the trainer SDK under tmp/ipc."""
+    pub = CheckpointPublisher("nats://unused", ipc_dir=tmp_path / "ipc")
+    cfg = mdl.ModelConfig.from_hf(TINY_CONFIG)
+    blobs, man = pub.prepare(MODEL, "s1", mdl.init_weights(cfg, 3), 2, TINY_CONFIG)
+    assert pub._write_ipc(MODEL, "s1", blobs, man, None) is True
+    return tmp_path / "ipc", man
+
+
+def source(ipc_dir: Path, rank: int = 0, **kw: object) -> IpcSource:
+    s = Settings(model="/nonexistent", model_name=MODEL, tp=2, ipc_dir=ipc_dir, **kw)
+    return IpcSource(s, None, rank, 2)  # type: ignore[arg-type]
+
+
+def load(ipc_dir: Path, man: mf.Manifest, rank: int = 0, verify: bool | None = None,
+         **kw: object) -> object:
+    return source(ipc_dir, rank, **kw)("s1", verify, man.shards[rank].tensors)
+
+
+def refused(ipc_dir: Path, man: mf.Manifest, rank: int = 0, **kw: object) -> str:
+    with pytest.raises(ControlError) as e:
+        load(ipc_dir, man, rank, **kw)
+    assert e.value.code == 422, e.value.message
+    assert f"rank {rank}" in e.value.message
+    assert str(ipc_dir) not in e.value.message  # never the absolute path
+    return e.value.message
+
+
+def test_trainer_writes_0700_dirs_0600_files_through_a_temp_dir(
+    ipc: tuple[Path, mf.Manifest],
+) -> None:
+    ipc_dir, man = ipc
+    d = ipc_version_dir(ipc_dir, MODEL, "s1")
+    for p in (ipc_dir, d.parent, d):
+        assert stat.S_IMODE(os.lstat(p).st_mode) == 0o700, p
+    for f in d.iterdir():
+        assert stat.S_IMODE(os.lstat(f).st_mode) == 0o600, f
+    assert sorted(p.name for p in d.parent.iterdir()) == ["s1"]  # no temp dir left
+
+
+def test_default_load_verifies_and_names_no_absolute_path(ipc: tuple[Path, mf.Manifest]) -> None:
+    ipc_dir, man = ipc
+    shard = load(ipc_dir, man, 1)
+    assert shard.timings["verified"] is True  # type: ignore[attr-defined]
+    assert shard.files == [f"ipc {MODEL}/s1/rank1-of-2.safetensors"]  # type: ignore[attr-defined]
+
+
+def test_corrupt_bytes_refused_by_default_served_only_when_verify_is_off(
+    ipc: tuple[Path, mf.Manifest],
+) -> None:
+    ipc_dir, man = ipc
+    f = ipc_version_dir(ipc_dir, MODEL, "s1") / "rank0-of-2.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-5] ^= 0xFF  # inside the last tensor's bytes: the header stays valid
+    f.write_bytes(bytes(data))
+    assert "SHA-256" in refused(ipc_dir, man, 0)
+    assert "SHA-256" in refused(ipc_dir, man, 0, verify=True)
+    assert load(ipc_dir, man, 0, verify=False).timings["verified"] is False  # type: ignore[attr-defined]
+
+
+def test_symlinked_shard_is_refused(ipc: tuple[Path, mf.Manifest], tmp_path: Path) -> None:
+    ipc_dir, man = ipc
+    f = ipc_version_dir(ipc_dir, MODEL, "s1") / "rank1-of-2.safetensors"
+    other = tmp_path / "elsewhere.safetensors"
+    other.write_bytes(f.read_bytes())  # identical bytes: only the link is wrong
+    f.unlink()
+    f.symlink_to(other)
+    msg = refused(ipc_dir, man, 1)
+    assert "rank1-of-2.safetensors" in msg and "symlink" in msg
+
+
+def test_symlinked_version_dir_is_refused(ipc: tuple[Path, mf.Manifest], tmp_path: Path) -> None:
+    ipc_dir, man = ipc
+    d = ipc_version_dir(ipc_dir, MODEL, "s1")
+    moved = tmp_path / "moved"
+    d.rename(moved)
+    d.symlink_to(moved)
+    assert "symlink" in refused(ipc_dir, man, 0)
+
+
+@root_only
+def test_foreign_owner_is_refused_unless_it_is_the_trainer_uid(
+    ipc: tuple[Path, mf.Manifest],
+) -> None:
+    ipc_dir, man = ipc
+    f = ipc_version_dir(ipc_dir, MODEL, "s1") / "rank0-of-2.safetensors"
+    os.chown(f, NOBODY, NOBODY)
+    msg = refused(ipc_dir, man, 0)
+    assert "rank0-of-2.safetensors" in msg and f"uid {NOBODY}" in msg
+    assert load(ipc_dir, man, 0, ipc_trainer_uid=NOBODY) is not None
+
+
+@root_only
+def test_world_writable_ipc_dir_not_ours_is_refused(ipc: tuple[Path, mf.Manifest]) -> None:
+    ipc_dir, man = ipc
+    os.chown(ipc_dir, NOBODY, NOBODY)
+    assert "ipc dir" in refused(ipc_dir, man, 0)
+    os.chown(ipc_dir, os.geteuid(), os.getegid())
+    os.chmod(ipc_dir, 0o777)
+    assert "writable by others" in refused(ipc_dir, man, 0)
+
+
+def test_writable_shard_is_refused(ipc: tuple[Path, mf.Manifest]) -> None:
+    ipc_dir, man = ipc
+    os.chmod(ipc_version_dir(ipc_dir, MODEL, "s1") / "rank1-of-2.safetensors", 0o666)
+    assert "writable by others" in refused(ipc_dir, man, 1)
+
+
+def test_manifest_paths_cannot_leave_the_version_dir(
+    ipc: tuple[Path, mf.Manifest], tmp_path: Path
+) -> None:
+    ipc_dir, man = ipc
+    d = ipc_version_dir(ipc_dir, MODEL, "s1")
+    (d.parent / "evil").mkdir(mode=0o700)
+    (d.parent / "evil" / "x.safetensors").write_bytes((d / "rank0-of-2.safetensors").read_bytes())
+    os.chmod(d / "manifest.json", 0o600)
+    bad = mf.decode((d / "manifest.json").read_bytes())
+    bad.shards[0].file = "../evil/x.safetensors"
+    (d / "manifest.json").write_bytes(mf.encode(bad))
+    assert "not a plain file name" in refused(ipc_dir, man, 0)
+
+
+def test_forged_manifest_size_is_refused_before_mapping(ipc: tuple[Path, mf.Manifest]) -> None:
+    ipc_dir, man = ipc
+    d = ipc_version_dir(ipc_dir, MODEL, "s1")
+    bad = mf.decode((d / "manifest.json").read_bytes())
+    bad.shards[1].size = 50_000_000_000
+    (d / "manifest.json").write_bytes(mf.encode(bad))
+    msg = refused(ipc_dir, man, 1)
+    assert "rank1-of-2.safetensors" in msg and "50000000000" in msg and "does not fit" in msg
+
+
+def test_trainer_refuses_unsafe_ipc_dirs(tmp_path: Path) -> None:
+    cfg = mdl.ModelConfig.from_hf(TINY_CONFIG)
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(real)
+    for ipc_dir in (tmp_path / "link",):
+        pub = CheckpointPublisher("nats://unused", ipc_dir=ipc_dir)
+        blobs, man = pub.prepare(MODEL, "s1", mdl.init_weights(cfg, 3), 2, TINY_CONFIG)
+        with pytest.raises(UnsafeIpcDir, match="symlink"):
+            pub._write_ipc(MODEL, "s1", blobs, man, None)
+    os.chmod(real, 0o777)
+    pub = CheckpointPublisher("nats://unused", ipc_dir=real)
+    with pytest.raises(UnsafeIpcDir, match="world-writable"):
+        pub._write_ipc(MODEL, "s1", blobs, man, None)
+    assert not list(real.iterdir())
+
+
+def test_missing_shard_of_a_listed_version_is_422_and_unknown_version_404(
+    ipc: tuple[Path, mf.Manifest],
+) -> None:
+    ipc_dir, man = ipc
+    (ipc_version_dir(ipc_dir, MODEL, "s1") / "rank1-of-2.safetensors").unlink()
+    assert "missing" in refused(ipc_dir, man, 1)
+    with pytest.raises(ControlError) as e:
+        source(ipc_dir)("nope", None, None)
+    assert e.value.code == 404 and str(ipc_dir) not in e.value.message

@@ -1,0 +1,100 @@
+"""Snapshot versions: verification default, forged sizes, relative names (real files)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from services.tiny_model import TINY_CONFIG, create_model_dir
+from services.trainer.shards import write_sharded_dir
+from services.worker import model as mdl
+from services.worker.sources import open_confined
+from services.worker.weights import SnapshotSource
+from shared import manifest as mf
+from shared.errors import ControlError
+
+CFG = mdl.ModelConfig.from_hf(TINY_CONFIG)
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    d = create_model_dir(tmp_path / "m", TINY_CONFIG, seed=0)
+    write_sharded_dir(d / "versions" / "s1", CFG, mdl.init_weights(CFG, 1), 2, "m", "s1")
+    return d
+
+
+def expected(model_dir: Path, rank: int) -> dict[str, mf.TensorSpec]:
+    return mf.decode((model_dir / "versions" / "s1" / "manifest.json").read_bytes()).shard(
+        rank
+    ).tensors
+
+
+def refused(
+    model_dir: Path,
+    rank: int,
+    verify: bool | None = None,
+    code: int = 422,
+    exp: dict[str, mf.TensorSpec] | None = None,
+) -> str:
+    with pytest.raises(ControlError) as e:
+        SnapshotSource(CFG, model_dir, rank, 2)("s1", verify, exp or expected(model_dir, rank))
+    assert e.value.code == code, e.value.message
+    assert str(model_dir) not in e.value.message
+    return e.value.message
+
+
+def test_presharded_verifies_by_default_and_names_relative_files(model_dir: Path) -> None:
+    shard = SnapshotSource(CFG, model_dir, 1, 2)("s1", None, expected(model_dir, 1))
+    assert shard.timings["verified"] is True
+    assert shard.files == ["versions/s1/rank1-of-2.safetensors"]
+    f = model_dir / "versions" / "s1" / "rank1-of-2.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-2] ^= 1
+    f.write_bytes(bytes(data))
+    assert "SHA-256" in refused(model_dir, 1)
+    shard = SnapshotSource(CFG, model_dir, 1, 2)("s1", False, expected(model_dir, 1))
+    assert shard.timings["verified"] is False
+
+
+def test_forged_manifest_size_is_refused(model_dir: Path) -> None:
+    m = model_dir / "versions" / "s1" / "manifest.json"
+    man = mf.decode(m.read_bytes())
+    man.shards[0].size = 50_000_000_000
+    m.write_bytes(mf.encode(man))
+    msg = refused(model_dir, 0, False)
+    assert "rank 0: versions/s1/rank0-of-2.safetensors" in msg and "does not fit" in msg
+
+
+def test_shard_without_manifest_must_fit_the_served_tensors(model_dir: Path) -> None:
+    d = model_dir / "versions" / "s1"
+    exp = [expected(model_dir, r) for r in range(2)]
+    (d / "manifest.json").unlink()
+    SnapshotSource(CFG, model_dir, 1, 2)("s1", None, exp[1])  # fits: loads, unverified
+    with open(d / "rank0-of-2.safetensors", "ab") as f:
+        f.truncate(1 << 30)  # sparse: a 1 GiB file for a ~2 MB shard
+    assert "does not fit" in refused(model_dir, 0, exp=exp[0])
+    assert "manifest" in refused(model_dir, 1, True, code=400, exp=exp[1])
+
+
+def test_hf_snapshot_without_manifest_loads_unverified(model_dir: Path) -> None:
+    create_model_dir(model_dir / "versions" / "hf", TINY_CONFIG, seed=2)
+    src = SnapshotSource(CFG, model_dir, 0, 2)
+    shard = src("hf", None, None)
+    assert shard.timings["verified"] is False and shard.files == ["versions/hf/model.safetensors"]
+    with pytest.raises(ControlError) as e:
+        src("hf", True, None)
+    assert e.value.code == 400 and str(model_dir) not in e.value.message
+
+
+def test_open_confined_takes_one_plain_component(tmp_path: Path) -> None:
+    (tmp_path / "v").mkdir()
+    (tmp_path / "x").write_bytes(b"1")
+    fd = os.open(tmp_path / "v", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for name in ("../x", "..", "a/b", ""):
+            with pytest.raises(ControlError, match="not a plain name"):
+                open_confined(name, fd, frozenset({os.geteuid()}), "w", False)
+    finally:
+        os.close(fd)

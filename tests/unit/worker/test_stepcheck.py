@@ -1,0 +1,77 @@
+"""The ranks' check of a ``worker.step`` message (reachable over raw NATS)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from services.worker.sampling import SamplingParams, make_generator, sample_each
+from services.worker.stepcheck import StepLimits, check_step
+from shared import messages as m
+
+LIM = StepLimits(vocab_size=320, num_blocks=16, block_size=4, max_model_len=64)
+
+
+def step(**row: object) -> m.StepRequest:
+    fields: dict[str, object] = {
+        "seq_id": 0,
+        "token_ids": [1, 2, 3],
+        "start_pos": 0,
+        "block_table": [0],
+        "sample": [],
+    }
+    fields.update(row)
+    return m.StepRequest(1, [m.StepRow(**fields)])  # type: ignore[arg-type]
+
+
+def test_a_well_formed_step_passes() -> None:
+    assert check_step(step(), LIM) is None
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        step(token_ids=[]),
+        step(token_ids=[1, 320]),
+        step(token_ids=[-1]),
+        step(start_pos=-1),
+        step(start_pos=62),  # past max_model_len
+        step(block_table=[]),  # cannot hold the positions
+        step(block_table=[16]),
+        step(block_table=[-1]),
+        m.StepRequest(1, [], copies=[(0, 16)]),
+        m.StepRequest(1, [step().rows[0], step().rows[0]]),  # one sequence twice
+        m.StepRequest(1, step().rows * 5000),
+    ],
+)
+def test_malformed_steps_are_refused(bad: m.StepRequest) -> None:
+    assert check_step(bad, LIM)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"temperature": float("nan")},
+        {"temperature": float("inf")},
+        {"temperature": -1.0},
+        {"top_p": 0.0},
+        {"top_p": float("nan")},
+        {"top_k": -1},
+        {"seed": 2**64},
+    ],
+)
+def test_bad_sampling_parameters_raise(kw: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        SamplingParams(**kw)  # type: ignore[arg-type]
+
+
+def test_a_failing_row_does_not_fail_the_others() -> None:
+    logits = np.zeros((2, 8))
+    logits[1, :] = np.nan
+    out = sample_each(
+        logits,
+        [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)],
+        [make_generator(1, 0), make_generator(1, 1)],
+    )
+    assert out[0] == (0, pytest.approx(np.log(1 / 8)))
+    assert isinstance(out[1], ValueError)
