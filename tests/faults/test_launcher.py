@@ -1,5 +1,6 @@
-"""``rollbus serve`` with its embedded nats-server: the launcher restarts a dead
-nats-server (same port, same store), API and engine; over the restart budget
+"""``rollbus serve`` with its embedded nats-server (authentication and per-role
+permissions on): the launcher restarts a dead nats-server (same port, same store, same
+config), API and engine (which comes back in its state); over the restart budget
 (``ROLLBUS_RESTART_LIMIT``, 1 here) it stops the stack, naming the process."""
 
 from __future__ import annotations
@@ -42,12 +43,16 @@ def test_launcher_restarts_children_then_stops_over_budget(tmp_path: Path) -> No
             assert _child(pid, pattern) != old
             assert f"{what} exited with code -9; restarting it" in stack.log.read_text()
         c.assert_consistent(stack, "v0")
+        # the engine's state bucket works under the embedded server's role permissions
+        assert c.ctl(stack, "/v1/pause").status_code == 200
         engine = int(c.status(stack)["engine_pid"])
         c.signal_quietly(engine, signal.SIGKILL)
         deadline = time.monotonic() + 120
-        while c.wait_recovered(stack)["engine_pid"] == engine:
+        while (st := c.wait_recovered(stack))["engine_pid"] == engine:
             assert time.monotonic() < deadline, stack.log_tail()
             time.sleep(0.3)
+        assert st["state"] == "paused", st
+        assert c.ctl(stack, "/v1/resume").status_code == 200
         # the second death within the window is one too many: the stack stops, named
         c.signal_quietly(int(c.status(stack)["engine_pid"]), signal.SIGKILL)
         assert stack.proc.wait(60) == 1
