@@ -245,13 +245,14 @@ class Engine:
                 if self.ranks_alive:
                     log.warning("ranks lost: %s", e.message)
                     await self.event("ranks", {"alive": False, "error": e.message})
-            if alive:
-                changed = persist.ranks_changed(self, replies)
-                if changed and not self.lock.locked():
-                    if not await self.bring_ranks(None, changed):
-                        alive, error = False, f"ranks {changed}: not brought to the engine's state"
-                elif changed == "restarted":  # an operation holds the lock: next round
+            if alive and persist.ranks_changed(self, replies) == "restarted":
+                # new rank processes (the launcher restarted them): brought to the engine's
+                # version and sleep state before they count as alive. A rank switched
+                # behind the engine's back is only reported (``_check_versions``).
+                if self.lock.locked():  # an operation holds the lock: next round
                     alive, error = False, "ranks restarted: not yet brought to the engine's state"
+                elif not await self.bring_ranks(None, "restarted"):
+                    alive, error = False, "ranks restarted: not brought to the engine's state"
             self.rank_pings = {r: rep.result for r, rep in replies.items()}
             self.ranks_alive, self.ranks_error = alive, error
             await self._check_versions()
