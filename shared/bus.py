@@ -132,8 +132,20 @@ class Bus:
                 pass
         for t in list(self._tasks):
             t.cancel()
-        if not self.nc.is_closed:
-            await self.nc.drain()
+        if self.nc.is_closed:
+            return
+        try:
+            await asyncio.wait_for(self.nc.drain(), 5.0)
+        except Exception:  # noqa: BLE001 - server gone or reconnecting: just close
+            try:
+                await self.nc.close()
+            except Exception:  # noqa: BLE001 - shutting down anyway
+                pass
+
+    @property
+    def pending(self) -> int:
+        """Requests waiting for replies now (0 when idle: nothing leaks)."""
+        return len(self._pending)
 
     # ------------------------------------------------------------------ replies
 

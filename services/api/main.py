@@ -24,7 +24,7 @@ def main() -> int:
         port=settings.api_port,
         log_level="warning",
         access_log=False,
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=2,  # open streams end then: the whole stop is < 10 s
     )
     server = uvicorn.Server(config)
     try:

@@ -214,6 +214,7 @@ async def amain(settings: Settings) -> int:
     await stop.wait()
     for t in tasks:
         t.cancel()
+    await asyncio.wait(tasks, timeout=2.0)  # SIGTERM is a quiet stop: no task tracebacks
     await bus.close()
     return 0
 

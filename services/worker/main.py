@@ -50,9 +50,14 @@ METHODS: dict[str, tuple[Callable[[control.Rank, Any], dict[str, Any]], type | N
     "selfbench": (control.selfbench, m.SelfBenchArgs),
 }
 INIT_FAILED = 3  # exit code: a start that failed for a reason a restart may clear
+CONFIG_ERROR = 2  # exit code: the model dir / config cannot be served; never retried
 INIT_TIMEOUT_S = 600.0  # rendezvous + loading one shard of a large model
 # answered on the event loop, not queued behind paddle work
 INLINE = {"ping", "status"}
+
+
+class TransientStartError(RuntimeError):
+    """The rendezvous failed (a peer not there yet): a restart may clear it."""
 
 
 def build_rank(settings: Settings, rank: int) -> control.Rank:
@@ -62,7 +67,10 @@ def build_rank(settings: Settings, rank: int) -> control.Rank:
     cfg = load_config(model_dir)
     cfg.validate_tp(settings.tp)
     comm = CommGroup(rank, settings.tp)
-    comm.init()
+    try:
+        comm.init()
+    except Exception as e:  # e.g. gloo's full-mesh connect refused: worth a restart
+        raise TransientStartError(str(e) or type(e).__name__) from e
     source = make_source(settings, cfg, rank)
     weights = WeightStore(rank, source)
     weights.load_initial(model_dir_version(model_dir))
@@ -152,12 +160,15 @@ async def amain(settings: Settings, rank: int) -> int:
     stopping.cancel()
     try:
         state = build.result()
-    except ControlError:
-        raise  # a real problem (bad model dir, bad shard): main() prints it, exit 1
-    except Exception as e:  # e.g. gloo's full-mesh connect refused: worth a restart
+    except TransientStartError as e:
         print(f"rollbus-worker rank {rank}: start failed: {e}", file=sys.stderr, flush=True)
         await bus.close()
         return INIT_FAILED
+    except Exception as e:  # noqa: BLE001 - bad model dir, config, shard: one line, exit 2
+        msg = e.message if isinstance(e, ControlError) else f"{type(e).__name__}: {e}"
+        print(f"rollbus-worker rank {rank}: cannot start: {msg}", file=sys.stderr, flush=True)
+        await bus.close()
+        return CONFIG_ERROR
     server = WorkerServer(settings, rank, state, bus)
     await server.start()
     log.info("rank %d ready: version %s", rank, state.weights.version)
