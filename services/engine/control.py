@@ -100,6 +100,8 @@ def default_version(eng: Engine) -> str:
 
 
 async def update_weights(eng: Engine, args: m.UpdateWeightsArgs, actor: str = "") -> dict[str, Any]:
+    """Paused or sleeping. A rank whose weights sleep validates the version (loads it to
+    host memory, checks it, frees it) and records it as current: wakeup loads it."""
     eng.state.check_update()  # the 409 comes before anything else is looked at
     version = args.version or default_version(eng)
     eng.state.begin_update()
@@ -134,8 +136,8 @@ async def update_weights(eng: Engine, args: m.UpdateWeightsArgs, actor: str = ""
         committed = version
         await eng.ranks.broadcast("finalize", m.UpdateIdArgs(uid))
     finally:
-        eng.state.end_update(committed)
-        await eng.state_changed("paused", {"version": eng.state.weight_version})
+        eng.state.end_update(committed)  # back to paused, or to sleeping
+        await eng.state_changed(eng.state.state.value, {"version": eng.state.weight_version})
     eng.scheduler.weights_changed(version)
     await eng.event("version", {"version": version, "previous": previous, "actor": actor})
     ranks = [staged[r].result for r in sorted(staged)]
