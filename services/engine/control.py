@@ -8,6 +8,7 @@ second one arriving meanwhile gets 409 at once instead of queueing behind it.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -167,6 +168,9 @@ async def status(eng: Engine, _: object = None) -> dict[str, Any]:
         "ranks": ranks,
         "ranks_ready": all(r.get("alive") for r in ranks),
         "nats_url": eng.bus.url,
+        "pid": os.getpid(),
+        # requests waiting for replies (0 when idle) and late replies dropped
+        "bus": {"pending": eng.bus.pending, "dropped": eng.bus.dropped_replies},
         **eng.scheduler.counts(),
     }
 
