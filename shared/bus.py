@@ -142,6 +142,20 @@ class Bus:
             except Exception:  # noqa: BLE001 - shutting down anyway
                 pass
 
+    def fail_pending(self, err: Exception) -> int:
+        """End every waiting request and stream now with ``err`` (a process stopping:
+        its callers answer at once instead of being cut off). Returns how many."""
+        n = 0
+        for waiter in list(self._pending.values()):
+            if isinstance(waiter, _Stream):
+                waiter.queue.put_nowait(err)
+            elif isinstance(waiter, asyncio.Future) and not waiter.done():
+                waiter.set_exception(err)
+            else:
+                continue
+            n += 1
+        return n
+
     @property
     def pending(self) -> int:
         """Requests waiting for replies now (0 when idle: nothing leaks)."""

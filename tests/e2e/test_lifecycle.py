@@ -99,9 +99,10 @@ def _watch_deaths(pids: dict[str, int]) -> tuple[dict[str, float], threading.Eve
 
     def run() -> None:
         while not done.is_set() and len(died) < len(pids):
+            now = time.monotonic()  # one time per pass: deaths seen together tie
             for role, pid in pids.items():
                 if role not in died and not _alive(pid):
-                    died[role] = time.monotonic()
+                    died[role] = now
             time.sleep(0.005)
 
     threading.Thread(target=run, daemon=True).start()
@@ -129,6 +130,29 @@ def _linger(port: int) -> socket.socket:
     return s
 
 
+def _open_stream(base: str) -> tuple[list[str], threading.Event, threading.Thread]:
+    """A long streamed completion on a thread: (its SSE lines, set at the first token)."""
+    lines: list[str] = []
+    got = threading.Event()
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 1500, "ignore_eos": True}
+
+    def run() -> None:
+        try:
+            with httpx.stream(
+                "POST", base + "/v1/completions", json={**body, "stream": True}, timeout=30
+            ) as r:
+                for ln in r.iter_lines():
+                    if ln:
+                        lines.append(ln)
+                        got.set()
+        except httpx.HTTPError as e:
+            lines.append(f"cut off: {e!r}")
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return lines, got, t
+
+
 def test_ctrl_c_stops_in_order_quietly_and_restarts_on_the_same_ports(tmp_path: Path) -> None:
     api, nport = free_port(), free_port()
     env = _env(
@@ -147,6 +171,9 @@ def test_ctrl_c_stops_in_order_quietly_and_restarts_on_the_same_ports(tmp_path: 
         held = [_linger(nport)]
         http = httpx.Client(base_url=base, timeout=10)
         assert http.get("/v1/is_paused").status_code == 200  # a kept-alive connection
+        streams = [_open_stream(base) for _ in range(3)]  # generating at the Ctrl-C
+        for _, got, _ in streams:
+            assert got.wait(30), "no token streamed"
         died, done = _watch_deaths(roles)
         t0 = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
@@ -167,6 +194,10 @@ def test_ctrl_c_stops_in_order_quietly_and_restarts_on_the_same_ports(tmp_path: 
     assert died["api"] <= died["engine"] <= min(died["rank0"], died["rank1"]), order
     assert last_rank <= died["nats-server"], order
     assert "stopped api, engine, worker rank 0, worker rank 1, nats-server" in out
+    for lines, _, t in streams:  # each open stream was ended properly, not cut off
+        t.join(10)
+        assert lines and lines[-1] == "data: [DONE]", lines[-3:]
+        assert any("shutting down" in ln for ln in lines), lines[-3:]
 
     for s in held:
         s.close()
