@@ -24,7 +24,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from services import natsd
+from services import _signals, natsd
 from services.tiny_model import ensure_tiny_model
 from shared.bus import Bus
 from shared.errors import BusUnreachable
@@ -263,10 +263,12 @@ class Launcher:
             self._stopping = True  # a second Ctrl-C changes nothing: the stop is bounded
 
         def handle_signals() -> None:
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            for sig in _signals.STOP_SIGNALS:
                 signal.signal(sig, on_signal)
 
         handle_signals()
+        if _signals.received:  # Ctrl-C while still importing: stop before starting
+            return 0
         try:
             self.start()
             # again after start: importing paddle (model check, default model) installs
