@@ -51,6 +51,8 @@ class SoakResult:
     streams: int = 0
     codes: Counter[str] = field(default_factory=Counter)
     by_method: defaultdict[str, Counter[int]] = field(default_factory=lambda: defaultdict(Counter))
+    ok_ms: defaultdict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    conflicts: Counter[str] = field(default_factory=Counter)  # 409s by method and reason
     latency: dict[str, list[float]] = field(default_factory=lambda: {"nats": [], "http": []})
     lost: int = 0  # no reply from the engine (a timeout answer)
     crossed: int = 0  # a reply carrying another call's request id
@@ -141,15 +143,20 @@ async def _call(
         res.lost += 1
         res.unexpected.append(f"{transport} {method}{query}: {e.message}")
         return
-    res.latency[transport].append((time.perf_counter() - t0) * 1e3)
+    ms = (time.perf_counter() - t0) * 1e3
+    res.latency[transport].append(ms)
     if got != rid:
         res.crossed += 1
         res.unexpected.append(f"{transport} {method}: sent {rid}, got {got}")
     label = " ".join([method, *query.values()])
     res.codes[f"{code}"] += 1
     res.by_method[label][code] += 1
+    if code == 200:
+        res.ok_ms[label].append(ms)
     if code == 503 and "no reply" in msg:
         res.lost += 1
+    if code == 409:
+        res.conflicts[f"{label}: {msg[:70]}"] += 1
     if code not in (200, 409):
         res.unexpected.append(f"{transport} {method}{query}: {code} {msg}")
 
@@ -221,14 +228,20 @@ async def soak(
             await c.get("/v1/is_paused")
         await asyncio.sleep(1.0)
         res.rss_before = {name: rss(pid) for name, pid in pids.items()}
-        weights = [p[3] for p in MIX]
+        # caller 0 is the operator: state changes only; caller 1 mixes everything (its
+        # state changes race the operator's: 409 when the control lock is held); the
+        # others only read (is_paused, status), which always answer
+        mutating = [p for p in MIX if p[0] not in ("is_paused", "status")]
+        reads = [p for p in MIX if p not in mutating]
+        mixes = [mutating, MIX, reads]
         todo = iter(range(calls))
         t0 = time.perf_counter()
 
         async def worker(w: int) -> None:
             wrng = random.Random(seed * 1000 + w)
             for i in todo:
-                pick = wrng.choices(MIX, weights)[0]
+                mix = mixes[min(w, 2)]
+                pick = wrng.choices(mix, [p[3] for p in mix])[0]
                 await _call(res, bus, c, subjects, i, pick, wrng.random() < http_share, version)
                 res.calls += 1
                 if progress and res.calls % 1000 == 0:
@@ -272,7 +285,8 @@ def report(res: SoakResult, title: str) -> str:
     ]
     codes = ", ".join(f"{k}: {v}" for k, v in sorted(res.codes.items()))
     methods = [
-        f"| {name} | {sum(c.values())} | {c[200]} | {c[409]} | "
+        f"| {name} | {sum(c.values())} | {c[200]} | "
+        f"{statistics.median(res.ok_ms[name]) if res.ok_ms[name] else 0:.1f} | {c[409]} | "
         f"{sum(v for k, v in c.items() if k not in (200, 409))} |"
         for name, c in sorted(res.by_method.items())
     ]
@@ -284,8 +298,8 @@ def report(res: SoakResult, title: str) -> str:
             f"lost {res.lost}, crossed {res.crossed}, hung {res.hung}; "
             f"pending after: {res.pending}; dropped late replies: {res.dropped}",
             f"\n{res.streams} generation requests beside them ({ends})\n",
-            "| method | calls | 200 | 409 (lock held / wrong state) | other |",
-            "|---|---|---|---|---|",
+            "| method | calls | 200 | p50 ms of the 200s | 409 (lock held / wrong state) | other |",
+            "|---|---|---|---|---|---|",
             *methods,
             "\n| transport | calls | p50 ms | p99 ms | max ms |",
             "|---|---|---|---|---|",
