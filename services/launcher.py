@@ -293,9 +293,8 @@ def check_model(model_dir: Path, tp: int) -> None:
             raise ValueError("not a JSON object")
     except (OSError, ValueError) as e:
         raise LaunchError(f"ROLLBUS_MODEL={model_dir}: bad config.json: {e}") from None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # paddle's import-time chatter
-        from services.worker.model import ModelConfig
+    from services.worker.config import ModelConfig  # no paddle: the launcher stays small
+
     try:
         ModelConfig.from_hf(cfg).validate_tp(tp)
     except (ValueError, TypeError) as e:
