@@ -174,7 +174,10 @@ async def amain(settings: Settings, rank: int) -> int:
     log.info("rank %d ready: version %s", rank, state.weights.version)
     await stop.wait()
     await bus.close()
-    return 0
+    # leave now: a compute call in progress (a long weight load) must not hold the stop
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main(argv: list[str] | None = None) -> int:
