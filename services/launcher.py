@@ -151,6 +151,8 @@ class Launcher:
 
     def start(self) -> None:
         self.prepare()
+        if self._stopping:  # stopped while preparing: nothing more to start
+            return
         self.spawn("engine", ["services.engine"])
         self._spawn_ranks()
         self.spawn("api", ["services.api"])
