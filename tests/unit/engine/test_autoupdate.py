@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from services.engine.autoupdate import PERMANENT, VersionIndex, newest
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+from services.engine.autoupdate import PERMANENT, VersionIndex, apply, index_of, newest
+from services.engine.state import State
 from shared.messages import VersionPublished
 
 
@@ -65,3 +70,82 @@ def test_newest_of_a_burst_by_first_sequence() -> None:
 
 def test_only_bad_versions_are_permanent_failures() -> None:
     assert PERMANENT == {400, 404, 422}  # 409 / 5xx / timeouts are retried
+
+
+# --------------------------------------------------------------------------- apply()
+
+
+class FakeEngine:
+    """What autoupdate.apply touches, with scripted ranks (tests/unit/engine)."""
+
+    def __init__(self, current: str, fail: dict[str, tuple[int, str]] | None = None) -> None:
+        from services.engine.state import EngineState
+        from tests.unit.engine.test_update_flow import ScriptedRanks
+
+        self.state = EngineState(weight_version=current)
+        self.lock = asyncio.Lock()
+        self.ranks = ScriptedRanks(fail)
+        self.latest_published = ""
+        self.settings = SimpleNamespace(
+            auto_update_pause_mode="keep",
+            auto_update_verify_checksum=False,
+            load_strategy="snapshot",
+            model_dir="/nonexistent",
+        )
+        self.events: list[dict[str, Any]] = []
+
+        async def pause(mode: str) -> int:
+            return 0
+
+        self.scheduler = SimpleNamespace(
+            pause=pause, resume=lambda: None, weights_changed=lambda v: None
+        )
+
+    async def event(self, kind: str, data: dict[str, Any], request_id: str = "") -> None:
+        if kind == "auto_update":
+            self.events.append(data)
+
+    async def state_changed(self, to: str, data: dict[str, Any]) -> None:
+        return None
+
+
+def _known(eng: FakeEngine) -> None:
+    idx = index_of(eng)
+    for seq, v in [(1, "b1"), (2, "b2"), (3, "b3")]:
+        idx.add(v, seq)
+
+
+def test_newer_is_decided_under_the_control_lock() -> None:
+    async def go() -> None:
+        eng = FakeEngine("b1")
+        _known(eng)
+        await eng.lock.acquire()  # an operator's update_weights is running ...
+        task = asyncio.create_task(apply(eng, 2, _ev("b2")))
+        await asyncio.sleep(0.01)
+        eng.state.weight_version = "b3"  # ... and commits b3 meanwhile
+        eng.lock.release()
+        rec = await task
+        assert rec["action"] == "ignored", rec
+        assert eng.state.weight_version == "b3" and not eng.ranks.calls
+
+    asyncio.run(go())
+
+
+def test_update_while_sleeping_stays_asleep_and_records_the_version() -> None:
+    eng = FakeEngine("b1")
+    _known(eng)
+    eng.state.pause("abort")
+    eng.state.sleep(("weight", "kv_cache"))
+    rec = asyncio.run(apply(eng, 3, _ev("b3")))
+    assert rec["action"] == "updated" and rec["asleep"] == ["kv_cache", "weight"]
+    assert eng.state.weight_version == "b3" and eng.state.state is State.SLEEPING
+    assert [c[0] for c in eng.ranks.calls] == ["stage", "commit"]
+
+
+def test_transient_failures_are_retried_bad_versions_are_not() -> None:
+    for code, retry in [(503, True), (409, True), (500, True), (422, False), (404, False)]:
+        eng = FakeEngine("b1", fail={"stage": (code, "rank 1: no")})
+        _known(eng)
+        rec = asyncio.run(apply(eng, 2, _ev("b2")))
+        assert rec["action"] == "failed" and rec["retry"] is retry, (code, rec)
+        assert eng.state.weight_version == "b1" and eng.state.state is State.RUNNING
