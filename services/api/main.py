@@ -42,6 +42,10 @@ class Server(uvicorn.Server):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        # a SIGTERM / SIGINT is a clean stop (exit 0): uvicorn would raise it again
+        captured = getattr(self, "_captured_signals", None)
+        if isinstance(captured, list):
+            captured.clear()
 
 
 def main() -> int:

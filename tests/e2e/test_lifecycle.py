@@ -284,3 +284,43 @@ def test_model_the_ranks_cannot_load_exits_2_and_is_not_retried(
     assert len(ours) == 1 and "configuration error (not retried" in ours[0], out
     rank_lines = [ln for ln in lines if ln.startswith("rollbus-worker")]
     assert rank_lines and all("cannot start" in ln for ln in rank_lines), out
+
+
+def test_api_and_engine_alone_stop_quietly_with_exit_0(tmp_path: Path, nats_url: str) -> None:
+    """Each child treats SIGTERM and SIGINT as a clean stop: exit 0, no traceback."""
+    model = create_model_dir(tmp_path / "m", seed=0)
+    api = free_port()
+    env = _env(
+        ROLLBUS_NATS_URL=nats_url,
+        ROLLBUS_API_PORT=str(api),
+        ROLLBUS_MODEL=str(model),
+        ROLLBUS_INSTANCE=f"alone{api}",
+    )
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", f"services.{name}"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        for name in ("engine", "api")
+    }
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # the API answers (503: no ranks) once up
+            try:
+                httpx.get(f"http://127.0.0.1:{api}/v1/is_paused", timeout=1)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        time.sleep(0.5)
+        for (name, p), sig in zip(procs.items(), (signal.SIGINT, signal.SIGTERM), strict=True):
+            p.send_signal(sig)
+            out = p.communicate(timeout=STOP_S)[0].decode(errors="replace")
+            assert p.returncode == 0, (name, p.returncode, out)
+            assert "Traceback" not in out and "ERROR" not in out, (name, out)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
