@@ -180,11 +180,19 @@ async def _stream_loop(
                 if r.status_code != 200:
                     await r.aread()
                     return f"http {r.status_code}"
+                ids = set()
                 async for line in r.aiter_lines():
                     if line.startswith("data: {"):
-                        fin = json.loads(line[6:])["choices"][0].get("finish_reason")
+                        chunk = json.loads(line[6:])
+                        ids.add(chunk.get("id"))
+                        if "error" in chunk:
+                            return f"error {chunk['error'].get('code')}"
+                        fin = chunk["choices"][0].get("finish_reason")
                         if fin:
                             end = str(fin)
+            if len(ids) > 1:  # every chunk of one stream carries its one id
+                res.crossed += 1
+                res.unexpected.append(f"stream {i}: chunks of several requests {ids}")
             return end
 
         try:
