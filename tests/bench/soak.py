@@ -63,6 +63,7 @@ class SoakResult:
     dropped: dict[str, int] = field(default_factory=dict)
     rss_before: dict[str, int] = field(default_factory=dict)
     rss_after: dict[str, int] = field(default_factory=dict)
+    rss_trend: defaultdict[str, list[int]] = field(default_factory=lambda: defaultdict(list))
     seconds: float = 0.0
 
 
@@ -252,6 +253,9 @@ async def soak(
                 pick = wrng.choices(mix, [p[3] for p in mix])[0]
                 await _call(res, bus, c, subjects, i, pick, wrng.random() < http_share, version)
                 res.calls += 1
+                if res.calls % max(1, calls // 4) == 0:  # the trend: growth that levels off
+                    for name, pid in pids.items():
+                        res.rss_trend[name].append(rss(pid))
                 if progress and res.calls % 1000 == 0:
                     print(f"soak: {res.calls}/{calls} calls", file=sys.stderr, flush=True)
                 await asyncio.sleep(wrng.uniform(0, jitter_ms) / 1e3)
@@ -287,7 +291,9 @@ def report(res: SoakResult, title: str) -> str:
                 f"{max(xs):.1f} |"
             )
     rss_rows = [
-        f"| {name} | {res.rss_before[name] / mb:.1f} | {res.rss_after[name] / mb:.1f} | "
+        f"| {name} | {res.rss_before[name] / mb:.1f} | "
+        f"{' → '.join(f'{x / mb:.1f}' for x in res.rss_trend[name])} | "
+        f"{res.rss_after[name] / mb:.1f} | "
         f"{(res.rss_after[name] - res.rss_before[name]) / mb:+.1f} |"
         for name in res.rss_before
     ]
@@ -312,8 +318,8 @@ def report(res: SoakResult, title: str) -> str:
             "\n| transport | calls | p50 ms | p99 ms | max ms |",
             "|---|---|---|---|---|",
             *lat,
-            "\n| process | RSS before MB | RSS after MB | growth MB |",
-            "|---|---|---|---|",
+            "\n| process | RSS before MB | at each quarter of the calls | after MB | growth MB |",
+            "|---|---|---|---|---|",
             *rss_rows,
             *(["\nunexpected answers (first 10):", *res.unexpected[:10]] if res.unexpected else []),
         ]
