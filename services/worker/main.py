@@ -138,6 +138,8 @@ async def amain(settings: Settings, rank: int) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    # blocked while paddle was imported (services/worker/__main__.py): ours from here on
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     bus = await Bus.connect(settings.nats_url, f"rollbus-worker-{rank}")
     # paddle init (gloo rendezvous, weight load) blocks in C code: run it on a thread,
     # and if it hangs (a peer rank never came) or we are told to stop meanwhile, leave

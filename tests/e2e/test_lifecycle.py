@@ -324,3 +324,31 @@ def test_api_and_engine_alone_stop_quietly_with_exit_0(tmp_path: Path, nats_url:
         for p in procs.values():
             if p.poll() is None:
                 p.kill()
+
+
+def test_ctrl_c_while_starting_is_a_clean_stop(tmp_path: Path) -> None:
+    """Ctrl-C while importing, while starting nats-server, while the ranks load: exit 0,
+    no traceback, nothing left running."""
+    for delay in (0.3, 2.0, 5.0):
+        env = _env(
+            ROLLBUS_API_PORT=str(free_port()),
+            ROLLBUS_NATS_PORT=str(free_port()),
+            ROLLBUS_DATA_DIR=str(tmp_path / "data"),
+        )
+        log = tmp_path / f"serve-{delay}.log"
+        proc = _serve(tmp_path, env, log)
+        seen: set[int] = set()
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < delay:
+            seen |= _descendants(proc.pid)
+            time.sleep(0.02)
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            code = proc.wait(STOP_S)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        out = log.read_text(errors="replace")
+        assert code == 0 and "Traceback" not in out, (delay, out)
+        time.sleep(0.3)
+        assert not [p for p in seen if _alive(p)], (delay, out)
