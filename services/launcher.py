@@ -299,8 +299,8 @@ def check_model(model_dir: Path, tp: int) -> None:
 
     try:
         ModelConfig.from_hf(cfg).validate_tp(tp)
-    except (ValueError, TypeError) as e:
-        raise LaunchError(f"ROLLBUS_MODEL={model_dir}: unsupported model config: {e}") from None
+    except (ValueError, TypeError, KeyError, ArithmeticError) as e:
+        raise LaunchError(f"ROLLBUS_MODEL={model_dir}: unsupported model config: {e!s}") from None
 
 
 def serve(settings: Settings) -> int:
