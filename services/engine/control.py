@@ -72,10 +72,20 @@ async def wakeup(eng: Engine, args: m.TagArgs) -> dict[str, Any]:
     tags = args.tag_set()
     eng.state.check_wakeup(tags, eng.settings.use_cudagraph)
     t0 = time.perf_counter()
-    replies = await eng.ranks.call(
-        "wakeup",
-        m.WakeupWorkerArgs(list(tags), eng.state.weight_version, eng.settings.load_strategy),
-    )
+    try:
+        replies = await eng.ranks.call(
+            "wakeup",
+            m.WakeupWorkerArgs(list(tags), eng.state.weight_version, eng.settings.load_strategy),
+        )
+    except RankError as e:
+        if e.code != NOT_FOUND:
+            raise
+        raise RankError(
+            e.code,
+            f"{e.message}; the current version {eng.state.weight_version!r} is gone: "
+            "update_weights to another version (accepted while asleep), then wake up",
+            e.replies,
+        ) from None
     resumed = eng.state.woke(tags)
     if resumed:
         eng.scheduler.resume()

@@ -111,7 +111,9 @@ def test_sleeping_engine_with_deleted_version_takes_an_update_and_wakes(ustack: 
     wait_for(lambda: serving(ustack, "d1"))
     assert post(ustack, "/v1/sleep?tags=weight").status_code == 200
     shutil.rmtree(ipc_version_dir(SHM, model_of(ustack), "d1"))  # the current version: gone
-    # a wakeup could not load it now; before, only a restart helped
+    r = post(ustack, "/v1/wakeup?tags=weight")  # cannot load it; before, only a restart helped
+    assert r.status_code == 404 and "update_weights to another version" in r.text, r.text
+    assert ustack.status()["state"] == "sleeping"
     r = post(ustack, "/v1/update_weights", json={"version": "nope"})
     assert r.status_code == 404, r.text  # validated while asleep: a bad one is refused
     r = post(ustack, "/v1/update_weights", json={"version": "d0"})
