@@ -6,12 +6,18 @@ the environment. A bad setting is one line on stderr and exit code 2.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from pydantic import ValidationError
+if sys.argv[1:2] == ["serve"]:  # a Ctrl-C from here on is a clean stop (see the launcher)
+    from services import _signals
 
-from shared.settings import Settings, describe_error
+    _signals.install()
+
+import argparse  # noqa: E402
+
+from pydantic import ValidationError  # noqa: E402
+
+from shared.settings import Settings, describe_error  # noqa: E402
 
 
 def _settings_flags(p: argparse.ArgumentParser) -> None:

@@ -1,16 +1,17 @@
 """``rollbus serve``: the embedded nats-server, the engine, the worker ranks and the API.
 
-Children get the launcher's settings as ``ROLLBUS_*`` variables. Ctrl-C / SIGTERM stops
-every child. Once the stack has been ready, a child that dies is restarted (see
-:meth:`Launcher.monitor`); before that, a death is reported by name and the rest are
-stopped. Children also get ``PR_SET_PDEATHSIG``, so even a ``kill -9`` of the launcher
-leaves no orphans.
+Children get the launcher's settings as ``ROLLBUS_*`` variables. Each child runs in its
+own session, so a terminal's Ctrl-C (SIGINT to the foreground process group) reaches the
+launcher only; the launcher then stops API, engine, ranks and last nats-server, each with
+SIGTERM (SIGKILL past its share of :data:`STOP_BUDGET_S`). Once the stack has been ready,
+a child that dies is restarted (see :meth:`Launcher.monitor`); before that, a death is
+reported by name and the rest are stopped the same way. Children also get
+``PR_SET_PDEATHSIG``, so even a ``kill -9`` of the launcher leaves no orphans.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import json
 import os
 import random
@@ -26,7 +27,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services import natsd
+from services import _signals, natsd
 from services.tiny_model import ensure_tiny_model
 from shared import creds
 from shared.bus import Bus
@@ -34,22 +35,18 @@ from shared.errors import BusUnreachable
 from shared.model_config import ModelConfig
 from shared.settings import Settings
 
-PR_SET_PDEATHSIG = 1
 RANK = "worker rank"
 RANK_RETRIES = 2
-RANK_INIT_FAILED = 3  # services.worker.main.INIT_FAILED
+RANK_INIT_FAILED = 3  # services.worker.main.INIT_FAILED: transient (gloo connect refused)
+RANK_CONFIG_ERROR = 2  # services.worker.main.CONFIG_ERROR: never retried
+# the whole ordered stop; each stage gets a share and is SIGKILLed past it
+STOP_BUDGET_S = 9.0
+STOP_ORDER = (("api", 3.0), ("engine", 2.0), (RANK, 2.0))
 NATS_RESTART_S = 90.0  # how long a dead embedded nats-server is tried again on its port
 
 # paddle's import-time chatter (glog INFO lines, the ccache warning) is not the user's
 # business; an explicit setting in the environment still wins
 QUIET_ENV = {"GLOG_minloglevel": "2", "PYTHONWARNINGS": "ignore:No ccache found"}
-
-
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -125,15 +122,6 @@ def check_nats(url: str, tls: ssl.SSLContext | None = None) -> None:
         raise LaunchError(e.message) from None
 
 
-def check_model_config(path: Path, tp: int) -> None:
-    """Refuse a model config rollbus cannot serve exactly, before starting anything."""
-    try:
-        cfg = ModelConfig.from_hf(json.loads(path.read_text()))
-        cfg.validate_tp(tp)
-    except (OSError, ValueError) as e:  # ConfigError is a ValueError; so is bad JSON
-        raise LaunchError(f"ROLLBUS_MODEL={path.parent}: {e}") from None
-
-
 def start_embedded(s: Settings) -> tuple[natsd.NatsServer, dict[str, str]]:
     """The embedded server with authentication (credentials generated at first start under
     ``DATA_DIR/creds``) and each role's URL carrying its credentials."""
@@ -150,6 +138,7 @@ def start_embedded(s: Settings) -> tuple[natsd.NatsServer, dict[str, str]]:
             tls_ca=s.nats_tls_ca,
             # a rank's one reply to a control call may come as late as the call's timeout
             response_window=f"{max(600, int(2 * s.control_timeout_s))}s",
+            own_session=True,
         )
     except (natsd.NatsServerError, creds.CredsError, OSError) as e:
         raise LaunchError(str(e)) from None
@@ -169,10 +158,8 @@ class Launcher:
 
     def prepare(self) -> Settings:
         s = self.settings
-        if s.model and not (s.model_dir / "config.json").is_file():
-            raise LaunchError(f"ROLLBUS_MODEL={s.model}: no config.json there")
         if s.model:
-            check_model_config(s.model_dir / "config.json", s.tp)
+            check_model(s.model_dir, s.tp)
         if not natsd.port_is_free(s.api_host, s.api_port):
             raise LaunchError(
                 f"API port {s.api_host}:{s.api_port} is busy: set ROLLBUS_API_PORT to a free port"
@@ -201,11 +188,20 @@ class Launcher:
         # each child gets its own role's credentials, and only those
         role = "worker" if name.startswith(RANK) else name
         env["ROLLBUS_NATS_URL"] = self.role_urls.get(role, self.settings.nats_url)
-        proc = subprocess.Popen([sys.executable, "-m", *args], env=env, preexec_fn=_die_with_parent)
+        # own session: a terminal's Ctrl-C reaches the launcher only, which stops the
+        # children in order (nats-server last)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", *args],
+            env=env,
+            start_new_session=True,
+            preexec_fn=natsd.die_with_parent,
+        )
         self.children.append(Child(name, proc, args))
 
     def start(self) -> None:
         self.prepare()
+        if self._stopping:  # stopped while preparing: nothing more to start
+            return
         self.spawn("engine", ["services.engine"])
         self._spawn_ranks()
         self.spawn("api", ["services.api"])
@@ -264,9 +260,12 @@ class Launcher:
                 time.sleep(1.0)  # e.g. its port is still held by closing connections
         return False
 
-    def _child_died(self, c: Child, code: int, ready_once: bool) -> str:
-        """Handle one dead child: "" (restarted), else why the stack must stop."""
+    def _child_died(self, c: Child, code: int, ready_once: bool) -> tuple[int, str]:
+        """Handle one dead child: ``(0, "")`` when restarted, else the launcher's exit code
+        and why the stack must stop."""
         is_rank = c.name.startswith(RANK)
+        if is_rank and code == RANK_CONFIG_ERROR:
+            return 2, f"{c.name} cannot start: configuration error (not retried, see above)"
         if not ready_once:
             if is_rank and code == RANK_INIT_FAILED and self.rank_retries < RANK_RETRIES:
                 # seen here under load: paddle's gloo group setup now and then fails
@@ -277,12 +276,12 @@ class Launcher:
                     f"ranks ({self.rank_retries}/{RANK_RETRIES})"
                 )
                 self._restart_ranks()
-                return ""
+                return 0, ""
             # never ready: a config error or a crash at start, which a restart repeats
-            return f"{c.name} exited with code {code}; stopping the others"
+            return 1, f"{c.name} exited with code {code}; stopping the others"
         what = "worker ranks" if is_rank else c.name
         if not self.budget.take(what):
-            return (
+            return 1, (
                 f"{c.name} exited with code {code}; {what} restarted "
                 f"{self.budget.limit} times within {self.budget.window:g}s already: "
                 "stopping the others"
@@ -296,7 +295,7 @@ class Launcher:
         else:
             _say(f"{c.name} exited with code {code}; restarting it")
             self._respawn(c)
-        return ""
+        return 0, ""
 
     def monitor(self) -> int:
         """Wait until a signal (exit 0) or a death the policy does not restart (exit 1).
@@ -314,10 +313,10 @@ class Launcher:
                 code = c.proc.poll()
                 if code is None or self._stopping:
                     continue
-                why = self._child_died(c, code, ready_once)
+                exit_code, why = self._child_died(c, code, ready_once)
                 if why:
                     _say(why)
-                    return 1
+                    return exit_code
                 ready = False
                 break  # the children list changed
             if self.nats is not None and self.nats.proc.poll() is not None and not self._stopping:
@@ -345,35 +344,75 @@ class Launcher:
         return 0
 
     def stop(self) -> None:
-        for c in self.children:
-            if c.proc.poll() is None:
-                c.proc.terminate()
-        deadline = time.monotonic() + 10
-        for c in self.children:
-            try:
-                c.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                c.proc.kill()
-                c.proc.wait()
+        """API, engine, ranks, then nats-server: each SIGTERM, SIGKILL past its share.
+
+        The bus clients (api, engine, ranks) drain while the server is still up, so
+        nothing fails on a vanished connection; the whole stop takes < 10 s.
+        """
+        t0 = time.monotonic()
+        deadline = t0 + STOP_BUDGET_S
+        stopped: list[str] = []
+        for prefix, share in STOP_ORDER:
+            group = [c for c in self.children if c.name.startswith(prefix)]
+            for c in group:
+                if c.proc.poll() is None:
+                    c.proc.terminate()
+            until = min(deadline - 1.0, time.monotonic() + share)
+            for c in group:
+                try:
+                    c.proc.wait(max(0.05, until - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    _say(f"{c.name} did not stop within {share:g}s: killed")
+                    c.proc.kill()
+                    c.proc.wait()
+                stopped.append(c.name)
         if self.nats is not None:
-            self.nats.stop()
+            self.nats.stop(max(0.5, deadline - time.monotonic()))
+            stopped.append("nats-server")
+            self.nats = None
+        if self._stopping and stopped:
+            _say(f"stopped {', '.join(stopped)} in {time.monotonic() - t0:.1f}s")
+        self.children = []
 
     def run(self) -> int:
         def on_signal(signum: int, _frame: object) -> None:
-            self._stopping = True
+            self._stopping = True  # a second Ctrl-C changes nothing: the stop is bounded
 
+        def handle_signals() -> None:
+            for sig in _signals.STOP_SIGNALS:
+                signal.signal(sig, on_signal)
+
+        handle_signals()
+        if _signals.received:  # Ctrl-C while still importing: stop before starting
+            return 0
         try:
             self.start()
-            # after start: creating the default model imports paddle, which installs
+            # again after start: importing paddle (model check, default model) installs
             # its own SIGTERM handler
-            signal.signal(signal.SIGTERM, on_signal)
-            signal.signal(signal.SIGINT, on_signal)
+            handle_signals()
             return self.monitor()
         except LaunchError as e:
             _say(str(e))
             return 2
         finally:
             self.stop()
+
+
+def check_model(model_dir: Path, tp: int) -> None:
+    """A model dir the ranks cannot serve is one line at once, before any rank starts."""
+    cfg_file = model_dir / "config.json"
+    if not cfg_file.is_file():
+        raise LaunchError(f"ROLLBUS_MODEL={model_dir}: no config.json there")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+        if not isinstance(cfg, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:
+        raise LaunchError(f"ROLLBUS_MODEL={model_dir}: bad config.json: {e}") from None
+    try:
+        ModelConfig.from_hf(cfg).validate_tp(tp)
+    except (ValueError, TypeError, KeyError, ArithmeticError) as e:
+        raise LaunchError(f"ROLLBUS_MODEL={model_dir}: unsupported model config: {e!s}") from None
 
 
 def serve(settings: Settings) -> int:

@@ -8,9 +8,11 @@ suite's session server, an external server's stand-in).
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -39,9 +41,24 @@ def find_binary() -> str:
     return found
 
 
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """``preexec_fn``: the child gets SIGTERM when the process that started it dies."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
 def port_is_free(host: str, port: int) -> bool:
+    """Whether a server could listen on ``host:port`` now.
+
+    Binds with ``SO_REUSEADDR`` as servers do (nats-server, uvicorn): sockets of a
+    stopped server lingering in TIME_WAIT do not make the port busy; a listener does.
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        # like the servers themselves: connections in TIME_WAIT do not make a port busy
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
@@ -234,11 +251,11 @@ class NatsServer:
     url: str
     port: int
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 10.0) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(10)
+                self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
@@ -256,12 +273,15 @@ def start(
     tls_key: str = "",
     tls_ca: str = "",
     response_window: str = RESPONSE_WINDOW,
+    own_session: bool = False,
 ) -> NatsServer:
     """Start nats-server with JetStream on ``host:port`` (``port=0``: any free port).
 
     ``users`` (role -> (user, password)) turns on authentication and the per-role
     permissions; ``tls_cert``/``tls_key`` make the server TLS-only (``tls://`` URL).
-    A busy port is one clear error, not a server that dies later.
+    A busy port is one clear error, not a server that dies later. ``own_session``: the
+    server gets its own session (a terminal's Ctrl-C does not reach it: its owner stops
+    it, last) and dies with the thread that started it.
     """
     store_dir.mkdir(parents=True, exist_ok=True)
     if port and not port_is_free(host, port):
@@ -301,7 +321,13 @@ def start(
     cmd += ["-c", str(conf)]
     scheme = "tls" if tls_cert else "nats"
     out = open(log_file, "ab") if log_file else subprocess.DEVNULL  # noqa: SIM115
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=own_session,
+        preexec_fn=die_with_parent if own_session else None,
+    )
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:

@@ -198,8 +198,34 @@ class Bus:
                 pass
         for t in list(self._tasks):
             t.cancel()
-        if not self.nc.is_closed:
-            await self.nc.drain()
+        if self.nc.is_closed:
+            return
+        try:
+            await asyncio.wait_for(self.nc.drain(), 5.0)
+        except Exception:  # noqa: BLE001 - server gone or reconnecting: just close
+            try:
+                await self.nc.close()
+            except Exception:  # noqa: BLE001 - shutting down anyway
+                pass
+
+    def fail_pending(self, err: Exception) -> int:
+        """End every waiting request and stream now with ``err`` (a process stopping:
+        its callers answer at once instead of being cut off). Returns how many."""
+        n = 0
+        for waiter in list(self._pending.values()):
+            if isinstance(waiter, _Stream):
+                waiter.queue.put_nowait(err)
+            elif isinstance(waiter, asyncio.Future) and not waiter.done():
+                waiter.set_exception(err)
+            else:
+                continue
+            n += 1
+        return n
+
+    @property
+    def pending(self) -> int:
+        """Requests waiting for replies now (0 when idle: nothing leaks)."""
+        return len(self._pending)
 
     # ------------------------------------------------------------------ replies
 

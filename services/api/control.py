@@ -10,6 +10,7 @@ in the reply (header and ``request_id``) and travels to the engine only as a hea
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 from starlette.requests import Request
@@ -140,7 +141,11 @@ def routes(deps: Deps) -> list[Route]:
     async def status(request: Request) -> Response:
         resp = await call(deps, request, "status", {})
         if resp.status_code == 200:
-            return _echo(request, JSONResponse(json.loads(bytes(resp.body))["result"]))
+            body = json.loads(bytes(resp.body))["result"]
+            if deps.bus is not None:  # the API's own process and bus, beside the engine's
+                bus = {"pending": deps.bus.pending, "dropped": deps.bus.dropped_replies}
+                body["api"] = {"pid": os.getpid(), "bus": bus}
+            return _echo(request, JSONResponse(body))
         return resp
 
     def legacy(method: str):  # noqa: ANN202 - route factory

@@ -2,13 +2,50 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import socket
 import sys
 
 import uvicorn
 
 from services.api.app import create_app
+from services.api.deps import Deps
+from shared.errors import UNAVAILABLE, ControlError
 from shared.settings import settings_or_exit
+
+
+class Server(uvicorn.Server):
+    """uvicorn, plus: at shutdown every open generation (stream or not) and control call
+    answers at once — a 503 error event then ``[DONE]`` on a stream, the engine told to
+    cancel — instead of being cut off after the graceful timeout."""
+
+    def __init__(self, config: uvicorn.Config, deps: Deps) -> None:
+        super().__init__(config)
+        self.deps = deps
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        err = ControlError(UNAVAILABLE, "the API is shutting down")
+
+        async def keep_failing() -> None:
+            # requests that were still arriving on kept-alive connections too
+            while True:
+                if self.deps.bus is not None:
+                    self.deps.bus.fail_pending(err)
+                await asyncio.sleep(0.05)
+
+        task = asyncio.create_task(keep_failing())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        # a SIGTERM / SIGINT is a clean stop (exit 0): uvicorn would raise it again
+        captured = getattr(self, "_captured_signals", None)
+        if isinstance(captured, list):
+            captured.clear()
 
 
 def main() -> int:
@@ -24,9 +61,9 @@ def main() -> int:
         port=settings.api_port,
         log_level="warning",
         access_log=False,
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=2,  # open streams end then: the whole stop is < 10 s
     )
-    server = uvicorn.Server(config)
+    server = Server(config, app.state.deps)
     try:
         server.run()
     except SystemExit as e:

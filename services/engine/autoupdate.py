@@ -4,21 +4,30 @@ Two long-running tasks per engine (:func:`tasks`):
 
 * :func:`track` — always on: an ordered consumer over every event of the served model
   keeps ``engine.latest_published`` (the default of ``update_weights`` when the model
-  dir has no ``version.txt``) and a version → stream-sequence index. The sequence is a
-  version's place in publish order: "older" means a smaller sequence.
+  dir has no ``version.txt``) and a version → stream-sequence index.
 * :func:`follow` — with ``ROLLBUS_AUTO_UPDATE=true``: a durable pull consumer (one
   durable per instance and model, so a restarted engine resumes where it acked) takes
-  every waiting event at once and acts on the newest only: pause (mode
-  ``auto_update_pause_mode``) → ``update_weights(version, auto_update_verify_checksum)``
-  → resume, all under the engine's control lock (operators get 409 meanwhile). An event
-  whose sequence is not above the served version's is acked and ignored, so a burst
-  ends at the newest version and never goes back. A failed update resumes on the
-  previous weights (``update_weights`` is all-or-nothing) and is recorded as an
-  ``auto_update`` event. At start it catches up: if a version newer than the served one
-  was published while the engine was down, it updates to the newest.
+  every waiting event at once and acts on the newest only: under the engine's control
+  lock (operators get 409 meanwhile) it decides whether the event is newer, then pause
+  (mode ``auto_update_pause_mode``) → ``update_weights(version,
+  auto_update_verify_checksum)`` → resume.
 
-Events are acked after they are acted on: an engine that dies mid-update gets them
-again from its durable when it comes back.
+"Newer" is decided by JetStream stream sequence only (:meth:`VersionIndex.is_newer`): a
+version's sequence is the one of its *first* announcement, so an event re-announced
+after the dedup window (a new sequence carrying an old version string) keeps the old
+place; an event applies only if its version differs from the served one and its
+sequence is above the highest sequence of any version this engine has served. The
+engine never moves back.
+
+An event is acked only once it is applied, ignored as not newer, or failed for good
+(400/404/422: the version itself is bad — recorded as an ``auto_update`` event). A
+transient failure (409, 5xx, a rank not answering) keeps it: it is retried with backoff
+(``RETRY_S`` doubling up to ``RETRY_MAX_S``) until it applies or a newer event replaces
+it; an engine that dies meanwhile gets it again from its durable. A sleeping engine is
+updated too: its ranks validate and record the version, and wakeup loads it. A failed
+update resumes on the previous weights (``update_weights`` is all-or-nothing). At start
+it catches up: if a version newer than the served one was published while the engine
+was down, it updates to the newest.
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ from services.engine import control
 from services.engine.state import State
 from shared import messages as m
 from shared import objstore
-from shared.errors import ControlError
+from shared.errors import BAD_REQUEST, NOT_FOUND, UNPROCESSABLE, ControlError
 from shared.messages import VersionPublished
 
 if TYPE_CHECKING:
@@ -47,32 +56,51 @@ log = logging.getLogger("rollbus.autoupdate")
 T = TypeVar("T")
 ACTOR = "auto_update"
 RETRY_S = 1.0
+RETRY_MAX_S = 60.0
+# the version itself is bad: retrying cannot help (versions are immutable)
+PERMANENT = frozenset({BAD_REQUEST, NOT_FOUND, UNPROCESSABLE})
 
 
 @dataclass
 class VersionIndex:
-    """Published versions of one model: version → stream sequence (first publish)."""
+    """Published versions of one model: version → stream sequence of its first publish."""
 
     seqs: dict[str, int] = field(default_factory=dict)
     latest_seq: int = 0
     latest: str = ""
+    served_seq: int = 0  # the highest sequence of any version this engine has served
 
     def add(self, version: str, seq: int) -> None:
-        self.seqs.setdefault(version, seq)
-        if seq > self.latest_seq:
+        old = self.seqs.get(version)
+        if old is not None and old <= seq:
+            return  # a re-announcement keeps the version's first place
+        self.seqs[version] = seq
+        if old is not None:  # learned out of order: recompute
+            self.latest, self.latest_seq = max(self.seqs.items(), key=lambda kv: kv[1])
+        elif seq > self.latest_seq:
             self.latest_seq, self.latest = seq, version
 
     def seq_of(self, version: str) -> int:
         """0 for a version never published (e.g. the model dir's own ``v0``)."""
         return self.seqs.get(version, 0)
 
-    def is_newer(self, seq: int, current: str) -> bool:
-        return seq > self.seq_of(current)
+    def served(self, version: str) -> None:
+        """The engine serves ``version`` (now): nothing at or below its sequence again."""
+        self.served_seq = max(self.served_seq, self.seq_of(version))
+
+    def is_newer(self, version: str, current: str) -> bool:
+        """Whether an event for ``version`` should move an engine serving ``current``."""
+        self.served(current)
+        return version != current and self.seq_of(version) > self.served_seq
 
 
-def newest(events: list[tuple[int, VersionPublished]]) -> tuple[int, VersionPublished] | None:
-    """The event with the highest sequence (the one a burst should end at)."""
-    return max(events, key=lambda e: e[0], default=None)
+def newest(
+    events: list[tuple[int, VersionPublished]], index: VersionIndex | None = None
+) -> tuple[int, VersionPublished] | None:
+    """The event a burst should end at: the highest (first-publish) sequence."""
+    if index is None:
+        return max(events, key=lambda e: e[0], default=None)
+    return max(events, key=lambda e: (index.seq_of(e[1].version) or e[0], e[0]), default=None)
 
 
 _indexes: weakref.WeakKeyDictionary[Any, VersionIndex] = weakref.WeakKeyDictionary()
@@ -134,42 +162,60 @@ async def track(engine: Engine) -> None:
 
 
 async def apply(engine: Engine, seq: int, ev: VersionPublished) -> dict[str, Any]:
-    """One auto-update cycle for event ``(seq, ev)``; returns what was recorded."""
+    """One auto-update cycle for event ``(seq, ev)``; returns what was recorded.
+
+    ``action``: ``updated``, ``ignored`` (not newer), ``failed`` (``retry`` says whether
+    it is worth another attempt)."""
     idx = index_of(engine)
     _learn(engine, seq, ev.version)
-    current = engine.state.weight_version
-    rec: dict[str, Any] = {"version": ev.version, "seq": seq, "previous": current}
-    if ev.version == current or not idx.is_newer(seq, current):
-        rec.update(action="ignored", reason=f"not newer than the served version {current!r}")
-        await engine.event("auto_update", rec)
-        return rec
     s = engine.settings
-    async with engine.lock:
-        if engine.state.state is State.SLEEPING:
-            rec.update(action="skipped", reason="engine is asleep")
-            await engine.event("auto_update", rec)
-            return rec
-        was_paused = engine.state.is_paused
-        try:
-            if not was_paused:
-                await control.pause(engine, m.PauseArgs(s.auto_update_pause_mode))
-            res = await control.update_weights(
-                engine,
-                m.UpdateWeightsArgs(ev.version, s.auto_update_verify_checksum),
-                actor=ACTOR,
-            )
-            rec.update(action="updated", ok=True, seconds=res["seconds"], bytes=res["bytes"])
-        except ControlError as e:
-            log.warning("auto-update to %s failed: %s", ev.version, e.message)
-            rec.update(action="failed", ok=False, error_code=e.code, error_message=e.message)
-        finally:
-            if not was_paused:
-                try:
-                    await control.resume(engine, m.NoArgs())
-                except ControlError as e:
-                    rec.update(resume_error=e.message)
+    async with engine.lock:  # the decision and the update see one state
+        current = engine.state.weight_version
+        rec: dict[str, Any] = {"version": ev.version, "seq": seq, "previous": current}
+        if not idx.is_newer(ev.version, current):
+            rec.update(action="ignored", reason=f"not newer than the served version {current!r}")
+        else:
+            asleep = engine.state.state is State.SLEEPING
+            if asleep:
+                rec["asleep"] = sorted(engine.state.asleep)
+            was_paused = engine.state.is_paused
+            try:
+                if not was_paused:
+                    await control.pause(engine, m.PauseArgs(s.auto_update_pause_mode))
+                res = await control.update_weights(
+                    engine,
+                    m.UpdateWeightsArgs(ev.version, s.auto_update_verify_checksum),
+                    actor=ACTOR,
+                )
+                idx.served(ev.version)
+                rec.update(action="updated", ok=True, seconds=res["seconds"], bytes=res["bytes"])
+            except ControlError as e:
+                log.warning("auto-update to %s failed: %s", ev.version, e.message)
+                rec.update(
+                    action="failed",
+                    ok=False,
+                    error_code=e.code,
+                    error_message=e.message,
+                    retry=e.code not in PERMANENT,
+                )
+            finally:
+                if not was_paused:
+                    try:
+                        await control.resume(engine, m.NoArgs())
+                    except ControlError as e:
+                        rec.update(resume_error=e.message)
     await engine.event("auto_update", rec)
     return rec
+
+
+async def _apply_safely(engine: Engine, seq: int, ev: VersionPublished) -> dict[str, Any]:
+    try:
+        return await apply(engine, seq, ev)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a bus hiccup: kept and retried
+        log.warning("auto-update to %s failed: %r", ev.version, e)
+        return {"version": ev.version, "seq": seq, "action": "failed", "retry": True}
 
 
 async def follow(engine: Engine) -> None:
@@ -177,6 +223,7 @@ async def follow(engine: Engine) -> None:
     nc = engine.bus.nc
     model = engine.settings.served_model_name
     feed = objstore.VersionFeed(nc, model, durable_name(engine.settings.instance, model))
+    idx = index_of(engine)
 
     async def setup() -> list[tuple[int, VersionPublished]]:
         await objstore.ensure_ckpt_stream(nc, model)
@@ -186,32 +233,44 @@ async def follow(engine: Engine) -> None:
     past = await _until_ok("auto-update", setup)
     for seq, ev in past:
         _learn(engine, seq, ev.version)
-    catch_up = newest(past)
-    if catch_up and index_of(engine).is_newer(catch_up[0], engine.state.weight_version):
-        await apply(engine, *catch_up)
+    # the pending target (catch-up first) and the events it answers, acked once settled
+    target = newest(past, idx)
+    if target and not idx.is_newer(target[1].version, engine.state.weight_version):
+        target = None
+    held: list[Any] = []
+    backoff, next_try = RETRY_S, 0.0
+    loop = asyncio.get_running_loop()
     while True:
+        wait = min(1.0, max(0.05, next_try - loop.time())) if target else 1.0
         try:
-            batch = await feed.fetch(timeout=1.0)
+            batch = await feed.fetch(timeout=wait)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - reconnecting: try again
             log.debug("version feed: %r", e)
             await asyncio.sleep(RETRY_S)
             continue
-        if not batch:
-            continue
-        for seq, ev, _ in batch:
+        for seq, ev, msg in batch:
             _learn(engine, seq, ev.version)
-        top = newest([(seq, ev) for seq, ev, _ in batch])
-        assert top is not None
-        await apply(engine, *top)
-        for _, _, msg in batch:
-            await objstore.VersionFeed.ack(msg)
-
-
-def tasks(engine: Engine) -> list[asyncio.Task[None]]:
-    """The tasks to run for the engine's lifetime: ``tasks += autoupdate.tasks(engine)``."""
-    out = [asyncio.create_task(track(engine), name="versions-track")]
-    if engine.settings.auto_update:
-        out.append(asyncio.create_task(follow(engine), name="versions-follow"))
-    return out
+            held.append(msg)
+        top = newest([(seq, ev) for seq, ev, _ in batch], idx)
+        if top and (target is None or idx.seq_of(top[1].version) > idx.seq_of(target[1].version)):
+            target, backoff, next_try = top, RETRY_S, 0.0  # a newer one replaces a retry
+        if target is None or loop.time() < next_try:
+            continue
+        rec = await _apply_safely(engine, *target)
+        if rec["action"] == "failed" and rec.get("retry"):
+            next_try = loop.time() + backoff
+            backoff = min(backoff * 2, RETRY_MAX_S)
+            for msg in held:  # kept: not redelivered meanwhile, not lost
+                try:
+                    await msg.in_progress()
+                except Exception:  # noqa: BLE001 - redelivered later at worst
+                    pass
+            continue
+        for msg in held:
+            try:
+                await objstore.VersionFeed.ack(msg)
+            except Exception:  # noqa: BLE001 - redelivered, then ignored as not newer
+                pass
+        held, target = [], None

@@ -81,10 +81,22 @@ async def wakeup(eng: Engine, args: m.TagArgs) -> dict[str, Any]:
     eng.state.check_wakeup(tags, eng.settings.use_cudagraph)
     t0 = time.perf_counter()
     async with eng.scheduler.quiet():
-        replies = await eng.ranks.call(
-            "wakeup",
-            m.WakeupWorkerArgs(list(tags), eng.state.weight_version, eng.settings.load_strategy),
-        )
+        try:
+            replies = await eng.ranks.call(
+                "wakeup",
+                m.WakeupWorkerArgs(
+                    list(tags), eng.state.weight_version, eng.settings.load_strategy
+                ),
+            )
+        except RankError as e:
+            if e.code != NOT_FOUND:
+                raise
+            raise RankError(
+                e.code,
+                f"{e.message}; the current version {eng.state.weight_version!r} is gone: "
+                "update_weights to another version (accepted while asleep), then wake up",
+                e.replies,
+            ) from None
         resumed = eng.state.woke(tags)
         if resumed:
             eng.scheduler.resume()
@@ -116,6 +128,8 @@ async def update_weights(eng: Engine, args: m.UpdateWeightsArgs, actor: str = ""
 
 
 async def _update_weights(eng: Engine, args: m.UpdateWeightsArgs, actor: str) -> dict[str, Any]:
+    """Paused or sleeping. A rank whose weights sleep validates the version (loads it to
+    host memory, checks it, frees it) and records it as current: wakeup loads it."""
     eng.state.check_update()  # the 409 comes before anything else is looked at
     version = args.version or default_version(eng)
     eng.state.begin_update()
@@ -150,8 +164,8 @@ async def _update_weights(eng: Engine, args: m.UpdateWeightsArgs, actor: str) ->
         committed = version
         await eng.ranks.broadcast("finalize", m.UpdateIdArgs(uid))
     finally:
-        eng.state.end_update(committed)
-        await eng.state_changed("paused", {"version": eng.state.weight_version})
+        eng.state.end_update(committed)  # back to paused, or to sleeping
+        await eng.state_changed(eng.state.state.value, {"version": eng.state.weight_version})
     eng.scheduler.weights_changed(version)
     await eng.event("version", {"version": version, "previous": previous, "actor": actor})
     ranks = [staged[r].result for r in sorted(staged)]
@@ -190,6 +204,9 @@ async def status(eng: Engine, _: object = None) -> dict[str, Any]:
         "ranks": ranks,
         "ranks_ready": all(r.get("alive") for r in ranks),
         "nats_url": public_url(eng.bus.url),  # never credentials
+        "pid": os.getpid(),
+        # requests waiting for replies (0 when idle) and late replies dropped
+        "bus": {"pending": eng.bus.pending, "dropped": eng.bus.dropped_replies},
         **eng.scheduler.counts(),
     }
 

@@ -6,9 +6,12 @@
        ^                 |  \\--resume--> running
        |               sleep
        |                 v
-       +----wakeup--- sleeping   (sleep from running pauses first)
+       +----wakeup--- sleeping --update_weights--> updating --> sleeping
+                      (sleep from running pauses first)
 
-``is_paused`` is true in every state but ``running``: nothing is scheduled then.
+``is_paused`` is true in every state but ``running``: nothing is scheduled then. An
+update while sleeping returns to sleeping (the ranks record the new version; wakeup
+loads it).
 Each check raises ``ControlError`` with the contract's status code (409 wrong state).
 """
 
@@ -33,6 +36,7 @@ class EngineState:
     asleep: set[str] = field(default_factory=set)  # tags freed on the ranks
     weight_version: str = ""
     pause_mode: str = ""
+    updating_from: State = State.PAUSED  # where an update returns to
 
     @property
     def is_paused(self) -> bool:
@@ -63,6 +67,7 @@ class EngineState:
 
     def begin_update(self) -> None:
         self.check_update()
+        self.updating_from = self.state
         self.state = State.UPDATING
 
     def check_update(self) -> None:
@@ -71,18 +76,15 @@ class EngineState:
             raise ControlError(
                 CONFLICT, "update_weights requires a paused engine: call pause first"
             )
-        if self.state is State.SLEEPING:
-            raise ControlError(
-                CONFLICT, f"cannot update weights while sleeping ({sorted(self.asleep)} freed)"
-            )
         if self.state is State.UPDATING:
             raise ControlError(CONFLICT, "another update_weights is in progress")
 
     def end_update(self, version: str | None) -> None:
-        """Back to paused; ``version`` is the committed one, ``None`` after a failure."""
+        """Back to paused (or sleeping); ``version`` is the committed one, ``None`` after
+        a failure."""
         if version is not None:
             self.weight_version = version
-        self.state = State.PAUSED
+        self.state = self.updating_from
 
     def sleep(self, tags: tuple[str, ...]) -> None:
         if self.state is State.UPDATING:

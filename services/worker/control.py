@@ -84,9 +84,12 @@ def status(r: Rank, _: object = None) -> dict[str, Any]:
 
 
 def stage(r: Rank, args: StageArgs) -> dict[str, Any]:
+    """Weights asleep: the version is validated and freed again (``loaded: false``); its
+    commit only records it as current, and wakeup loads it."""
+    out = r.weights.stage(args.version, args.verify_checksum, args.update_id)
     if r.weights.current is None:
-        raise ControlError(CONFLICT, f"rank {r.rank}: weights are asleep; wake up first")
-    return {"rank": r.rank, **r.weights.stage(args.version, args.verify_checksum, args.update_id)}
+        release_memory()
+    return {"rank": r.rank, **out}
 
 
 def commit(r: Rank, args: CommitArgs) -> dict[str, Any]:

@@ -34,7 +34,6 @@ from services.worker.weights import WeightStore, load_config, model_dir_version
 from shared import messages as m
 from shared.bus import RANK, Bus
 from shared.errors import INTERNAL, ControlError
-from shared.model_config import ConfigError
 from shared.settings import Settings, settings_or_exit
 from shared.subjects import Subjects
 from shared.tasks import Supervisor
@@ -57,11 +56,15 @@ METHODS: dict[str, tuple[Callable[[control.Rank, Any], dict[str, Any]], type | N
     "selfbench": (control.selfbench, m.SelfBenchArgs),
 }
 INIT_FAILED = 3  # exit code: a start that failed for a reason a restart may clear
-CONFIG_ERROR = 2  # exit code: the model config cannot be served; never restarted
+CONFIG_ERROR = 2  # exit code: the model dir / config cannot be served; never retried
 STEP_HUNG = 4  # exit code: the compute thread was blocked in one step past the bound
 INIT_TIMEOUT_S = 600.0  # rendezvous + loading one shard of a large model
 # answered on the event loop, not queued behind paddle work
 INLINE = {"ping", "status"}
+
+
+class TransientStartError(RuntimeError):
+    """The rendezvous failed (a peer not there yet): a restart may clear it."""
 
 
 def build_rank(settings: Settings, rank: int) -> control.Rank:
@@ -71,7 +74,10 @@ def build_rank(settings: Settings, rank: int) -> control.Rank:
     cfg = load_config(model_dir)
     cfg.validate_tp(settings.tp)
     comm = CommGroup(rank, settings.tp)
-    comm.init()
+    try:
+        comm.init()
+    except Exception as e:  # e.g. gloo's full-mesh connect refused: worth a restart
+        raise TransientStartError(str(e) or type(e).__name__) from e
     source = make_source(settings, cfg, rank)
     weights = WeightStore(rank, source)
     weights.load_initial(model_dir_version(model_dir))
@@ -164,6 +170,8 @@ async def amain(settings: Settings, rank: int) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    # blocked while paddle was imported (services/worker/__main__.py): ours from here on
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     bus = await Bus.connect(settings.nats_url, f"rollbus-worker-{rank}")
     # paddle init (gloo rendezvous, weight load) blocks in C code: run it on a thread,
     # and if it hangs (a peer rank never came) or we are told to stop meanwhile, leave
@@ -186,16 +194,15 @@ async def amain(settings: Settings, rank: int) -> int:
     stopping.cancel()
     try:
         state = build.result()
-    except ControlError:
-        raise  # a real problem (bad model dir, bad shard): main() prints it, exit 1
-    except ConfigError as e:  # a model config we cannot serve: a restart cannot help
-        print(f"rollbus-worker rank {rank}: {e}", file=sys.stderr, flush=True)
-        await bus.close()
-        return CONFIG_ERROR
-    except Exception as e:  # e.g. gloo's full-mesh connect refused: worth a restart
+    except TransientStartError as e:
         print(f"rollbus-worker rank {rank}: start failed: {e}", file=sys.stderr, flush=True)
         await bus.close()
         return INIT_FAILED
+    except Exception as e:  # noqa: BLE001 - bad model dir, config, shard: one line, exit 2
+        msg = e.message if isinstance(e, ControlError) else f"{type(e).__name__}: {e}"
+        print(f"rollbus-worker rank {rank}: cannot start: {msg}", file=sys.stderr, flush=True)
+        await bus.close()
+        return CONFIG_ERROR
     server = WorkerServer(settings, rank, state, bus)
     await server.start()
     log.info("rank %d ready: version %s", rank, state.weights.version)
@@ -204,7 +211,10 @@ async def amain(settings: Settings, rank: int) -> int:
     await stop.wait()
     await server.supervisor.stop()
     await bus.close()
-    return 0
+    # leave now: a compute call in progress (a long weight load) must not hold the stop
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def hang_bound(settings: Settings) -> float:

@@ -306,7 +306,8 @@ class WeightStore:
         self.current: dict[str, paddle.Tensor] | None = None
         self.version = ""
         self.spec: dict[str, mf.TensorSpec] = {}
-        self._staged: tuple[str, str, dict[str, paddle.Tensor]] | None = None  # id, version
+        # id, version, tensors (None: staged while the weights sleep, validated only)
+        self._staged: tuple[str, str, dict[str, paddle.Tensor] | None] | None = None
         self._previous: tuple[str, str, dict[str, paddle.Tensor] | None] | None = None
         self._rolled_back: deque[str] = deque(maxlen=64)
 
@@ -336,6 +337,17 @@ class WeightStore:
         got = {k: _spec_of(v) for k, v in shard.arrays.items()}
         mf.check_tensors(self.spec, got, f"rank {self.rank}: version {version!r}")
         t0 = time.perf_counter()
+        if self.current is None:
+            # asleep: checked, then freed again; commit records it, wakeup loads it
+            shard.arrays.clear()
+            self._staged = (update_id, version, None)
+            return {
+                "version": version,
+                "bytes": shard.nbytes,
+                "files": shard.files,
+                "loaded": False,
+                **shard.timings,
+            }
         self._staged = (update_id, version, to_paddle(shard.arrays))
         shard.timings["to_device_s"] = time.perf_counter() - t0
         return {"version": version, "bytes": shard.nbytes, "files": shard.files, **shard.timings}

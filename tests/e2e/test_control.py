@@ -243,7 +243,10 @@ def test_sleep_and_wakeup(stack: Stack) -> None:
     assert st["state"] == "sleeping" and st["is_paused"] is True
     assert not any(x["weights_loaded"] or x["kv_allocated"] for x in st["ranks"])
     assert post(stack, "/v1/resume").status_code == 409
-    assert post(stack, "/v1/update_weights", json={"version": "v0"}).status_code == 409
+    # a sleeping engine accepts update_weights (validated, recorded, loaded at wakeup)
+    r = post(stack, "/v1/update_weights", json={"version": "v0"})
+    assert r.status_code == 200, r.text
+    assert stack.status()["state"] == "sleeping"
     r = post(stack, "/v1/wakeup?tags=kv_cache")
     assert r.status_code == 200 and stack.status()["state"] == "sleeping"
     r = post(stack, "/v1/wakeup?tags=weight")

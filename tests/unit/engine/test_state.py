@@ -48,8 +48,16 @@ def test_sleep_wakeup_partial_and_full() -> None:
     with pytest.raises(ControlError) as e:
         s.resume()
     assert e.value.code == 409
+    s.begin_update()  # a sleeping engine accepts update_weights ...
+    assert s.state is State.UPDATING
     with pytest.raises(ControlError):
-        s.begin_update()
+        s.check_wakeup(("weight",), use_cudagraph=False)
+    s.end_update("v9")  # ... records the version and goes back to sleep
+    assert s.state is State.SLEEPING and s.weight_version == "v9"
+    s.begin_update()
+    s.end_update(None)  # a failed one too, on the version it had
+    assert s.state is State.SLEEPING and s.weight_version == "v9"
+    assert s.asleep == {"weight", "kv_cache"}
     assert s.woke(("kv_cache",)) is False and s.state is State.SLEEPING
     assert s.woke(("weight",)) is True and s.state is State.RUNNING
 

@@ -1,0 +1,139 @@
+"""Auto-update against a real stack: never back, kept while asleep or failing, and a
+sleeping engine that accepts update_weights (a deleted version never forces a restart)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from services.worker.sources import ipc_version_dir
+from shared import objstore
+from shared.messages import VersionPublished
+from shared.subjects import ckpt_published
+from tests.e2e.stack import Stack, start_stack
+from tests.e2e.test_checkpoints import _raw, events, model_of, post, publish, wait_for
+from tests.e2e.test_control import digests
+
+SHM = Path("/dev/shm/rollbus")
+
+
+@pytest.fixture(scope="module")
+def ustack(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = start_stack(
+        Path(tmp_path_factory.mktemp("autoupd")),
+        nats_url,
+        tp=2,
+        model_name=f"upd-{uuid.uuid4().hex[:6]}",
+        env={
+            "ROLLBUS_LOAD_STRATEGY": "ipc",
+            "ROLLBUS_AUTO_UPDATE": "true",
+            "ROLLBUS_CONTROL_TIMEOUT_S": "3",
+        },
+    )
+    try:
+        yield s
+    finally:
+        s.stop()
+        shutil.rmtree(ipc_version_dir(SHM, model_of(s), "x").parent, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _awake_and_running(ustack: Stack) -> Iterator[None]:
+    yield
+    if ustack.status()["state"] == "sleeping":
+        post(ustack, "/v1/wakeup")
+    post(ustack, "/v1/resume")
+
+
+def reannounce(stack: Stack, version: str) -> int:
+    """The version's event again at a new stream sequence, as after the dedup window."""
+
+    async def go(nc: Any) -> int:
+        ev = VersionPublished(model_of(stack), version, 2)
+        ack = await nc.jetstream().publish(
+            ckpt_published(ev.model),
+            msgspec.json.encode(ev),
+            headers={objstore.MSG_ID: f"{ev.model}/{version}/{uuid.uuid4().hex}"},
+        )
+        return int(ack.seq)
+
+    return int(asyncio.run(_raw(stack.nats_url, go)))
+
+
+def auto_events(stack: Stack, version: str) -> list[dict[str, Any]]:
+    return [e["data"] for e in events(stack, "auto_update") if e["data"]["version"] == version]
+
+
+def serving(stack: Stack, version: str) -> bool:
+    st = stack.status()
+    return bool(st["weight_version"] == version and st["state"] == "running")
+
+
+def test_reannounced_old_and_current_versions_never_move_back(ustack: Stack) -> None:
+    want = {v: publish(ustack, v, seed=50 + i, ipc=True) for i, v in enumerate(("r1", "r2"))}
+    wait_for(lambda: serving(ustack, "r2"))
+    assert digests(ustack) == want["r2"]
+    seq_old, seq_cur = reannounce(ustack, "r1"), reannounce(ustack, "r2")
+    for v, seq in (("r1", seq_old), ("r2", seq_cur)):
+        wait_for(lambda v=v, seq=seq: any(e["seq"] == seq for e in auto_events(ustack, v)))
+        rec = next(e for e in auto_events(ustack, v) if e["seq"] == seq)
+        assert rec["action"] == "ignored", rec
+    assert serving(ustack, "r2") and digests(ustack) == want["r2"]
+    versions = [e["data"]["version"] for e in events(ustack, "version")]
+    assert versions[-1] == "r2" and versions.count("r1") <= 1
+
+
+def test_published_while_asleep_is_served_after_wakeup(ustack: Stack) -> None:
+    assert post(ustack, "/v1/sleep").status_code == 200
+    want = publish(ustack, "z1", seed=61, ipc=True)
+    wait_for(lambda: any(e["action"] == "updated" for e in auto_events(ustack, "z1")))
+    st = ustack.status()
+    assert st["state"] == "sleeping" and st["weight_version"] == "z1"
+    # recorded on every rank, nothing loaded while asleep
+    assert all(r["version"] == "z1" and not r["weights_loaded"] for r in st["ranks"])
+    r = post(ustack, "/v1/wakeup")
+    assert r.status_code == 200, r.text
+    assert serving(ustack, "z1") and digests(ustack) == want
+
+
+def test_sleeping_engine_with_deleted_version_takes_an_update_and_wakes(ustack: Stack) -> None:
+    earlier = publish(ustack, "d0", seed=70, ipc=True)
+    publish(ustack, "d1", seed=71, ipc=True)
+    wait_for(lambda: serving(ustack, "d1"))
+    assert post(ustack, "/v1/sleep?tags=weight").status_code == 200
+    shutil.rmtree(ipc_version_dir(SHM, model_of(ustack), "d1"))  # the current version: gone
+    r = post(ustack, "/v1/wakeup?tags=weight")  # cannot load it; before, only a restart helped
+    assert r.status_code == 404 and "update_weights to another version" in r.text, r.text
+    assert ustack.status()["state"] == "sleeping"
+    r = post(ustack, "/v1/update_weights", json={"version": "nope"})
+    assert r.status_code == 404, r.text  # validated while asleep: a bad one is refused
+    r = post(ustack, "/v1/update_weights", json={"version": "d0"})
+    assert r.status_code == 200, r.text
+    st = ustack.status()
+    assert st["state"] == "sleeping" and st["weight_version"] == "d0"
+    r = post(ustack, "/v1/wakeup?tags=weight")
+    assert r.status_code == 200, r.text
+    assert serving(ustack, "d0") and digests(ustack) == earlier
+
+
+def test_transient_failure_is_kept_and_retried(ustack: Stack) -> None:
+    pid = ustack.status()["ranks"][1]["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        want = publish(ustack, "k1", seed=81, ipc=True)
+        wait_for(lambda: any(e["action"] == "failed" for e in auto_events(ustack, "k1")))
+        fail = next(e for e in auto_events(ustack, "k1") if e["action"] == "failed")
+        assert fail["error_code"] == 503 and fail["retry"] is True, fail
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    wait_for(lambda: serving(ustack, "k1"), timeout=60)
+    assert digests(ustack) == want

@@ -1,0 +1,155 @@
+"""The auto-update "newer" decision: by first-publish stream sequence, never back."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from types import SimpleNamespace
+from typing import Any
+
+from services.engine.autoupdate import PERMANENT, VersionIndex, apply, index_of, newest
+from services.engine.state import State
+from shared.messages import VersionPublished
+
+
+def _ev(v: str) -> VersionPublished:
+    return VersionPublished(model="m", version=v, tp=2)
+
+
+def _index() -> VersionIndex:
+    idx = VersionIndex()
+    for seq, v in [(1, "b1"), (2, "b2"), (3, "b3")]:
+        idx.add(v, seq)
+    return idx
+
+
+def test_a_never_published_current_is_older_than_anything_published() -> None:
+    idx = _index()
+    assert idx.is_newer("b1", "v0") and idx.is_newer("b3", "v0")
+    assert not idx.is_newer("v0", "v0")
+
+
+def test_reannounced_old_or_current_version_never_moves_back() -> None:
+    idx = _index()
+    assert not idx.is_newer("b2", "b3")
+    # past the dedup window the same version string comes again at a new sequence
+    idx.add("b1", 10)
+    idx.add("b3", 11)
+    assert idx.seq_of("b1") == 1 and idx.seq_of("b3") == 3
+    assert not idx.is_newer("b1", "b3") and not idx.is_newer("b3", "b3")
+    assert idx.latest == "b3"  # the default of update_weights does not move back either
+    idx.add("b4", 12)
+    assert idx.is_newer("b4", "b3") and idx.latest == "b4"
+
+
+def test_nothing_at_or_below_a_served_sequence_applies_again() -> None:
+    idx = _index()
+    assert not idx.is_newer("b3", "b3")  # serving b3 (seq 3) ...
+    # ... then an operator rolls back to b1: a re-announced b2 is still not newer
+    assert not idx.is_newer("b2", "b1")
+    idx.add("b5", 20)
+    assert idx.is_newer("b5", "b1")
+
+
+def test_learned_out_of_order_keeps_the_first_sequence() -> None:
+    idx = VersionIndex()
+    idx.add("b1", 10)  # the re-announcement seen first
+    idx.add("b2", 5)
+    assert idx.latest == "b1"
+    idx.add("b1", 1)  # its first announcement
+    assert idx.seq_of("b1") == 1 and idx.latest == "b2"
+    assert not idx.is_newer("b1", "b2")
+
+
+def test_newest_of_a_burst_by_first_sequence() -> None:
+    idx = _index()
+    idx.add("b1", 10)
+    burst = [(3, _ev("b3")), (10, _ev("b1"))]
+    assert newest(burst, idx) == burst[0]
+    assert newest([], idx) is None
+
+
+def test_only_bad_versions_are_permanent_failures() -> None:
+    assert PERMANENT == {400, 404, 422}  # 409 / 5xx / timeouts are retried
+
+
+# --------------------------------------------------------------------------- apply()
+
+
+class FakeEngine:
+    """What autoupdate.apply touches, with scripted ranks (tests/unit/engine)."""
+
+    def __init__(self, current: str, fail: dict[str, tuple[int, str]] | None = None) -> None:
+        from services.engine.state import EngineState
+        from tests.unit.engine.test_update_flow import ScriptedRanks
+
+        self.state = EngineState(weight_version=current)
+        self.lock = asyncio.Lock()
+        self.ranks = ScriptedRanks(fail)
+        self.latest_published = ""
+        self.settings = SimpleNamespace(
+            auto_update_pause_mode="keep",
+            auto_update_verify_checksum=False,
+            load_strategy="snapshot",
+            model_dir="/nonexistent",
+        )
+        self.events: list[dict[str, Any]] = []
+
+        async def pause(mode: str) -> int:
+            return 0
+
+        self.scheduler = SimpleNamespace(
+            pause=pause,
+            resume=lambda: None,
+            weights_changed=lambda v: None,
+            quiet=contextlib.nullcontext,
+        )
+
+    async def event(self, kind: str, data: dict[str, Any], request_id: str = "") -> None:
+        if kind == "auto_update":
+            self.events.append(data)
+
+    async def state_changed(self, to: str, data: dict[str, Any]) -> None:
+        return None
+
+
+def _known(eng: FakeEngine) -> None:
+    idx = index_of(eng)
+    for seq, v in [(1, "b1"), (2, "b2"), (3, "b3")]:
+        idx.add(v, seq)
+
+
+def test_newer_is_decided_under_the_control_lock() -> None:
+    async def go() -> None:
+        eng = FakeEngine("b1")
+        _known(eng)
+        await eng.lock.acquire()  # an operator's update_weights is running ...
+        task = asyncio.create_task(apply(eng, 2, _ev("b2")))
+        await asyncio.sleep(0.01)
+        eng.state.weight_version = "b3"  # ... and commits b3 meanwhile
+        eng.lock.release()
+        rec = await task
+        assert rec["action"] == "ignored", rec
+        assert eng.state.weight_version == "b3" and not eng.ranks.calls
+
+    asyncio.run(go())
+
+
+def test_update_while_sleeping_stays_asleep_and_records_the_version() -> None:
+    eng = FakeEngine("b1")
+    _known(eng)
+    eng.state.pause("abort")
+    eng.state.sleep(("weight", "kv_cache"))
+    rec = asyncio.run(apply(eng, 3, _ev("b3")))
+    assert rec["action"] == "updated" and rec["asleep"] == ["kv_cache", "weight"]
+    assert eng.state.weight_version == "b3" and eng.state.state is State.SLEEPING
+    assert [c[0] for c in eng.ranks.calls] == ["stage", "commit"]
+
+
+def test_transient_failures_are_retried_bad_versions_are_not() -> None:
+    for code, retry in [(503, True), (409, True), (500, True), (422, False), (404, False)]:
+        eng = FakeEngine("b1", fail={"stage": (code, "rank 1: no")})
+        _known(eng)
+        rec = asyncio.run(apply(eng, 2, _ev("b2")))
+        assert rec["action"] == "failed" and rec["retry"] is retry, (code, rec)
+        assert eng.state.weight_version == "b1" and eng.state.state is State.RUNNING
