@@ -134,7 +134,8 @@ def reference(stack: Stack, version: str) -> list[int]:
     return list(_reference(str(stack.model_dir), version))
 
 
-def greedy_tokens(stack: Stack) -> tuple[str, list[int]]:
+def greedy_tokens(stack: Stack) -> tuple[str, list[int]] | None:
+    """The greedy completion's version label and token ids; None for a 503."""
     body = {
         "model": "tiny",
         "prompt": PROMPT,
@@ -145,18 +146,29 @@ def greedy_tokens(stack: Stack) -> tuple[str, list[int]]:
     }
     with httpx.Client(base_url=stack.base_url, timeout=GEN_BOUND) as cl:
         r = cl.post("/v1/completions", json=body)
+    if r.status_code == 503:
+        return None
     assert r.status_code == 200, r.text
     out = r.json()
     return str(out.get("weight_version", "")), list(out["choices"][0]["token_ids"])
 
 
-def assert_consistent(stack: Stack, version: str) -> None:
+def assert_consistent(stack: Stack, version: str, timeout: float = 150) -> None:
     """Engine and every rank on ``version``; a greedy request answers ``version``'s
-    reference tokens (the engine must be running)."""
-    st = wait_recovered(stack)
-    assert st["weight_version"] == version, st
-    assert [r["version"] for r in st["ranks"]] == [version] * len(st["ranks"]), st
-    label, tokens = greedy_tokens(stack)
+    reference tokens (the engine must be running). Until the stack serves again (e.g. a
+    rank still inside a step lost in an outage, until it leaves and is restarted), a
+    request may answer 503: it is sent again."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = wait_recovered(stack)
+        assert st["weight_version"] == version, st
+        assert [r["version"] for r in st["ranks"]] == [version] * len(st["ranks"]), st
+        got = greedy_tokens(stack)
+        if got is not None:
+            break
+        assert time.monotonic() < deadline, f"not serving again:\n{stack.log_tail()}"
+        time.sleep(1)
+    label, tokens = got
     assert tokens == reference(stack, version), (label, tokens)
     assert label in ("", version)
 
