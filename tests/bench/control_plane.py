@@ -89,6 +89,7 @@ async def measure(
 
         await nc.subscribe(inbox, cb=on_reply)
         await nc.flush()
+        await nc.flush()
 
         async def req() -> None:
             await nc.request(single, b"{}", timeout=5)

@@ -1,15 +1,18 @@
 """Raw core-NATS 1 MiB publish→subscribe throughput between two nats-py processes:
 the wire baseline of the checkpoint benchmark.
 
-``python -m tests.bench.rawpipe sub URL SUBJECT N`` prints ``ready``, then the MiB/s of
-N 1 MiB messages; ``... pub URL SUBJECT N`` sends them. What is in flight is bounded to
-32 MiB with credits (the subscriber grants 8 more messages after every 8 it reads), as
-any reader must: the server silently drops a client with more than 64 MiB pending.
+``python -m tests.bench.rawpipe sub URL SUBJECT N`` prints ``ready``, then one JSON line
+``{"mib_s", "t0", "t1", "bytes"}`` for N 1 MiB messages (``t0``/``t1``: ``time.monotonic()``
+at the first and the last message, comparable across processes on one host);
+``... pub URL SUBJECT N`` sends them. What is in flight is bounded to 32 MiB with credits
+(the subscriber grants 8 more messages after every 8 it reads), as any reader must: the
+server silently drops a client with more than 64 MiB pending.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sys
 import time
@@ -31,6 +34,7 @@ async def pub(url: str, subject: str, n: int) -> None:
 
     await nc.subscribe(subject + ".credit", cb=on_credit)
     await nc.flush()
+    await nc.flush()  # nats-py: the first flush can return before the server saw the SUB
     data = os.urandom(MIB)
     for _ in range(n):
         await credit.acquire()
@@ -49,19 +53,25 @@ async def sub(url: str, subject: str, n: int) -> None:
     async def on_msg(msg) -> None:  # noqa: ANN001
         nonlocal got, t0
         if got == 0:
-            t0 = time.perf_counter()
+            t0 = time.monotonic()
         got += 1
         if got % GRANT == 0:
             await nc.publish(subject + ".credit", str(GRANT).encode())
         if got == n:
-            done.set_result(time.perf_counter())
+            done.set_result(time.monotonic())
 
     await nc.subscribe(subject, cb=on_msg, pending_bytes_limit=128 * MIB)
     await nc.flush()
+    await nc.flush()  # nats-py: the first flush can return before the server saw the SUB
     print("ready", flush=True)
-    t1 = await done
+    try:
+        t1 = await asyncio.wait_for(done, 300)
+    except TimeoutError:
+        print(json.dumps({"error": f"got {got} of {n} messages in 300 s"}), flush=True)
+        sys.exit(1)
     # the first message starts the clock: n-1 messages were timed
-    print(f"{(n - 1) / (t1 - t0):.1f}", flush=True)
+    out = {"mib_s": (n - 1) / (t1 - t0), "t0": t0, "t1": t1, "bytes": n * MIB}
+    print(json.dumps(out), flush=True)
     await nc.close()
 
 

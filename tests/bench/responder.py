@@ -23,6 +23,7 @@ async def main(url: str, subject: str, n: int, first: int = 0) -> None:
 
         await nc.subscribe(subject, queue=f"rank{i}", cb=answer)
         await nc.flush()
+        await nc.flush()  # nats-py: the first flush can return before the server saw the SUB
         conns.append(nc)
     print("ready", flush=True)
     await asyncio.Event().wait()
