@@ -21,3 +21,7 @@ bench *ARGS:
 lint:
     ruff check shared services tests
     mypy shared
+
+# rewrite the README's benchmark section from bench.json (written by `just bench`)
+bench-readme:
+    python -m tests.bench.report bench.json --readme README.md

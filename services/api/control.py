@@ -36,6 +36,12 @@ def reply_response(reply: m.ControlReply) -> JSONResponse:
 
 
 async def call(deps: Deps, request: Request, method: str, args: dict[str, Any] | bytes) -> Response:
+    return reply_response(await call_reply(deps, request, method, args))
+
+
+async def call_reply(
+    deps: Deps, request: Request, method: str, args: dict[str, Any] | bytes
+) -> m.ControlReply:
     rid = request.headers.get("x-request-id") or new_request_id()
     try:
         admin_check(deps, request)
@@ -44,7 +50,7 @@ async def call(deps: Deps, request: Request, method: str, args: dict[str, Any] |
     except ControlError as e:
         reply = m.ControlReply(rid, e.code, e.message, None)
     deps.metrics.control(method, reply.error_code)
-    return reply_response(reply)
+    return reply
 
 
 def _client(request: Request) -> str:
@@ -80,11 +86,10 @@ def routes(deps: Deps) -> list[Route]:
         return await call(deps, request, "resume", {})
 
     async def is_paused(request: Request) -> Response:
-        resp = await call(deps, request, "is_paused", {})
-        if resp.status_code == 200:
-            body = json.loads(bytes(resp.body))
-            return JSONResponse({"is_paused": body["result"]["is_paused"]})
-        return resp
+        reply = await call_reply(deps, request, "is_paused", b"{}")
+        if reply.error_code == 200 and reply.result is not None:
+            return JSONResponse({"is_paused": reply.result["is_paused"]})
+        return reply_response(reply)
 
     async def sleep(request: Request) -> Response:
         return await call(deps, request, "sleep", _query_args(request, "tags"))
@@ -101,10 +106,10 @@ def routes(deps: Deps) -> list[Route]:
         return await call(deps, request, "update_weights", body or b"{}")
 
     async def status(request: Request) -> Response:
-        resp = await call(deps, request, "status", {})
-        if resp.status_code == 200:
-            return JSONResponse(json.loads(bytes(resp.body))["result"])
-        return resp
+        reply = await call_reply(deps, request, "status", b"{}")
+        if reply.error_code == 200 and reply.result is not None:
+            return JSONResponse(reply.result)
+        return reply_response(reply)
 
     def legacy(method: str):  # noqa: ANN202 - route factory
         async def route(request: Request) -> Response:
