@@ -111,9 +111,19 @@ def _raw_flows(url: str, mib: int, flows: int) -> list[dict[str, Any]]:
         sub.stdout.readline()
         subs.append((sub, subj))
     pubs = [
-        subprocess.Popen([sys.executable, "-m", "tests.bench.rawpipe", "pub", url, subj, str(mib)])
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.bench.rawpipe", "pub", url, subj, str(mib), "--wait"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
         for _, subj in subs
     ]
+    for p in pubs:  # every publisher connected before any starts: the flows overlap fully
+        assert p.stdout is not None
+        p.stdout.readline()
+    for p in pubs:
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.flush()
     try:
         return [_json_line(s) for s, _ in subs]
     finally:
