@@ -248,6 +248,8 @@ async def put_object(
     except BaseException:
         if not all_acked.done():
             all_acked.cancel()
+        elif not all_acked.cancelled():
+            all_acked.exception()  # retrieved: the error raised is the one that matters
         try:
             await js.purge_stream(_stream(bucket), subject=subj)
         except Exception:  # noqa: BLE001 - the original error is what matters

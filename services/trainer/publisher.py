@@ -396,7 +396,14 @@ class CheckpointPublisher:
                     with contextlib.suppress(BufferError):
                         buf.close()
 
-            await asyncio.gather(*(one(i, lay) for i, lay in enumerate(layouts)))
+            tasks = [asyncio.ensure_future(one(i, lay)) for i, lay in enumerate(layouts)]
+            try:
+                await asyncio.gather(*tasks)
+            except BaseException:
+                for t in tasks:  # one shard failed: stop the others (their chunks are purged)
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
         finally:
             pool.shutdown(wait=False)
         man = _manifest(model, version, tp, layouts, shas)

@@ -86,17 +86,22 @@ def _aggregate(results: list[dict[str, Any]]) -> float:
     return sum(r["bytes"] for r in results) / MIB / max(wall, 1e-9)
 
 
-def raw_flows(url: str, mib: int, flows: int, attempts: int = 3) -> list[dict[str, Any]]:
-    """``flows`` raw core-NATS publisher→subscriber process pairs at once. A flow that
-    loses messages (seen now and then on a loaded machine) is logged and run again."""
+def _retry(fn: Any, *args: Any, attempts: int = 3) -> Any:
+    """``fn(*args)``, run again (logged) when it fails: a raw flow that loses messages or a
+    pull cut short happen now and then on a loaded machine; the failure is never measured."""
     for i in range(1, attempts + 1):
         try:
-            return _raw_flows(url, mib, flows)
+            return fn(*args)
         except RuntimeError as e:
             if i == attempts:
                 raise
-            log.warning("raw flow failed (%s); again (%d/%d)", e, i, attempts)
+            log.warning("%s failed (%s); again (%d/%d)", fn.__name__, e, i, attempts)
     raise AssertionError("unreachable")
+
+
+def raw_flows(url: str, mib: int, flows: int) -> list[dict[str, Any]]:
+    """``flows`` raw core-NATS publisher→subscriber process pairs at once (retried)."""
+    return list(_retry(_raw_flows, url, mib, flows))
 
 
 def _raw_flows(url: str, mib: int, flows: int) -> list[dict[str, Any]]:
@@ -139,7 +144,13 @@ def pullers(url: str, objects: list[tuple[str, str | None]], timeout: float = 30
     dict[str, Any]
 ]:
     """One :mod:`tests.bench.puller` process per (object, sha/"stock"/None), started
-    together once all are connected."""
+    together once all are connected (retried)."""
+    return list(_retry(_pullers, url, objects, timeout))
+
+
+def _pullers(url: str, objects: list[tuple[str, str | None]], timeout: float) -> list[
+    dict[str, Any]
+]:
     procs = []
     for name, sha in objects:
         procs.append(subprocess.Popen(
