@@ -214,7 +214,10 @@ async def put_object(
             if ready is not None:
                 await ready(end)
             try:
-                await asyncio.wait_for(window.acquire(), ack_timeout)
+                if window.locked():  # only a full window waits (and only then with a timer)
+                    await asyncio.wait_for(window.acquire(), ack_timeout)
+                else:
+                    await window.acquire()
             except TimeoutError:
                 raise ObjectReadError(
                     f"put {bucket}/{name}: no ack for {ack_timeout:g}s (server gone?)"
