@@ -224,7 +224,14 @@ async def put_object(
                 ) from None
             reply = f"{inbox}.{i}"
             inflight[reply] = end - off
-            await nc.publish(subj, view[off:end], reply=reply)  # type: ignore[arg-type]
+            w = _direct_writer(nc)
+            if w is not None:  # straight from our buffer to the socket
+                w.write(b"PUB %s %s %d\r\n" % (subj.encode(), reply.encode(), end - off))
+                w.write(view[off:end])
+                w.write(b"\r\n")
+                await asyncio.sleep(0)  # let the transport write it out
+            else:
+                await nc.publish(subj, view[off:end], reply=reply)  # type: ignore[arg-type]
         try:
             await asyncio.wait_for(asyncio.shield(all_acked), ack_timeout)
         except TimeoutError:
@@ -265,6 +272,24 @@ async def put_object(
     if old is not None:
         await js.purge_stream(_stream(bucket), subject=_chunk_subject(bucket, old.nuid))
     return ObjectMeta(name, size, n_chunks, nuid, hexd)
+
+
+def _direct_writer(nc: Client) -> asyncio.StreamWriter | None:
+    """nats-py's socket writer, when a chunk may go straight to it: a plain connected
+    stream and nothing of nats-py's own waiting to be written before it (so the order of
+    commands is kept; our ack subscription is always written first). nats-py's publish
+    would copy each 1 MiB chunk twice more (command concatenation, then the join of its
+    pending list) before the socket copies it. Else None: publish through nats-py."""
+    tr = getattr(nc, "_transport", None)
+    w = getattr(tr, "_io_writer", None)
+    if (
+        not isinstance(w, asyncio.StreamWriter)
+        or not nc.is_connected
+        or nc._pending_data_size
+        or w.transport.is_closing()
+    ):
+        return None
+    return w
 
 
 def _sha256_hex(view: memoryview) -> str:

@@ -139,7 +139,12 @@ def _map_safetensors(f: Path) -> dict[str, np.ndarray]:
     into memory: the publisher copies each byte once, from the page cache into the
     shard). Files with a dtype numpy lacks (bf16...) are loaded by safetensors."""
     try:
-        mm = np.memmap(f, dtype=np.uint8, mode="r")
+        with open(f, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # one pass, no faults
+            mm = np.frombuffer(
+                mmap.mmap(fh.fileno(), size, flags=flags, prot=mmap.PROT_READ), np.uint8
+            )
         (n,) = struct.unpack("<Q", bytes(mm[:8]))
         if n > len(mm) - 8:
             raise ValueError("header larger than the file")
@@ -155,7 +160,7 @@ def _map_safetensors(f: Path) -> dict[str, np.ndarray]:
                 raise ValueError(f"{name}: offsets do not match its shape")
             out[name] = mm[8 + n + a : 8 + n + b].view(dt).reshape(shape)
         return out
-    except (KeyError, ValueError, TypeError, struct.error):
+    except (KeyError, ValueError, TypeError, OSError, struct.error):
         return dict(load_file(str(f)))  # safetensors' own reader and its own errors
 
 
@@ -355,7 +360,8 @@ class CheckpointPublisher:
             acked = [0] * len(layouts)
 
             async def one(i: int, lay: ShardLayout) -> None:
-                buf = mmap.mmap(-1, max(1, lay.size))
+                # pages faulted in by the kernel at once, off the event loop
+                buf = await loop.run_in_executor(pool, _anon_buffer, lay.size)
                 filled = [0]
                 wake = asyncio.Event()
 
@@ -536,6 +542,16 @@ def _write_private(path: Path, data: bytes) -> None:
     fd = os.open(path, flags, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
+
+
+def _anon_buffer(size: int) -> mmap.mmap:
+    """A fresh anonymous buffer with its pages already in (``MAP_POPULATE``: one kernel
+    pass instead of a page fault per 4 KiB while the shard is written)."""
+    flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20)
+    try:
+        return mmap.mmap(-1, max(1, size), flags=flags | getattr(mmap, "MAP_POPULATE", 0))
+    except OSError:  # e.g. not enough memory to populate now: fault pages as they come
+        return mmap.mmap(-1, max(1, size))
 
 
 def _fill_scratch(lay: ShardLayout, sha: Any) -> None:
