@@ -59,7 +59,7 @@ def main() -> None:
     doc = {
         "meta": {
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t_start)),
-            "command": "python -m tests.bench " + " ".join(sys.argv[1:]),
+            "command": " ".join(["python -m tests.bench", *sys.argv[1:]]),
             "runs": runs,
             "quick": quick,
             "load_avg": load,
