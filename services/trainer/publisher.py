@@ -141,7 +141,9 @@ def _map_safetensors(f: Path) -> dict[str, np.ndarray]:
     try:
         with open(f, "rb") as fh:
             size = os.fstat(fh.fileno()).st_size
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # one pass, no faults
+            # MAP_POPULATE: the page-cache pages mapped in one pass (measured faster than
+            # a fault per 4 KiB in the shard-writing threads)
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             mm = np.frombuffer(
                 mmap.mmap(fh.fileno(), size, flags=flags, prot=mmap.PROT_READ), np.uint8
             )
