@@ -36,6 +36,7 @@ from shared.model_config import ModelConfig
 from shared.settings import Settings
 
 RANK = "worker rank"
+ENGINE_FRESH_START = "ROLLBUS_ENGINE_FRESH_START"  # services.engine.main.FRESH_START_ENV
 RANK_RETRIES = 2
 RANK_INIT_FAILED = 3  # services.worker.main.INIT_FAILED: transient (gloo connect refused)
 RANK_CONFIG_ERROR = 2  # services.worker.main.CONFIG_ERROR: never retried
@@ -183,8 +184,8 @@ class Launcher:
         self.settings = s
         return s
 
-    def spawn(self, name: str, args: list[str]) -> None:
-        env = {**QUIET_ENV, **os.environ, **self.settings.to_env()}
+    def spawn(self, name: str, args: list[str], extra_env: dict[str, str] | None = None) -> None:
+        env = {**QUIET_ENV, **os.environ, **self.settings.to_env(), **(extra_env or {})}
         # each child gets its own role's credentials, and only those
         role = "worker" if name.startswith(RANK) else name
         env["ROLLBUS_NATS_URL"] = self.role_urls.get(role, self.settings.nats_url)
@@ -202,7 +203,8 @@ class Launcher:
         self.prepare()
         if self._stopping:  # stopped while preparing: nothing more to start
             return
-        self.spawn("engine", ["services.engine"])
+        # a new stack starts fresh; an engine restarted later restores its stored state
+        self.spawn("engine", ["services.engine"], {ENGINE_FRESH_START: "1"})
         self._spawn_ranks()
         self.spawn("api", ["services.api"])
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import os
 import signal
 import sys
 import time
@@ -37,6 +38,8 @@ from shared.subjects import Subjects
 from shared.tasks import Supervisor
 
 log = logging.getLogger("rollbus.engine")
+
+FRESH_START_ENV = "ROLLBUS_ENGINE_FRESH_START"  # set by the launcher on a stack's first start
 
 ACTOR = "Rollbus-Actor"
 Method = Callable[..., Any]
@@ -170,7 +173,10 @@ class Engine:
         """Ping until every rank answers once. Then take the stored state (KV bucket
         ``rollbus_state``) and bring the ranks to it; on a first start (nothing stored)
         learn the serving version from the ranks."""
-        record = await self.persist.load()
+        # a fresh `rollbus serve` starts from the model dir like any server; only an engine
+        # restarted beside live ranks (by the launcher) takes the stored state back
+        fresh = os.environ.get(FRESH_START_ENV) == "1"
+        record = None if fresh else await self.persist.load()
         update = persist.apply(self, record) if record is not None else None
         while True:
             try:
