@@ -52,6 +52,7 @@ class Timeout(ControlError):
             msg = f"ranks {missing} did not answer on {subject} within {timeout:g}s"
         super().__init__(UNAVAILABLE, msg, {"missing_ranks": missing} if missing else None)
         self.missing = missing or []
+        self.timeout = timeout
 
 
 class NoResponders(ControlError):

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from services.worker.tokenizer import IncrementalDecoder, Tokenizer
 from shared import messages as m
 from shared.bus import Bus, new_request_id
-from shared.errors import ControlError
+from shared.errors import UNAVAILABLE, ControlError, Timeout
 from shared.subjects import Subjects
 
-IDLE_TIMEOUT_S = 30.0  # the engine heartbeats every 5 s while a request waits
+IDLE_TIMEOUT_S = 30.0  # default; the API passes CONTROL_TIMEOUT_S (engine heartbeats faster)
 
 
 @dataclass
@@ -112,6 +112,7 @@ class GenCall:
         *,
         max_unread: int = 4096,
         on_overflow: Callable[[], None] = lambda: None,
+        idle_timeout: float = IDLE_TIMEOUT_S,
     ) -> None:
         self.bus, self.subjects, self.gen, self.on_version = bus, subjects, gen, on_version
         gen.request_id = gen.request_id or new_request_id()
@@ -124,7 +125,7 @@ class GenCall:
         self._replies = bus.stream(
             subjects.gen,
             m.pack(gen),
-            idle_timeout=IDLE_TIMEOUT_S,
+            idle_timeout=idle_timeout,
             request_id=gen.request_id,
             max_unread=max_unread,
             on_overflow=on_overflow,
@@ -133,7 +134,14 @@ class GenCall:
         self._closed = False
 
     async def _next(self) -> m.GenChunk:
-        rep = await self._replies.__anext__()
+        try:
+            rep = await self._replies.__anext__()
+        except Timeout as e:  # no token and no heartbeat: name the engine, not an inbox
+            raise ControlError(
+                UNAVAILABLE,
+                f"engine: no answer for {e.timeout:g}s (no heartbeat): it stopped or NATS "
+                "is unreachable; the request was not completed",
+            ) from None
         chunk = m.unpack(rep.data, type=m.GenChunk)
         if chunk.version:
             self.on_version(chunk.version)

@@ -443,6 +443,9 @@ class OpenAIRoutes:
                 self._seen,
                 max_unread=s.stream_buffer * job.gen.n,  # a step sends n chunks at once
                 on_overflow=gave_up.set,
+                # the engine heartbeats every CONTROL_TIMEOUT_S / 3 at most: silence this
+                # long means it is gone (killed, or NATS lost)
+                idle_timeout=s.control_timeout_s,
             )
             await until_disconnect(request, call.open())  # refused (400/429/503) -> raises
             if job.stream:

@@ -302,7 +302,8 @@ class Generation:
         unless the step loop is wedged: then restart it, which fails them with 503."""
         s = self.engine.settings
         while True:
-            await asyncio.sleep(min(HEARTBEAT_S, s.stall_s))
+            # the API gives a request up after CONTROL_TIMEOUT_S of silence
+            await asyncio.sleep(min(HEARTBEAT_S, s.stall_s, s.control_timeout_s / 3))
             if self.active and time.monotonic() - self.last_progress > (
                 s.stall_s + s.control_timeout_s
             ):

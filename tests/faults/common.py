@@ -214,6 +214,7 @@ class Stream(threading.Thread):
         self.error: Any = None
         self.status = 0
         self.seconds = 0.0
+        self.ended_at = 0.0
         self.started = threading.Event()
         self.start()
 
@@ -253,7 +254,8 @@ class Stream(threading.Thread):
         except httpx.HTTPError as e:
             self.outcome, self.error = "cut", repr(e)
         finally:
-            self.seconds = time.monotonic() - t0
+            self.ended_at = time.monotonic()
+            self.seconds = self.ended_at - t0
             self.started.set()
 
     def result(self, bound: float = GEN_BOUND) -> Stream:
