@@ -354,6 +354,9 @@ async def test_allowed_checkpoint_paths(server: Server) -> None:
     worker = await Bus.connect(server.url("worker"), "worker")
     op = await connect(server.url("operator"), "operator")
     try:
+        # the engine creates the stream and the bucket at start; the trainer only finds them
+        await objstore.ensure_ckpt_stream(engine.nc, "tiny")
+        await objstore.ensure_bucket(engine.nc, BUCKET)
         tnc = trainer.nc
         await objstore.ensure_ckpt_stream(tnc, "tiny")
         await objstore.ensure_bucket(tnc, BUCKET)
@@ -393,15 +396,15 @@ async def test_allowed_checkpoint_paths(server: Server) -> None:
         await sub.unsubscribe()
 
         await objstore.ensure_events_stream(enc, f"rollbus.{I}.events.>")
-        js_op = op.nc.jetstream()
         got: list[bytes] = []
 
         async def on_event(msg: nats.aio.msg.Msg) -> None:
             got.append(msg.data)
 
-        esub = await js_op.subscribe(
-            f"rollbus.{I}.events.>", stream="ROLLBUS_EVENTS", ordered_consumer=True, cb=on_event
-        )
+        # the operator follows events live (core subscription) and reads the stored ones
+        # by direct get (no consumer: it may not create one)
+        esub = await op.nc.subscribe(f"rollbus.{I}.events.>", cb=on_event)
+        await op.nc.flush()
         await engine.publish(f"rollbus.{I}.events.control", b'{"kind": "x"}')
         for _ in range(100):
             if got:
@@ -409,6 +412,12 @@ async def test_allowed_checkpoint_paths(server: Server) -> None:
             await asyncio.sleep(0.05)
         assert b'{"kind": "x"}' in got
         await esub.unsubscribe()
+        stored = await op.nc.jetstream().get_last_msg(
+            "ROLLBUS_EVENTS", f"rollbus.{I}.events.control", direct=True
+        )
+        assert stored.data == b'{"kind": "x"}'
+        history = await objstore._direct_all(op.nc, "ROLLBUS_EVENTS", f"rollbus.{I}.events.>")
+        assert b'{"kind": "x"}' in [h.data for h in history]
 
         kv = await enc.jetstream().create_key_value(bucket=natsd.KV_BUCKET)
         await kv.put(f"{I}.state", b"serving")
