@@ -7,17 +7,19 @@ write and we read what they write.
 
 Why our own reader (:func:`read_object`): nats-py's ``ObjectStore.get`` answers the
 server's flow-control requests from a 250 ms poll (~57 MiB/s) and concatenates chunks
-quadratically. Ours creates an ephemeral push consumer (no acks, flow control, idle
-heartbeat) on the object's chunk subject and answers every flow-control request the
-moment it is read, in order, so the server's own window bounds what is in flight (a
-few MiB, far under the 64 MiB at which it silently drops a slow client). Chunks are
+quadratically. Ours creates no consumer at all (a role that may create a push consumer
+can have stored messages delivered to any subject: only the engine may): it reads the
+object's chunk subject with batched direct gets (``$JS.API.DIRECT.GET``,
+``next_by_subj``, ``READ_BATCH`` chunks per request, the next asked when a batch's end
+marker arrives), so at most ``READ_BATCH`` MiB are in flight (far under the 64 MiB at
+which the server silently drops a slow client). Chunks are
 copied straight into one preallocated anonymous mmap of the object's size (pages
 are only touched when written, and unmapped when freed). The SHA-256, when asked, is
 computed on a helper thread over the filled prefix while later chunks arrive
 (``hashlib`` releases the GIL for large buffers), so verifying costs little wall time.
-Every chunk's consumer sequence is checked: a lost chunk, a stall or a disconnect
-fails the read (:class:`ObjectReadError`); a size or digest mismatch raises
-:class:`ObjectCorrupt`. Nothing partial is ever returned.
+Every chunk's stream sequence must grow and the chunk count and size must match the
+meta: a stall or a disconnect fails the read (:class:`ObjectReadError`); a lost chunk, a
+size or digest mismatch raises :class:`ObjectCorrupt`. Nothing partial is ever returned.
 
 Our writer (:func:`put_object`) pipelines chunk publishes with a bounded window of
 outstanding JetStream acks (nats-py's ``put`` waits for each ack in turn) and writes
@@ -161,7 +163,11 @@ async def _ensure_bucket(nc: Client, bucket: str, replicas: int | None = None) -
             return
         except BadRequestError:  # created concurrently by another publisher
             await js.object_store(bucket)
-    await _scale_up(js, (await js.stream_info(_stream(bucket))).config, n)
+    cfg = (await js.stream_info(_stream(bucket))).config
+    if not cfg.allow_direct:  # our reader uses direct get (a bucket made by an old client)
+        cfg.allow_direct = True
+        await js.update_stream(cfg)
+    await _scale_up(js, cfg, n)
 
 
 async def _js_retry(what: str, fn: Callable[[], Awaitable[Any]], nc: Client, wait: float) -> Any:
