@@ -276,7 +276,7 @@ class Bus:
             return
         no_responders = headers.get(STATUS) == "503" and not msg.data
         got = headers.get(REQUEST_ID)
-        if (got is not None and got != self._rids.get(rid)) or (
+        if (got and got != self._rids.get(rid)) or (
             not headers and _jetstream_answer(msg.data)
         ):
             # not our responder's answer (ours echo the request id): e.g. a JetStream

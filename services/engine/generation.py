@@ -117,7 +117,7 @@ class Generation:
         chunk. Anything may arrive here over raw NATS: nothing in it can fail the loop."""
         if not msg.reply:
             return
-        rid = ""
+        rid = (msg.headers or {}).get(REQUEST_ID, "")  # a refusal names the request too
         try:
             gen = self.admit_request(msg.data)
             rid = gen.request_id
