@@ -32,3 +32,7 @@ lint:
 # rollbus on a 3-node NATS cluster (infra/nats/cluster-*.conf), nodes killed under load
 cluster *ARGS:
     ROLLBUS_CLUSTER_TESTS=1 python -m pytest -q tests/cluster -p no:randomly {{ARGS}}
+
+# rewrite the README's benchmark section from bench.json (written by `just bench`)
+bench-readme:
+    python -m tests.bench.report bench.json --readme README.md

@@ -36,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import ctypes
-import functools
 import hashlib
 import json
 import logging
@@ -219,12 +218,27 @@ async def put_object(
     nc: Client,
     bucket: str,
     name: str,
-    data: bytes | bytearray | memoryview,
+    data: bytes | bytearray | memoryview | mmap.mmap,
     progress: Progress | None = None,
+    *,
+    ready: Callable[[int], Awaitable[None]] | None = None,
+    digest: Callable[[], Awaitable[str]] | None = None,
+    ack_timeout: float = 30.0,
 ) -> ObjectMeta:
-    """Write ``data`` as object ``name``; chunks first (pipelined), meta last."""
+    """Write ``data`` as object ``name``; chunks first (pipelined), meta last.
+
+    Chunks go out as slices of ``data`` (no copy of ours), at most :data:`PUT_WINDOW`
+    unacknowledged at a time. The SHA-256 of the meta is computed on a helper thread
+    while the chunks are sent, unless ``digest`` (an awaitable of the hex digest) gives
+    it. ``ready(n)``, when given, is awaited before a chunk that ends at byte ``n`` is
+    sent: ``data`` may still be being written behind it (then ``digest`` is required).
+    ``progress(n)`` is called with the bytes acknowledged so far.
+    """
+    if ready is not None and digest is None:
+        raise ValueError("put_object: ready= needs digest= (the data is not final yet)")
     js = nc.jetstream()
     view = memoryview(data).cast("B")
+    size = len(view)
     chunk = max(1024, min(CHUNK_SIZE, nc.max_payload))
     nuid = nc._nuid.next().decode()  # a fresh chunk subject, as every NATS client does
     subj = _chunk_subject(bucket, nuid)
@@ -233,61 +247,86 @@ async def put_object(
     except ObjectMissing:
         old = None
 
+    loop = asyncio.get_running_loop()
+    pool: ThreadPoolExecutor | None = None
+    hashed: asyncio.Future[str] | None = None
+    if digest is None:
+        pool = ThreadPoolExecutor(1, thread_name_prefix="sha256")
+        hashed = loop.run_in_executor(pool, _sha256_hex, view)
+
     inbox = nc.new_inbox()
-    acks: dict[str, asyncio.Future[bytes]] = {}
+    inflight: dict[str, int] = {}  # reply subject -> chunk size
     window = asyncio.Semaphore(PUT_WINDOW)
     errors: list[str] = []
-    done = 0
+    acked = 0
+    all_acked: asyncio.Future[None] = loop.create_future()
+    n_chunks = (size + chunk - 1) // chunk
 
     async def on_ack(msg: Msg) -> None:
-        fut = acks.pop(msg.subject, None)
-        if fut is not None and not fut.done():
-            fut.set_result(msg.data)
+        nonlocal acked
+        n = inflight.pop(msg.subject, None)
+        if n is None:
+            return
+        window.release()
+        body = msg.data or b""
+        if not body or b'"error"' in body:
+            err = json.loads(body or b"{}").get("error", "no ack (no JetStream stream?)")
+            errors.append(str(err))
+            if not all_acked.done():
+                all_acked.set_exception(ObjectReadError(f"put {bucket}/{name}: {err}"))
+            return
+        acked += n
+        if progress:
+            progress(acked)
+        if acked == size and not all_acked.done():
+            all_acked.set_result(None)
 
     sub = await nc.subscribe(inbox + ".*", cb=on_ack)
-    loop = asyncio.get_running_loop()
-
-    def settle(fut: asyncio.Future[bytes], n: int) -> None:
-        nonlocal done
-        window.release()
-        if fut.cancelled():
-            return
-        body = json.loads(fut.result() or b"{}")
-        if "error" in body or not body:
-            errors.append(str(body.get("error", "no ack")))
-            return
-        done += n
-        if progress:
-            progress(done)
-
-    sha = hashlib.sha256()
-    pending: list[asyncio.Future[bytes]] = []
     try:
-        for i, off in enumerate(range(0, len(view), chunk)):
+        if size == 0:
+            all_acked.set_result(None)
+        for i in range(n_chunks):
             if errors:
                 break
-            await window.acquire()
-            piece = view[off : off + chunk]
-            sha.update(piece)
+            off = i * chunk
+            end = min(size, off + chunk)
+            if ready is not None:
+                await ready(end)
+            try:
+                if window.locked():  # only a full window waits (and only then with a timer)
+                    await asyncio.wait_for(window.acquire(), ack_timeout)
+                else:
+                    await window.acquire()
+            except TimeoutError:
+                raise ObjectReadError(
+                    f"put {bucket}/{name}: no ack for {ack_timeout:g}s (server gone?)"
+                ) from None
             reply = f"{inbox}.{i}"
-            fut: asyncio.Future[bytes] = loop.create_future()
-            size = len(piece)
-            fut.add_done_callback(functools.partial(settle, n=size))
-            acks[reply] = fut
-            pending.append(fut)
-            await nc.publish(subj, bytes(piece), reply=reply)
-        if pending:
-            await asyncio.wait_for(asyncio.gather(*pending), timeout=30)
-        if errors:
-            raise ObjectReadError(f"put {bucket}/{name}: {errors[0]}")
+            inflight[reply] = end - off
+            w = _direct_writer(nc)
+            if w is not None:  # straight from our buffer to the socket
+                w.write(b"PUB %s %s %d\r\n" % (subj.encode(), reply.encode(), end - off))
+                w.write(view[off:end])
+                w.write(b"\r\n")
+                await asyncio.sleep(0)  # let the transport write it out
+            else:
+                await nc.publish(subj, view[off:end], reply=reply)  # type: ignore[arg-type]
+        try:
+            await asyncio.wait_for(asyncio.shield(all_acked), ack_timeout)
+        except TimeoutError:
+            raise ObjectReadError(
+                f"put {bucket}/{name}: {len(inflight)} chunks unacknowledged after "
+                f"{ack_timeout:g}s"
+            ) from None
+        hexd = await (digest() if digest is not None else hashed)  # type: ignore[misc]
         info = api.ObjectInfo(
             name=name,
             bucket=bucket,
             nuid=nuid,
-            size=len(view),
-            chunks=len(pending),
+            size=size,
+            chunks=n_chunks,
             mtime=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            digest=DIGEST_PREFIX + base64.urlsafe_b64encode(sha.digest()).decode(),
+            digest=DIGEST_PREFIX + base64.urlsafe_b64encode(bytes.fromhex(hexd)).decode(),
             options=api.ObjectMetaOptions(max_chunk_size=chunk),
         )
         await js.publish(
@@ -296,15 +335,47 @@ async def put_object(
             headers={"Nats-Rollup": "sub"},
         )
     except BaseException:
-        for f in pending:
-            f.cancel()
-        await js.purge_stream(_stream(bucket), subject=subj)
+        if not all_acked.done():
+            all_acked.cancel()
+        elif not all_acked.cancelled():
+            all_acked.exception()  # retrieved: the error raised is the one that matters
+        try:
+            await js.purge_stream(_stream(bucket), subject=subj)
+        except Exception:  # noqa: BLE001 - the original error is what matters
+            pass
         raise
     finally:
         await sub.unsubscribe()
+        if pool is not None:
+            pool.shutdown(wait=False)
     if old is not None:
         await js.purge_stream(_stream(bucket), subject=_chunk_subject(bucket, old.nuid))
-    return ObjectMeta(name, len(view), len(pending), nuid, sha.hexdigest())
+    return ObjectMeta(name, size, n_chunks, nuid, hexd)
+
+
+def _direct_writer(nc: Client) -> asyncio.StreamWriter | None:
+    """nats-py's socket writer, when a chunk may go straight to it: a plain connected
+    stream and nothing of nats-py's own waiting to be written before it (so the order of
+    commands is kept; our ack subscription is always written first). nats-py's publish
+    would copy each 1 MiB chunk twice more (command concatenation, then the join of its
+    pending list) before the socket copies it. Else None: publish through nats-py."""
+    tr = getattr(nc, "_transport", None)
+    w = getattr(tr, "_io_writer", None)
+    if (
+        not isinstance(w, asyncio.StreamWriter)
+        or not nc.is_connected
+        or nc._pending_data_size
+        or w.transport.is_closing()
+    ):
+        return None
+    return w
+
+
+def _sha256_hex(view: memoryview) -> str:
+    sha = hashlib.sha256()
+    for a in range(0, len(view), HASH_STRIDE):
+        sha.update(view[a : a + HASH_STRIDE])  # releases the GIL: overlaps the sending
+    return sha.hexdigest()
 
 
 # --------------------------------------------------------------------------- reader

@@ -63,6 +63,12 @@ def check_args(method: str, data: bytes) -> None:
 
 
 async def call(deps: Deps, request: Request, method: str, args: dict[str, Any] | bytes) -> Response:
+    return _echo(request, reply_response(await call_reply(deps, request, method, args)))
+
+
+async def call_reply(
+    deps: Deps, request: Request, method: str, args: dict[str, Any] | bytes
+) -> m.ControlReply:
     client_id = request.headers.get("x-request-id")
     rid = client_id or new_request_id()
     try:
@@ -74,7 +80,7 @@ async def call(deps: Deps, request: Request, method: str, args: dict[str, Any] |
     except ControlError as e:
         reply = m.ControlReply(rid, e.code, e.message, e.result)
     deps.metrics.control(method, reply.error_code)
-    return _echo(request, reply_response(reply))
+    return reply
 
 
 def _echo(request: Request, resp: Response) -> Response:
@@ -139,11 +145,10 @@ def routes(deps: Deps) -> list[Route]:
         return await call(deps, request, "resume", {})
 
     async def is_paused(request: Request) -> Response:
-        resp = await call(deps, request, "is_paused", {})
-        if resp.status_code == 200:
-            body = json.loads(bytes(resp.body))
-            return _echo(request, JSONResponse({"is_paused": body["result"]["is_paused"]}))
-        return resp
+        reply = await call_reply(deps, request, "is_paused", b"{}")
+        if reply.error_code == 200 and reply.result is not None:
+            return _echo(request, JSONResponse({"is_paused": reply.result["is_paused"]}))
+        return _echo(request, reply_response(reply))
 
     async def sleep(request: Request) -> Response:
         return await _query_or_body(deps, request, "sleep", "tags")
@@ -161,14 +166,14 @@ def routes(deps: Deps) -> list[Route]:
         return await call(deps, request, "update_weights", body or b"{}")
 
     async def status(request: Request) -> Response:
-        resp = await call(deps, request, "status", {})
-        if resp.status_code == 200:
-            body = json.loads(bytes(resp.body))["result"]
+        reply = await call_reply(deps, request, "status", b"{}")
+        if reply.error_code == 200 and reply.result is not None:
+            body = reply.result
             if deps.bus is not None:  # the API's own process and bus, beside the engine's
                 bus = {"pending": deps.bus.pending, "dropped": deps.bus.dropped_replies}
                 body["api"] = {"pid": os.getpid(), "bus": bus}
             return _echo(request, JSONResponse(body))
-        return resp
+        return _echo(request, reply_response(reply))
 
     def legacy(method: str):  # noqa: ANN202 - route factory
         async def route(request: Request) -> Response:

@@ -137,8 +137,10 @@ class CrossSiteGuard:
         self.loopback_only = loopback_only
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
+        if scope["type"] != "http" or not changes_state(
+            scope.get("method", "GET"), scope.get("path", "")
+        ):
+            await self.app(scope, receive, send)  # nothing to check: no header decoding
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         path = scope.get("path", "")

@@ -27,24 +27,30 @@ def nats_url_of(args: argparse.Namespace, settings: Settings) -> str:
 
 
 class ProgressLine:
-    """``  12.0/512.0 MiB  345.6 MiB/s`` on stderr, at most every 0.1 s."""
+    """``model/v [######----]  12.0/512.0 MiB  345.6 MiB/s`` on stderr: rewritten in place
+    at most every 0.1 s when stderr is a terminal; otherwise (a log, a pipe) only the
+    final line."""
 
     def __init__(self, label: str, stream: object = None) -> None:
         self.label = label
         self.stream = stream or sys.stderr
+        self.live = bool(getattr(self.stream, "isatty", lambda: False)())
         self.t0 = time.perf_counter()
         self.last = 0.0
         self.shown = False
 
     def __call__(self, done: int, total: int) -> None:
         now = time.perf_counter()
-        if done < total and now - self.last < 0.1:
+        if done < total and (not self.live or now - self.last < 0.1):
             return
         self.last = now
         mib = done / (1 << 20)
         rate = mib / max(now - self.t0, 1e-9)
+        width = 24
+        fill = round(width * done / total) if total else width
+        bar = "#" * fill + "-" * (width - fill)
         print(
-            f"\r{self.label} {mib:8.1f}/{total / (1 << 20):.1f} MiB {rate:8.1f} MiB/s",
+            f"\r{self.label} [{bar}] {mib:8.1f}/{total / (1 << 20):.1f} MiB {rate:8.1f} MiB/s",
             end="",
             file=self.stream,  # type: ignore[arg-type]
             flush=True,

@@ -94,9 +94,16 @@ def detect_prefix(names: Mapping[str, Any]) -> str | None:
 
 
 def to_inference(
-    state: Mapping[str, Any], cfg: mdl.ModelConfig, prefix: str | None = None
+    state: Mapping[str, Any],
+    cfg: mdl.ModelConfig,
+    prefix: str | None = None,
+    *,
+    contiguous: bool = True,
 ) -> dict[str, np.ndarray]:
     """A training-named state dict (paddle or numpy) as HF-named, HF-layout numpy arrays.
+
+    ``contiguous=False`` leaves transposed weights as transposed views (no copy): the
+    publisher copies each byte once, straight into the shard it uploads.
 
     Raises ``ValueError`` naming unknown or missing tensors. A dict with no
     ``llama.``/``qwen2.`` name is taken as HF-named and HF-layout and passes through.
@@ -117,7 +124,9 @@ def to_inference(
         if name in to_inf:
             inf = to_inf[name]
             a = to_numpy(t)
-            out[inf] = np.ascontiguousarray(a.T) if is_transposed(inf) and a.ndim == 2 else a
+            if is_transposed(inf) and a.ndim == 2:
+                a = np.ascontiguousarray(a.T) if contiguous else a.T
+            out[inf] = a
         elif name in wanted:
             out[name] = to_numpy(t)
         else:

@@ -7,8 +7,13 @@ Used by the publisher (object store) and to write pre-sharded snapshot versions
 from __future__ import annotations
 
 import hashlib
+import json
+import struct
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from safetensors.numpy import save
@@ -36,10 +41,163 @@ def shard_state(
     ]
 
 
+# safetensors dtype names, and the order safetensors writes tensors in (by dtype,
+# larger first, then by name); other dtypes go through safetensors itself
+_ST_DTYPE = {
+    "bool": "BOOL", "uint8": "U8", "int8": "I8", "int16": "I16", "uint16": "U16",
+    "float16": "F16", "int32": "I32", "uint32": "U32", "float32": "F32",
+    "float64": "F64", "int64": "I64", "uint64": "U64",
+}
+_ST_ORDER = {d: i for i, d in enumerate(
+    ["BOOL", "U8", "I8", "I16", "U16", "F16", "I32", "U32", "F32", "F64", "I64", "U64"]
+)}
+FILL_BLOCK = 4 << 20  # copy (and hash) in blocks this large, while they are in cache
+TILE = 256  # a transposed source is copied in TILE × TILE tiles
+
+
+@dataclass
+class ShardLayout:
+    """One rank's safetensors file, planned but not yet written: its header and, for each
+    tensor, the source array (a view: a slice of the full tensor, possibly transposed)
+    and where its bytes go. :meth:`fill` writes it with one copy per byte."""
+
+    rank: int
+    file: str
+    header: bytes
+    size: int
+    parts: list[tuple[str, np.ndarray, int]]  # (name, source view, offset in the file)
+    tensors: dict[str, mf.TensorSpec] = field(default_factory=dict)
+
+    def fill(
+        self,
+        buf: Any,
+        sha: Any = None,
+        on_filled: Callable[[int], None] | None = None,
+    ) -> None:
+        """Write the file into ``buf`` (``size`` bytes, writable) in order; hash each block
+        right after copying it when ``sha`` is given; ``on_filled(n)`` after every block:
+        the first ``n`` bytes are final. Numpy and hashlib release the GIL here."""
+        view = memoryview(buf).cast("B")
+        view[: len(self.header)] = self.header
+        if sha is not None:
+            sha.update(self.header)
+        done = len(self.header)
+        for _, src, off in self.parts:
+            flat = np.frombuffer(view, np.uint8, src.nbytes, off).view(src.dtype)
+            dst = flat.reshape(src.shape) if src.ndim else flat
+            rows = src.shape[0] if src.ndim > 1 else 1
+            step = max(1, FILL_BLOCK // max(1, src.nbytes // max(rows, 1))) if src.ndim > 1 else 1
+            tiled = src.ndim == 2 and not src.flags.c_contiguous
+            if tiled:  # a transposed view: tiles keep both sides in cache (≈ 3× faster)
+                step = max(TILE, step // TILE * TILE)
+            for a in range(0, rows, step):
+                if tiled:
+                    for j in range(0, src.shape[1], TILE):
+                        for i in range(a, min(rows, a + step), TILE):
+                            np.copyto(dst[i : i + TILE, j : j + TILE],
+                                      src[i : i + TILE, j : j + TILE])
+                    n = dst[a : a + step].nbytes
+                elif src.ndim > 1:
+                    np.copyto(dst[a : a + step], src[a : a + step])
+                    n = dst[a : a + step].nbytes
+                else:
+                    np.copyto(dst, src)
+                    n = src.nbytes
+                if sha is not None:
+                    sha.update(view[done : done + n])
+                done += n
+                if on_filled is not None:
+                    on_filled(done)
+        assert done == self.size, (done, self.size)
+
+
+def plan_shards(
+    cfg: mdl.ModelConfig, state: dict[str, np.ndarray], tp: int
+) -> list[ShardLayout] | None:
+    """Each rank's file, planned without copying anything (None: a dtype only safetensors
+    itself can write; then :func:`serialize` falls back to it). The bytes are exactly
+    what ``safetensors.numpy.save`` writes for the same shard."""
+    out = []
+    shapes = _check(cfg, state, tp)
+    for r in range(tp):
+        views = {n: _shard_view(cfg, n, np.asarray(state[n]), r, tp) for n in shapes}
+        if any(v.dtype.name not in _ST_DTYPE or v.dtype.byteorder == ">" for v in views.values()):
+            return None
+        order = sorted(views, key=lambda n: (-_ST_ORDER[_ST_DTYPE[views[n].dtype.name]], n))
+        meta: dict[str, Any] = {}
+        parts, off = [], 0
+        for n in order:
+            v = views[n]
+            meta[n] = {"dtype": _ST_DTYPE[v.dtype.name], "shape": list(v.shape),
+                       "data_offsets": [off, off + v.nbytes]}
+            parts.append((n, v, off))
+            off += v.nbytes
+        head = json.dumps(meta, separators=(",", ":")).encode()
+        head += b" " * (-len(head) % 8)
+        header = struct.pack("<Q", len(head)) + head
+        out.append(
+            ShardLayout(
+                rank=r,
+                file=rank_shard_file(r, tp),
+                header=header,
+                size=len(header) + off,
+                parts=[(n, v, len(header) + o) for n, v, o in parts],
+                tensors={
+                    n: mf.TensorSpec(shape=list(v.shape), dtype=str(v.dtype))
+                    for n, v in views.items()
+                },
+            )
+        )
+    return out
+
+
+def _check(cfg: mdl.ModelConfig, state: dict[str, np.ndarray], tp: int) -> dict[str, Any]:
+    cfg.validate_tp(tp)
+    shapes = mdl.full_shapes(cfg)
+    missing = [n for n in shapes if n not in state]
+    if missing:
+        raise ValueError(f"state dict lacks {missing[:5]}")
+    for name, shape in shapes.items():
+        if tuple(state[name].shape) != tuple(shape):
+            raise ValueError(f"{name}: shape {tuple(state[name].shape)}, config says {shape}")
+    return shapes
+
+
+def _shard_view(cfg: mdl.ModelConfig, name: str, full: np.ndarray, r: int, tp: int) -> np.ndarray:
+    """:func:`mdl.shard_tensor` without the copy: a view of ``full``."""
+    local = mdl.shard_shape(cfg, name, full.shape, r, tp)
+    axis = mdl._split_axis(name)
+    if axis is None:
+        return full
+    index = [slice(None)] * full.ndim
+    index[axis] = slice(r * local[axis], (r + 1) * local[axis])
+    return full[tuple(index)]
+
+
 def serialize(
     cfg: mdl.ModelConfig, state: dict[str, np.ndarray], tp: int, model: str, version: str
 ) -> tuple[list[bytes], mf.Manifest]:
-    """Safetensors bytes per rank and the manifest describing them."""
+    """Safetensors bytes per rank and the manifest describing them (each byte copied
+    once, from the source tensors straight into the file, hashed while in cache)."""
+    layouts = plan_shards(cfg, state, tp)
+    if layouts is None:
+        return _serialize_slow(cfg, state, tp, model, version)
+    blobs: list[bytes] = []
+    specs: list[mf.ShardSpec] = []
+    for lay in layouts:
+        buf = bytearray(lay.size)
+        sha = hashlib.sha256()
+        lay.fill(buf, sha)
+        blobs.append(buf)  # type: ignore[arg-type]  # a bytearray: bytes-like, no copy
+        specs.append(mf.ShardSpec(lay.rank, lay.file, lay.size, sha.hexdigest(), lay.tensors))
+    return blobs, mf.Manifest(
+        model=model, version=version, tp=tp, shards=specs, created=time.time()
+    )
+
+
+def _serialize_slow(
+    cfg: mdl.ModelConfig, state: dict[str, np.ndarray], tp: int, model: str, version: str
+) -> tuple[list[bytes], mf.Manifest]:
     blobs: list[bytes] = []
     specs: list[mf.ShardSpec] = []
     for r, shard in enumerate(shard_state(cfg, state, tp)):

@@ -313,9 +313,16 @@ class WeightStore:
 
     @property
     def nbytes(self) -> int:
-        if not self.current:
+        """Bytes of the current weights; summed once per weight set (a paddle shape call
+        per tensor costs about a millisecond per ``status``), cached by its identity."""
+        cur = self.current
+        if not cur:
             return 0
-        return sum(int(np.prod(t.shape)) * t.element_size() for t in self.current.values())
+        cached = getattr(self, "_nbytes", None)
+        if cached is None or cached[0] != id(cur):
+            total = sum(int(np.prod(t.shape)) * t.element_size() for t in cur.values())
+            self._nbytes = cached = (id(cur), total)
+        return int(cached[1])
 
     def load_initial(self, version: str) -> LoadedShard:
         shard = self.source(version, None, None)

@@ -1,10 +1,19 @@
-"""Shared helpers of the benchmarks: timing, percentiles, tables, stacks."""
+"""Shared helpers of the benchmarks: timing, percentiles, result tables, bench.json.
+
+Method (every benchmark): a *run* measures every row of a table once, baselines and ours
+interleaved, so load on the machine hits both; a table holds >= 5 runs. A cell is the
+median of its runs with their min-max; a ratio is the median of the per-run ratios
+(ours / baseline of the same run) with their min-max. A target is checked on the
+median ratio and a missed one is reported as ``MISSED`` (see :mod:`tests.bench.report`).
+"""
 
 from __future__ import annotations
 
 import statistics
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -14,6 +23,7 @@ def pct(xs: list[float], p: float) -> float:
 
 
 async def timed(fn: Callable[[], Awaitable[object]], n: int, warmup: int = 20) -> list[float]:
+    """Latency of ``n`` sequential calls, in ms (after ``warmup`` untimed ones)."""
     for _ in range(warmup):
         await fn()
     out = []
@@ -36,3 +46,117 @@ def table(title: str, rows: list[str], unit: str = "ms") -> str:
         "|---|---|---|---|"
     )
     return "\n".join([head, *rows])
+
+
+# --------------------------------------------------------------------------- results
+
+OPS = {"<=": lambda a, b: a <= b, ">=": lambda a, b: a >= b}
+
+
+@dataclass
+class Row:
+    """One path of a table: one value per run (p50 ms, MiB/s, tokens/s, seconds...)."""
+
+    name: str
+    values: list[float] = field(default_factory=list)
+    baseline: str | None = None  # name of the row of the same table it is compared to
+    target: tuple[str, float] | None = None  # on the ratio: ("<=", 1.5), (">=", 1.0)
+    note: str = ""
+
+
+@dataclass
+class Table:
+    id: str
+    title: str
+    unit: str
+    rows: list[Row] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def add(self, name: str, **kw: Any) -> Row:
+        r = Row(name, **kw)
+        self.rows.append(r)
+        return r
+
+    def get(self, name: str) -> Row:
+        for r in self.rows:
+            if r.name == name:
+                return r
+        raise KeyError(name)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "title": self.title,
+            "unit": self.unit,
+            "notes": list(self.notes),
+            "rows": [self._row_json(r) for r in self.rows],
+        }
+
+    def _row_json(self, r: Row) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": r.name, "values": list(r.values), "note": r.note}
+        out.update(summary(r.values))
+        out["baseline"] = r.baseline
+        out["ratio"] = None
+        if r.baseline and r.values:
+            b = self.get(r.baseline)
+            if len(b.values) == len(r.values) and all(x > 0 for x in b.values):
+                out["ratio"] = summary([v / x for v, x in zip(r.values, b.values, strict=True)])
+            elif b.values and statistics.median(b.values) > 0:
+                m = statistics.median(r.values) / statistics.median(b.values)
+                out["ratio"] = {"median": m, "min": m, "max": m, "n": 1}
+        out["target"] = {"op": r.target[0], "value": r.target[1]} if r.target else None
+        out["status"] = None
+        if r.target:
+            ratio = out["ratio"]
+            ok = ratio is not None and OPS[r.target[0]](ratio["median"], r.target[1])
+            out["status"] = "met" if ok else "MISSED"
+        return out
+
+
+def summary(xs: list[float]) -> dict[str, Any]:
+    if not xs:
+        return {"median": None, "min": None, "max": None, "n": 0}
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def missed(tables: list[dict[str, Any]]) -> list[str]:
+    """One line per missed target of the given table dicts."""
+    out = []
+    for t in tables:
+        for r in t["rows"]:
+            if r.get("status") == "MISSED":
+                ratio = r["ratio"]["median"] if r["ratio"] else float("nan")
+                out.append(
+                    f"MISSED: {t['title']}: {r['name']}: {ratio:.2f}× vs {r['baseline']} "
+                    f"(target {r['target']['op']} {r['target']['value']}×)"
+                )
+    return out
+
+
+# --------------------------------------------------------------------------- stacks
+
+
+def start_stack_retry(tmp: Any, nats_url: str, attempts: int = 3, **kw: Any) -> Any:
+    """:func:`tests.e2e.stack.start_stack`, retried: a stack that is not healthy in time
+    (a rank start that is slow or transient on a loaded machine) is logged with the tail
+    of its log and started again, up to ``attempts`` times."""
+    import logging
+
+    from tests.e2e.stack import start_stack
+
+    log = logging.getLogger("bench")
+    for i in range(1, attempts + 1):
+        t0 = time.perf_counter()
+        try:
+            stack = start_stack(tmp / f"try{i}", nats_url, **kw)
+        except RuntimeError as e:
+            tail = "\n".join(str(e).splitlines()[-8:])
+            if i == attempts:
+                raise
+            log.warning("stack start %d/%d failed after %.0f s; retrying:\n%s", i, attempts,
+                        time.perf_counter() - t0, tail)
+            continue
+        log.info("stack tp=%s up in %.1f s (attempt %d)", kw.get("tp", 2),
+                 time.perf_counter() - t0, i)
+        return stack
+    raise AssertionError("unreachable")

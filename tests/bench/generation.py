@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import statistics
+import logging
 import time
 import uuid
 from pathlib import Path
@@ -16,8 +16,10 @@ import httpx
 from shared import messages as m
 from shared.bus import Bus
 from shared.subjects import Subjects
-from tests.bench.common import pct
-from tests.e2e.stack import Stack, start_stack
+from tests.bench.common import Table, start_stack_retry
+from tests.e2e.stack import Stack
+
+log = logging.getLogger("bench")
 
 MODEL = {
     "vocab_size": 4096, "hidden_size": 1024, "intermediate_size": 2816,
@@ -105,44 +107,55 @@ async def time_to_abort(base: str, rounds: int) -> list[float]:
     return out
 
 
-def run(tmp: Path, nats_url: str, model: dict[str, Any] | None = None) -> str:
-    stack: Stack = start_stack(
+def run(tmp: Path, nats_url: str, runs: int = 5, quick: bool = False,
+        model: dict[str, Any] | None = None) -> list[Table]:
+    global STEPS
+    STEPS = 8 if quick else 32  # 32 output tokens per request keeps 5 runs near 3 minutes
+    stack: Stack = start_stack_retry(
         tmp / "gen", nats_url, tp=2, model_config=model or MODEL, model_name="bench",
         env={"ROLLBUS_KV_CACHE_BLOCKS": "1024", "ROLLBUS_CONTROL_TIMEOUT_S": "120"},
     )
     try:
-        return asyncio.run(_run(stack, json.loads((stack.model_dir / "config.json").read_text())))
+        cfg = json.loads((stack.model_dir / "config.json").read_text())
+        return asyncio.run(_run(stack, cfg, runs))
     finally:
         stack.stop()
 
 
-async def _run(stack: Stack, cfg: dict[str, Any]) -> str:
+async def _run(stack: Stack, cfg: dict[str, Any], runs: int) -> list[Table]:
     bus = await Bus.connect(stack.nats_url, "bench-gen")
     s = Subjects(stack.instance)
-    rows = []
-    try:
-        for batch in (1, 16):
-            await via_bus(bus, s, batch)  # warm up
-            base = await baseline(bus, s, batch, 2)
-            b = await via_bus(bus, s, batch)
-            hs = await via_http(stack.base_url, batch, stream=True)
-            hn = await via_http(stack.base_url, batch, stream=False)
-            rows.append(f"| {batch} | {base:.1f} | {b:.1f} ({b / base:.2f}×) | "
-                        f"{hn:.1f} ({hn / base:.2f}×) | {hs:.1f} ({hs / base:.2f}×) |")
-        abort = await time_to_abort(stack.base_url, 10)
-    finally:
-        await bus.close()
     size = (
         f"hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, "
         f"vocab {cfg['vocab_size']}"
     )
-    return "\n".join([
-        f"\n### Generation throughput, tp=2, model {size}; {PROMPT_LEN}-token prompts, "
-        f"{STEPS} output tokens each (output tokens/s, ratio to in-process)\n",
-        "| batch | in-process (ranks, no bus) | engine over NATS | HTTP | HTTP stream |",
-        "|---|---|---|---|---|",
-        *rows,
-        "\n### Time to abort: `POST /v1/pause` → last of 16 running streams ended "
-        f"(10 rounds)\n\n| p50 ms | p99 ms |\n|---|---|\n"
-        f"| {statistics.median(abort):.1f} | {pct(abort, 99):.1f} |",
-    ])
+    out = []
+    try:
+        for batch in (1, 16):
+            await via_bus(bus, s, batch)  # warm up
+            t = Table(
+                f"generation_b{batch}",
+                f"Generation, tp=2, batch {batch}, model {size}; {PROMPT_LEN}-token prompts, "
+                f"{STEPS} output tokens each: output tokens/s",
+                "tokens/s",
+            )
+            base = "in-process (ranks step with no bus, same weights, `selfbench`)"
+            rows = {base: [], "engine over NATS": [], "HTTP": [], "HTTP stream": []}
+            for _ in range(runs):
+                rows[base].append(await baseline(bus, s, batch, 2))
+                rows["engine over NATS"].append(await via_bus(bus, s, batch))
+                rows["HTTP"].append(await via_http(stack.base_url, batch, stream=False))
+                rows["HTTP stream"].append(await via_http(stack.base_url, batch, stream=True))
+            for name, vals in rows.items():
+                t.add(name, values=vals, baseline=None if name == base else base,
+                      target=(">=", 0.85) if batch == 16 and name != base else None)
+            out.append(t)
+            log.info("generation batch %d done", batch)
+        abort = await time_to_abort(stack.base_url, max(5, runs))
+    finally:
+        await bus.close()
+    t = Table("abort", "Time to abort: `POST /v1/pause` → last of 16 running streams ended",
+              "ms")
+    t.add(f"one value per round ({len(abort)} rounds)", values=abort)
+    out.append(t)
+    return out

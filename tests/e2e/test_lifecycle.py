@@ -248,7 +248,7 @@ def test_unsupported_model_config_is_one_line_exit_2_no_rank_start(
 ) -> None:
     model = create_model_dir(tmp_path / "m", seed=0)
     cfg = json.loads((model / "config.json").read_text())
-    cfg["num_key_value_heads"] = 1  # not divisible by tp=2
+    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 2.0}  # a RoPE rollbus lacks
     (model / "config.json").write_text(json.dumps(cfg))
     env = _env(
         ROLLBUS_NATS_URL=nats_url,
@@ -260,7 +260,7 @@ def test_unsupported_model_config_is_one_line_exit_2_no_rank_start(
     code, out, _ = _run(tmp_path, env)
     lines = _quiet(out)
     assert code == 2, out
-    assert len(lines) == 1 and "num_key_value_heads=1 is not divisible by tp=2" in lines[0], out
+    assert len(lines) == 1 and "rope_scaling.rope_type='yarn'" in lines[0], out
     assert "Traceback" not in out and "worker rank" not in out
 
 

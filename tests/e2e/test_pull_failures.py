@@ -137,7 +137,7 @@ def test_rank_stalled_mid_pull_is_503_and_nothing_switches(env: tuple[Server, St
     assert _ctl(stack, "/v1/update_weights", json={"version": "v0"}).status_code == 200
 
 
-def test_nats_restart_mid_pull_fails_cleanly(env: tuple[Server, Stack]) -> None:
+def test_nats_restart_mid_pull_completes_or_fails_cleanly(env: tuple[Server, Stack]) -> None:
     server, stack = env
     before = digests(stack)
     assert _ctl(stack, "/v1/pause").status_code == 200
@@ -148,9 +148,6 @@ def test_nats_restart_mid_pull_fails_cleanly(env: tuple[Server, Stack]) -> None:
     server.start()
     t.join(90)
     r = out["r"]
-    # the API may itself have lost the engine's reply in the restart: then it is a 503
-    # from the API; either way, not a 200 and nothing half-applied
-    assert r.status_code in (422, 503), r.text
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
@@ -160,8 +157,18 @@ def test_nats_restart_mid_pull_fails_cleanly(env: tuple[Server, Stack]) -> None:
             pass
         time.sleep(0.5)
     st = stack.status()
-    assert st["weight_version"] == "v0" and {x["version"] for x in st["ranks"]} == {"v0"}
-    assert digests(stack) == before
+    if r.status_code == 200:
+        # the reader rode out the restart (it waits for the stream to come back) and the
+        # SHA-256 of every shard matched: then every rank serves the new version
+        assert all(x["verified"] for x in r.json()["result"]["ranks"]), r.text
+        assert st["weight_version"] == "p1" and {x["version"] for x in st["ranks"]} == {"p1"}
+        assert digests(stack) != before
+    else:
+        # the API may itself have lost the engine's reply in the restart: then it is a 503
+        # from the API; either way nothing is half-applied
+        assert r.status_code in (422, 503), r.text
+        assert st["weight_version"] == "v0" and {x["version"] for x in st["ranks"]} == {"v0"}
+        assert digests(stack) == before
     deadline = time.monotonic() + 60
     while True:  # once everyone has reconnected, the same version applies cleanly
         r = _ctl(stack, "/v1/update_weights", json={"version": "p1", "verify_checksum": True})

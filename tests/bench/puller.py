@@ -1,0 +1,45 @@
+"""One object-store pull in its own process, as a rank does it: the process-level peer of
+:mod:`tests.bench.rawpipe` in the pull benchmark.
+
+``python -m tests.bench.puller URL BUCKET NAME [SHA256]`` connects, prints ``ready``,
+waits for a line on stdin (so several pullers start together), reads the object with
+:func:`shared.objstore.read_object` (verifying SHA256 when given) and prints one JSON
+line ``{"mib_s", "t0", "t1", "bytes"}`` (``time.monotonic()``, comparable across
+processes). ``stock`` as the fourth argument uses nats-py's ``ObjectStore.get``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+
+from shared import objstore
+from shared.bus import Bus
+
+MIB = 1 << 20
+
+
+async def main(url: str, bucket: str, name: str, sha: str | None) -> None:
+    bus = await Bus.connect(url, "bench-puller")
+    try:
+        await bus.flush()
+        print("ready", flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+        t0 = time.monotonic()
+        if sha == "stock":
+            store = await bus.nc.jetstream().object_store(bucket)
+            n = len((await store.get(name)).data or b"")
+        else:
+            buf = await objstore.read_object(bus.nc, bucket, name, expect_sha256=sha)
+            n = len(buf)
+        t1 = time.monotonic()
+        print(json.dumps({"mib_s": n / MIB / (t1 - t0), "t0": t0, "t1": t1, "bytes": n}),
+              flush=True)
+    finally:
+        await bus.close()
+
+
+if __name__ == "__main__":
+    a = sys.argv[1:]
+    asyncio.run(main(a[0], a[1], a[2], a[3] if len(a) > 3 else None))

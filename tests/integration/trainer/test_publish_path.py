@@ -1,0 +1,192 @@
+"""The checkpoint publish path against a real nats-server: shards written on threads
+while they are sent, several ranks at once, a bounded window of unacknowledged chunks,
+and the bytes and SHA-256 that arrive identical to a plain serialization."""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from pathlib import Path
+from typing import Any
+
+import nats
+import numpy as np
+import pytest
+from safetensors.numpy import save
+
+from services.tiny_model import TINY_CONFIG, create_model_dir
+from services.trainer import names, shards
+from services.trainer.publisher import CheckpointPublisher, VersionConflict
+from services.worker import model as mdl
+from shared import manifest as mf
+from shared import objstore
+from shared.subjects import ckpt_object_name
+
+MIB = 1 << 20
+# ~12 MiB fp32 at tp=2: every shard spans several 1 MiB chunks
+CFG = {**TINY_CONFIG, "vocab_size": 2048, "hidden_size": 256, "intermediate_size": 768,
+       "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4}
+
+
+def _plain_blobs(cfg: mdl.ModelConfig, hf: dict[str, np.ndarray], tp: int) -> list[bytes]:
+    """The reference: contiguous shards written by safetensors itself."""
+    return [save(s) for s in shards.shard_state(cfg, hf, tp)]
+
+
+async def _read_all(url: str, model: str, version: str) -> tuple[mf.Manifest, list[bytes]]:
+    nc = await nats.connect(url)
+    try:
+        raw = await objstore.read_object(nc, "rollbus_ckpt", f"{model}/{version}/manifest.json")
+        man = mf.decode(bytes(raw))
+        out = []
+        for s in man.shards:
+            name = ckpt_object_name(model, version, s.file)
+            buf = await objstore.read_object(nc, "rollbus_ckpt", name, expect_sha256=s.sha256)
+            meta = await objstore.get_meta(nc, "rollbus_ckpt", name)
+            assert meta.digest == s.sha256 and meta.size == s.size
+            out.append(bytes(buf[: s.size]))
+        return man, out
+    finally:
+        await nc.close()
+
+
+async def test_state_dict_round_trip_bytes_and_sha_identical(nats_url: str) -> None:
+    cfg = mdl.ModelConfig.from_hf(CFG)
+    hf = mdl.init_weights(cfg, 5)
+    train = names.to_training(hf, cfg)  # paddle layout: transposed linears
+    model = f"pub-{uuid.uuid4().hex[:6]}"
+    pub = CheckpointPublisher(nats_url)
+    seen: list[tuple[int, int]] = []
+    res = await pub.apublish(model, "v1", train, tp=2, config=CFG,
+                             progress=lambda d, t: seen.append((d, t)))
+    assert res.uploaded and res.bytes > 8 * MIB
+    man, got = await _read_all(nats_url, model, "v1")
+    want = _plain_blobs(cfg, hf, 2)
+    assert got == want  # byte for byte what safetensors itself writes
+    assert [s.sha256 for s in man.shards] == [hashlib.sha256(b).hexdigest() for b in want]
+    assert seen[-1] == (res.bytes, res.bytes)
+    assert all(a <= b for (a, _), (b, _) in zip(seen, seen[1:], strict=False))
+    # re-publishing the same content: nothing uploaded; other content: refused
+    again = await pub.apublish(model, "v1", train, tp=2, config=CFG)
+    assert not again.uploaded and again.seq == res.seq
+    other = names.to_training(mdl.init_weights(cfg, 6), cfg)
+    with pytest.raises(VersionConflict):
+        await pub.apublish(model, "v1", other, tp=2, config=CFG)
+
+
+async def test_model_dir_round_trip_from_mapped_files(nats_url: str, tmp_path: Path) -> None:
+    d = create_model_dir(tmp_path / "hf", CFG, seed=9)
+    cfg, state = __import__("services.trainer.publisher", fromlist=["x"]).read_model_dir(d)
+    assert all(not a.flags.writeable and not a.flags.owndata
+               for a in state.values())  # read-only views of the mapped file, no copy
+    model = f"dir-{uuid.uuid4().hex[:6]}"
+    await CheckpointPublisher(nats_url).apublish(model, "d1", d, tp=2)
+    _, got = await _read_all(nats_url, model, "d1")
+    from safetensors.numpy import load_file
+
+    ref = {}
+    for f in sorted(d.glob("*.safetensors")):
+        ref.update(load_file(str(f)))
+    assert got == _plain_blobs(cfg, ref, 2)
+
+
+async def test_ranks_upload_concurrently(nats_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = objstore.put_object
+    live: list[int] = [0]
+    peak: list[int] = [0]
+
+    async def spy(*a: Any, **kw: Any) -> Any:
+        live[0] += 1
+        peak[0] = max(peak[0], live[0])
+        try:
+            return await real(*a, **kw)
+        finally:
+            live[0] -= 1
+
+    monkeypatch.setattr(objstore, "put_object", spy)
+    cfg = mdl.ModelConfig.from_hf(CFG)
+    model = f"conc-{uuid.uuid4().hex[:6]}"
+    await CheckpointPublisher(nats_url).apublish(
+        model, "c1", names.to_training(mdl.init_weights(cfg, 1), cfg), tp=4, config=CFG
+    )
+    assert peak[0] == 4  # every rank's shard in flight at once (the manifest after)
+    _, got = await _read_all(nats_url, model, "c1")
+    assert got == _plain_blobs(cfg, mdl.init_weights(cfg, 1), 4)
+
+
+async def test_put_window_is_bounded(nats_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    nc = await nats.connect(nats_url)
+    try:
+        await objstore.ensure_bucket(nc, "rollbus_ckpt")
+        sent = [0]
+        worst = [0]
+        acked = [0]
+        real_publish = nc.publish
+
+        async def publish(subject: str, payload: Any = b"", **kw: Any) -> None:
+            if subject.startswith("$O.rollbus_ckpt.C."):
+                sent[0] += 1
+                worst[0] = max(worst[0], sent[0] - acked[0])
+            await real_publish(subject, payload, **kw)
+
+        monkeypatch.setattr(nc, "publish", publish)
+        real_writer = objstore._direct_writer
+
+        class Spy:  # chunks written straight to the socket count too
+            def __init__(self, w: Any) -> None:
+                self.w = w
+
+            def write(self, b: Any) -> None:
+                if bytes(b[:22]).startswith(b"PUB $O.rollbus_ckpt.C."):
+                    sent[0] += 1
+                    worst[0] = max(worst[0], sent[0] - acked[0])
+                self.w.write(b)
+
+        def writer(c: Any) -> Any:
+            w = real_writer(c)
+            return Spy(w) if w is not None else None
+
+        monkeypatch.setattr(objstore, "_direct_writer", writer)
+        data = np.random.default_rng(0).integers(0, 255, 48 * MIB, dtype=np.uint8)
+
+        def progress(n: int) -> None:
+            acked[0] = n // MIB
+
+        meta = await objstore.put_object(nc, "rollbus_ckpt", f"w/{uuid.uuid4().hex}",
+                                         data.data, progress)
+        assert sent[0] == 48 and meta.chunks == 48
+        assert 1 < worst[0] <= objstore.PUT_WINDOW  # pipelined, and never more in flight
+        assert meta.digest == hashlib.sha256(data.tobytes()).hexdigest()
+    finally:
+        await nc.close()
+
+
+async def test_failed_fill_publishes_nothing(
+    nats_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_fill = shards.ShardLayout.fill
+
+    def broken(self: shards.ShardLayout, buf: Any, sha: Any = None, on_filled: Any = None) -> None:
+        def half(n: int) -> None:
+            if on_filled:
+                on_filled(n)
+            if self.rank == 1 and n > self.size // 2:
+                raise OSError("source tensor unreadable")
+
+        real_fill(self, buf, sha, half)
+
+    monkeypatch.setattr(shards.ShardLayout, "fill", broken)
+    cfg = mdl.ModelConfig.from_hf(CFG)
+    model = f"fail-{uuid.uuid4().hex[:6]}"
+    pub = CheckpointPublisher(nats_url)
+    with pytest.raises(OSError, match="unreadable"):
+        await pub.apublish(model, "f1", mdl.init_weights(cfg, 2), tp=2, config=CFG)
+    assert await pub.aversions(model) == []  # never announced
+    nc = await nats.connect(nats_url)
+    try:
+        with pytest.raises(objstore.ObjectMissing):
+            await objstore.get_meta(nc, "rollbus_ckpt", f"{model}/f1/manifest.json")
+        with pytest.raises(objstore.ObjectMissing):  # the half-sent shard is not an object
+            await objstore.get_meta(nc, "rollbus_ckpt", f"{model}/f1/rank1-of-2.safetensors")
+    finally:
+        await nc.close()
