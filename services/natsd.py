@@ -80,13 +80,24 @@ def _inbox(role: str) -> str:
     return f"_INBOX_{role}.>"
 
 
-def _stream_read(stream: str) -> list[str]:
-    """JetStream API subjects to read ``stream``: info, message get, consumers, flow control."""
+def _stream_get(stream: str) -> list[str]:
+    """JetStream API subjects to read ``stream`` without a consumer: info, message get,
+    direct get (batched). No consumer creation: a push consumer delivers wherever its
+    creator says (nats-server does not check a deliver subject against the creator's
+    permissions), so only the engine may create consumers."""
     return [
         f"$JS.API.STREAM.INFO.{stream}",
         f"$JS.API.STREAM.MSG.GET.{stream}",
         f"$JS.API.DIRECT.GET.{stream}",
         f"$JS.API.DIRECT.GET.{stream}.>",
+    ]
+
+
+def _stream_read(stream: str) -> list[str]:
+    """Read ``stream`` with consumers too (the engine only): pull/ordered consumers, acks,
+    flow control."""
+    return [
+        *_stream_get(stream),
         f"$JS.API.CONSUMER.CREATE.{stream}",
         f"$JS.API.CONSUMER.CREATE.{stream}.>",
         f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.>",
@@ -123,13 +134,20 @@ def permissions(
     responses = {"max": 1, "expires": response_window}
     obj, kv = f"OBJ_{bucket}", f"KV_{kv_bucket}"
     ckpt_events = "rollbus.ckpt.*.published"
+    # `rollbus.*.ctl.>`, `.events.>`, `.worker.>` also match `rollbus.ckpt.{ctl,events,
+    # worker}.published` (the version events of a model named ctl/events/worker): only
+    # the trainer may publish under `rollbus.ckpt.`
+    not_ckpt = ["rollbus.ckpt.>"]
     return {
         "api": {
-            "publish": [f"{ANY}.ctl.>", f"{ANY}.gen", f"{ANY}.gen.cancel", "$SRV.>"],
+            "publish": {
+                "allow": [f"{ANY}.ctl.>", f"{ANY}.gen", f"{ANY}.gen.cancel", "$SRV.>"],
+                "deny": not_ckpt,
+            },
             "subscribe": [_inbox("api")],
         },
         "engine": {
-            "publish": [
+            "publish": {"deny": not_ckpt, "allow": [
                 f"{ANY}.worker.>",
                 f"{ANY}.events.>",
                 # its replies (streamed generation chunks, control replies) by grant, not
@@ -144,11 +162,14 @@ def permissions(
                 *_stream_admin(EVENTS_STREAM),
                 *_stream_read(CKPT_STREAM),
                 *_stream_admin(CKPT_STREAM),
+                # it creates the checkpoint bucket at start (fixed subjects), never writes it
+                f"$JS.API.STREAM.INFO.{obj}",
+                *_stream_admin(obj),
                 f"$KV.{kv_bucket}.>",
                 *_stream_read(kv),
                 *_stream_admin(kv),
                 *_stream_write(kv),
-            ],
+            ]},
             "subscribe": [
                 _inbox("engine"),
                 f"{ANY}.ctl.>",
@@ -160,7 +181,7 @@ def permissions(
         },
         "worker": {
             # replies only to what it is asked (allow_responses): one per request
-            "publish": _stream_read(obj),
+            "publish": _stream_get(obj),
             "subscribe": [_inbox("worker"), f"{ANY}.worker.>", "$SRV.>"],
             "allow_responses": responses,
         },
@@ -168,11 +189,11 @@ def permissions(
             "publish": [
                 ckpt_events,
                 f"$O.{bucket}.>",
-                *_stream_read(obj),
-                *_stream_admin(obj),
+                # no stream create/update (the engine creates both with fixed subjects:
+                # an update could capture `gen` or `worker.step`), no consumers
+                *_stream_get(obj),
                 *_stream_write(obj),
-                *_stream_read(CKPT_STREAM),
-                *_stream_admin(CKPT_STREAM),
+                *_stream_get(CKPT_STREAM),
                 # the one read-only control call: the served config a state dict is
                 # sharded by (CheckpointPublisher without config=)
                 f"{ANY}.ctl.model_config",
@@ -180,7 +201,10 @@ def permissions(
             "subscribe": [_inbox("trainer")],
         },
         "operator": {
-            "publish": [f"{ANY}.ctl.>", "$SRV.>", "$JS.API.INFO", *_stream_read(EVENTS_STREAM)],
+            "publish": {
+                "allow": [f"{ANY}.ctl.>", "$SRV.>", "$JS.API.INFO", *_stream_get(EVENTS_STREAM)],
+                "deny": not_ckpt,
+            },
             # `_INBOX.>`: the nats CLI's default inbox; no rollbus process uses it
             "subscribe": [f"{ANY}.events.>", "_INBOX.>", _inbox("operator")],
         },

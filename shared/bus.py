@@ -13,7 +13,17 @@ One :class:`Bus` per process. It owns:
 * ``request`` (one reply) and ``scatter`` (exactly ``expected`` replies, one per rank,
   or a timeout naming the ranks that did not answer). No-responder markers
   (``Status: 503``) fail a request at once and are ignored by a scatter;
-* late or unknown replies are dropped and counted (``dropped_replies``), never kept;
+* late or unknown replies are dropped and counted (``dropped_replies``), never kept; so
+  is a reply carrying another request's ``Rollbus-Request-Id`` and a JetStream publish
+  ack or API answer sent to our inbox (a stream capturing a request's subject acks it);
+* a message on a served or subscribed subject that is not a request is dropped and
+  counted (``dropped_requests``) before any handler runs: one whose reply subject is not
+  an inbox (``_INBOX…``; a JetStream push delivery's ``$JS.ACK…``), one carrying
+  JetStream headers (``Nats-Stream``, ``Nats-Sequence``: a stored message delivered by a
+  consumer or a direct get), one with neither a reply subject nor a
+  ``Rollbus-Request-Id`` (a JetStream API answer sent to a subject named as reply). A
+  responder never answers into anything but an inbox, so no client can make the
+  server or a responder publish a message onto a subject it may not publish to;
 * ``serve``: endpoints registered as a NATS micro service (``$SRV.PING/INFO/STATS``),
   with a queue group per caller (a per-rank group makes a broadcast reach every rank).
 """
@@ -46,6 +56,21 @@ RANK = "Rollbus-Rank"
 STATUS = "Status"
 
 Handler = Callable[[bytes, dict[str, str]], Awaitable[bytes | None]]
+JS_HEADERS = ("Nats-Stream", "Nats-Sequence")
+
+
+def not_a_request(msg: Msg) -> str:
+    """Why ``msg``, received on a served or subscribed subject, is not a rollbus request
+    or notice ("" when it is one): see the module doc."""
+    reply = msg.reply or ""
+    headers = msg.headers or {}
+    if reply and not reply.startswith("_INBOX"):
+        return f"reply subject {reply.split('.', 1)[0]}… is not an inbox"
+    if any(h in headers for h in JS_HEADERS):
+        return "a JetStream message"
+    if not reply and REQUEST_ID not in headers:
+        return "neither a reply subject nor a request id"
+    return ""
 
 
 @dataclass
@@ -108,6 +133,16 @@ def _why(e: BaseException, seen: list[Exception]) -> str:
     return type(e).__name__
 
 
+def _jetstream_answer(data: bytes) -> bool:
+    """``data`` is a JetStream publish ack or API answer (``{"stream": …, "seq": …}``,
+    ``{"type": "io.nats.jetstream…"}``, ``{"error": {… "err_code" …}}``): never a reply
+    of ours, which are msgpack or carry the request id."""
+    head = data[:64].replace(b" ", b"")
+    return head.startswith((b'{"stream":', b'{"type":"io.nats.jetstream')) or (
+        head.startswith(b'{"error":') and b'"err_code"' in data[:256]
+    )
+
+
 def new_request_id() -> str:
     return uuid.uuid4().hex
 
@@ -127,6 +162,8 @@ class Bus:
         self._services: list[Service] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self.dropped_replies = 0
+        self.dropped_requests = 0  # messages on served subjects that are no request
+        self._rids: dict[str, str] = {}  # reply token -> the request id it was sent with
         self.callback_errors: dict[str, int] = {}  # by subject, see shared.tasks.guarded
 
     # ------------------------------------------------------------------ lifecycle
@@ -238,6 +275,15 @@ class Bus:
             log.debug("dropped late/unknown reply %s", rid)
             return
         no_responders = headers.get(STATUS) == "503" and not msg.data
+        got = headers.get(REQUEST_ID)
+        if (got and got != self._rids.get(rid)) or (
+            not headers and _jetstream_answer(msg.data)
+        ):
+            # not our responder's answer (ours echo the request id): e.g. a JetStream
+            # publish ack of a stream that captured the request's subject
+            self.dropped_replies += 1
+            log.debug("dropped a foreign reply on %s", rid)
+            return
         if isinstance(waiter, _Stream):
             waiter.put(NoResponders(msg.subject) if no_responders else Reply(msg.data, headers))
         elif isinstance(waiter, _Gather):
@@ -262,6 +308,7 @@ class Bus:
     ) -> None:
         """Publish a request whose replies come to our inbox under ``token``."""
         headers = {REQUEST_ID: rid, **(extra or {})}
+        self._rids[token] = headers[REQUEST_ID]
         await self.nc.publish(
             subject, data, reply=f"{self._inbox_prefix}.{token}", headers=headers
         )
@@ -286,6 +333,7 @@ class Bus:
             raise Timeout(subject, timeout) from None
         finally:
             self._pending.pop(token, None)
+            self._rids.pop(token, None)
 
     async def scatter(
         self,
@@ -316,6 +364,7 @@ class Bus:
             raise err from None
         finally:
             self._pending.pop(token, None)
+            self._rids.pop(token, None)
 
     async def stream(
         self,
@@ -350,11 +399,24 @@ class Bus:
                 yield item
         finally:
             self._pending.pop(token, None)
+            self._rids.pop(token, None)
 
     async def publish(
         self, subject: str, data: bytes, headers: dict[str, str] | None = None
     ) -> None:
+        """Publish; a notice (not a reply into an inbox) carries a ``Rollbus-Request-Id``
+        (a receiver drops a message with neither a reply subject nor an id: see
+        :func:`not_a_request`)."""
+        if not subject.startswith("_INBOX") and (not headers or REQUEST_ID not in headers):
+            headers = {REQUEST_ID: new_request_id(), **(headers or {})}
         await self.nc.publish(subject, data, headers=headers)
+
+    def _foreign(self, msg: Msg, subject: str) -> bool:
+        why = not_a_request(msg)
+        if why:
+            self.dropped_requests += 1
+            log.debug("dropped a message on %s: %s", subject, why)
+        return bool(why)
 
     async def flush(self, timeout: float = 5.0) -> None:
         await self.nc.flush(timeout=int(max(1, timeout)))
@@ -385,6 +447,8 @@ class Bus:
         """
 
         async def handle(req: Request) -> None:
+            if self._foreign(req._msg, subject):
+                return
             headers = dict(req.headers or {})
             out = await handler(req.data, headers)
             if out is None or not req._msg.reply:
@@ -417,6 +481,10 @@ class Bus:
     async def subscribe(
         self, subject: str, cb: Callable[[Msg], Awaitable[None]], queue: str = ""
     ) -> Any:
+        async def only_requests(msg: Msg) -> None:
+            if not self._foreign(msg, subject):
+                await cb(msg)
+
         return await self.nc.subscribe(
-            subject, queue=queue, cb=guarded(subject, cb, self.callback_errors)
+            subject, queue=queue, cb=guarded(subject, only_requests, self.callback_errors)
         )

@@ -7,17 +7,19 @@ write and we read what they write.
 
 Why our own reader (:func:`read_object`): nats-py's ``ObjectStore.get`` answers the
 server's flow-control requests from a 250 ms poll (~57 MiB/s) and concatenates chunks
-quadratically. Ours creates an ephemeral push consumer (no acks, flow control, idle
-heartbeat) on the object's chunk subject and answers every flow-control request the
-moment it is read, in order, so the server's own window bounds what is in flight (a
-few MiB, far under the 64 MiB at which it silently drops a slow client). Chunks are
+quadratically. Ours creates no consumer at all (a role that may create a push consumer
+can have stored messages delivered to any subject: only the engine may): it reads the
+object's chunk subject with batched direct gets (``$JS.API.DIRECT.GET``,
+``next_by_subj``, ``READ_BATCH`` chunks per request, the next asked when a batch's end
+marker arrives), so at most ``READ_BATCH`` MiB are in flight (far under the 64 MiB at
+which the server silently drops a slow client). Chunks are
 copied straight into one preallocated anonymous mmap of the object's size (pages
 are only touched when written, and unmapped when freed). The SHA-256, when asked, is
 computed on a helper thread over the filled prefix while later chunks arrive
 (``hashlib`` releases the GIL for large buffers), so verifying costs little wall time.
-Every chunk's consumer sequence is checked: a lost chunk, a stall or a disconnect
-fails the read (:class:`ObjectReadError`); a size or digest mismatch raises
-:class:`ObjectCorrupt`. Nothing partial is ever returned.
+Every chunk's stream sequence must grow and the chunk count and size must match the
+meta: a stall or a disconnect fails the read (:class:`ObjectReadError`); a lost chunk, a
+size or digest mismatch raises :class:`ObjectCorrupt`. Nothing partial is ever returned.
 
 Our writer (:func:`put_object`) pipelines chunk publishes with a bounded window of
 outstanding JetStream acks (nats-py's ``put`` waits for each ack in turn) and writes
@@ -61,6 +63,7 @@ log = logging.getLogger("rollbus.objstore")
 CHUNK_SIZE = 1 << 20  # also capped by the server's max_payload
 PUT_WINDOW = 16  # outstanding chunk publishes (MiB): bounded, well under 64 MiB
 HASH_STRIDE = 8 << 20  # hash the filled prefix in strides this large
+READ_BATCH = 16  # chunks per direct-get batch (MiB in flight): well under 64 MiB
 DIGEST_PREFIX = "SHA-256="
 MSG_ID = "Nats-Msg-Id"
 
@@ -132,7 +135,21 @@ async def _scale_up(js: Any, cfg: api.StreamConfig, replicas: int) -> None:
 # --------------------------------------------------------------------------- buckets
 
 
+def _not_permitted(stream: str) -> ObjectReadError:
+    return ObjectReadError(
+        f"cannot create or configure stream {stream}: no answer (this role may not: "
+        f"the engine creates it at start, so start `rollbus serve` first)"
+    )
+
+
 async def ensure_bucket(nc: Client, bucket: str, replicas: int | None = None) -> None:
+    try:
+        await _ensure_bucket(nc, bucket, replicas)
+    except TimeoutError:
+        raise _not_permitted(_stream(bucket)) from None
+
+
+async def _ensure_bucket(nc: Client, bucket: str, replicas: int | None = None) -> None:
     js = nc.jetstream()
     n = replicas_for(nc, replicas)
     try:
@@ -145,7 +162,11 @@ async def ensure_bucket(nc: Client, bucket: str, replicas: int | None = None) ->
             return
         except BadRequestError:  # created concurrently by another publisher
             await js.object_store(bucket)
-    await _scale_up(js, (await js.stream_info(_stream(bucket))).config, n)
+    cfg = (await js.stream_info(_stream(bucket))).config
+    if not cfg.allow_direct:  # our reader uses direct get (a bucket made by an old client)
+        cfg.allow_direct = True
+        await js.update_stream(cfg)
+    await _scale_up(js, cfg, n)
 
 
 async def _js_retry(what: str, fn: Callable[[], Awaitable[Any]], nc: Client, wait: float) -> Any:
@@ -433,34 +454,40 @@ async def read_object(
     hasher = _Hasher(view) if expect_sha256 else None
     loop = asyncio.get_running_loop()
     done: asyncio.Future[None] = loop.create_future()
-    state = {"off": 0, "dseq": 0, "last": time.monotonic()}
+    state = {"off": 0, "dseq": 0, "sseq": 0, "last": time.monotonic()}
 
     def fail(exc: Exception) -> None:
         if not done.done():
             done.set_exception(exc)
 
+    stream, subject = _stream(bucket), _chunk_subject(bucket, meta.nuid)
+    inbox = nc.new_inbox()
+
+    async def ask(seq: int) -> None:
+        req = {"seq": seq, "next_by_subj": subject, "batch": READ_BATCH}
+        await nc.publish(f"$JS.API.DIRECT.GET.{stream}", json.dumps(req).encode(), reply=inbox)
+
     async def on_msg(msg: Msg) -> None:
         if done.done():
             return
         state["last"] = time.monotonic()
-        hdr = msg.headers
-        if hdr and hdr.get("Status") == "100":
-            # Flow control: answer now (this runs after every earlier message was
-            # handled, so the server's window really is free). A stalled-consumer
-            # heartbeat names its own reply subject.
-            reply = msg.reply or hdr.get("Nats-Consumer-Stalled", "")
-            if reply:
-                await nc.publish(reply, b"")
+        hdr = msg.headers or {}
+        status = hdr.get("Status", "")
+        if status == "204":  # end of this batch: ask for the next one after its last
+            if int(state["off"]) < meta.size:
+                await ask(int(state["sseq"]) + 1)
             return
-        toks = msg.reply.split(".")
-        # $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<dseq>.<ts>.<pending> (v1), or
-        # with <domain>.<account hash> after ACK and a trailing token (v2)
-        base = 2 if len(toks) == 9 else 4
-        dseq, pending = int(toks[base + 4]), int(toks[base + 6])
-        if dseq != state["dseq"] + 1:
-            fail(ObjectReadError(f"{name}: chunk {state['dseq'] + 1} lost (got {dseq})"))
+        if status:
+            fail(ObjectReadError(f"{name}: chunk read refused: {status} "
+                                 f"{hdr.get('Description', '')}".strip()))
             return
-        state["dseq"] = dseq
+        sseq, pending = int(hdr.get("Nats-Sequence", 0)), int(hdr.get("Nats-Num-Pending", -1))
+        if hdr.get("Nats-Subject") != subject or sseq <= int(state["sseq"]):
+            fail(ObjectReadError(f"{name}: unexpected message {sseq} on the chunk inbox"))
+            return
+        state["sseq"] = sseq
+        state["dseq"] += 1
+        dseq = int(state["dseq"])
         off, n = int(state["off"]), len(msg.data)
         if off + n > meta.size:
             fail(ObjectCorrupt(f"{name}: more than the stored size {meta.size} bytes"))
@@ -471,7 +498,7 @@ async def read_object(
             hasher.feed(off + n)
         if progress:
             progress(off + n)
-        if pending == 0:
+        if pending == 0 or off + n == meta.size:
             if off + n != meta.size:
                 fail(ObjectCorrupt(f"{name}: got {off + n} bytes, stored size {meta.size}"))
             elif dseq != meta.chunks:
@@ -486,31 +513,11 @@ async def read_object(
             log.exception("object reader: %s failed", name)
             fail(ObjectReadError(f"{name}: reader failed: {e!r}"))
 
-    inbox = nc.new_inbox()
     sub = await nc.subscribe(inbox, cb=on_chunk, pending_bytes_limit=96 << 20)
-    js = nc.jetstream()
-    consumer = ""
     try:
         try:
-            ccfg = api.ConsumerConfig(
-                deliver_subject=inbox,
-                filter_subject=_chunk_subject(bucket, meta.nuid),
-                deliver_policy=api.DeliverPolicy.ALL,
-                ack_policy=api.AckPolicy.NONE,
-                flow_control=True,
-                idle_heartbeat=1.0,
-                mem_storage=True,
-                num_replicas=1,
-                inactive_threshold=30.0,
-            )
-            cinfo = await _js_retry(
-                f"{name}: cannot start the read",
-                lambda: js.add_consumer(_stream(bucket), ccfg),
-                nc,
-                stall_timeout,
-            )
-            consumer = cinfo.name
             state["last"] = time.monotonic()
+            await ask(1)
             while not done.done():  # watchdog: a stall or a disconnect ends the read
                 await asyncio.wait({done}, timeout=0.25)
                 if done.done():
@@ -536,9 +543,7 @@ async def read_object(
         if nc.is_connected:
             try:
                 await sub.unsubscribe()
-                if consumer:
-                    await js.delete_consumer(_stream(bucket), consumer)
-            except Exception:  # noqa: BLE001 - inactive_threshold removes it anyway
+            except Exception:  # noqa: BLE001 - closing anyway
                 pass
 
 
@@ -546,6 +551,13 @@ async def read_object(
 
 
 async def ensure_ckpt_stream(nc: Client, model: str = "", replicas: int | None = None) -> None:
+    try:
+        await _ensure_ckpt_stream(nc, model, replicas)
+    except TimeoutError:
+        raise _not_permitted(CKPT_STREAM) from None
+
+
+async def _ensure_ckpt_stream(nc: Client, model: str = "", replicas: int | None = None) -> None:
     """Make sure ``ROLLBUS_CKPT`` exists and captures ``rollbus.ckpt.*.published``.
 
     (The events stream lists one ``rollbus.<instance>.events.>`` per instance, so the two
@@ -565,16 +577,18 @@ async def ensure_ckpt_stream(nc: Client, model: str = "", replicas: int | None =
                         duplicate_window=3600.0,
                         storage=api.StorageType.FILE,
                         num_replicas=n,
+                        allow_direct=True,
                     )
                 )
                 return
             except BadRequestError:
                 continue  # created concurrently: look again
         cfg = info.config
-        if cfg.subjects == [CKPT_WILDCARD]:
+        if cfg.subjects == [CKPT_WILDCARD] and cfg.allow_direct:
             await _scale_up(js, cfg, n)
             return
         cfg.subjects = [CKPT_WILDCARD]  # older per-model subject lists are folded in
+        cfg.allow_direct = True  # readers use direct get (no consumer: see _direct_all)
         cfg.num_replicas = max(cfg.num_replicas or 1, n)
         await js.update_stream(cfg)
     raise ObjectReadError(f"cannot configure stream {CKPT_STREAM}")
@@ -597,7 +611,7 @@ async def ensure_events_stream(nc: Client, subject: str, replicas: int | None = 
                 await js.add_stream(
                     api.StreamConfig(
                         name=EVENTS_STREAM, subjects=[subject], max_age=7 * 24 * 3600.0,
-                        max_msgs=1_000_000, num_replicas=n,
+                        max_msgs=1_000_000, num_replicas=n, allow_direct=True,
                     )
                 )
                 return
@@ -605,9 +619,10 @@ async def ensure_events_stream(nc: Client, subject: str, replicas: int | None = 
                 continue  # created concurrently: look again
         cfg = info.config
         subjects = [x for x in cfg.subjects or [] if x != "rollbus.*.events.>"]
-        if subject in subjects and subjects == (cfg.subjects or []):
+        if subject in subjects and subjects == (cfg.subjects or []) and cfg.allow_direct:
             await _scale_up(js, cfg, n)
             return
+        cfg.allow_direct = True  # the operator reads events by direct get
         cfg.subjects = subjects if subject in subjects else [*subjects, subject]
         cfg.num_replicas = max(cfg.num_replicas or 1, n)
         await js.update_stream(cfg)
@@ -634,6 +649,52 @@ def _decode(msg: Msg) -> tuple[int, VersionPublished] | None:
     return int(msg.metadata.sequence.stream), ev
 
 
+async def _direct_all(nc: Client, stream: str, subject: str, timeout: float = 5.0) -> list[Msg]:
+    """Every stored message of ``subject`` in ``stream``, oldest first, by batched direct
+    get (``$JS.API.DIRECT.GET``: no consumer is created, so a reader needs no right to
+    create one — a push consumer would deliver wherever its creator says)."""
+    inbox = nc.new_inbox()
+    queue: asyncio.Queue[Msg] = asyncio.Queue()
+
+    async def on_msg(msg: Msg) -> None:
+        queue.put_nowait(msg)
+
+    sub = await nc.subscribe(inbox, cb=on_msg)
+    out: list[Msg] = []
+    seq = 1
+    try:
+        while True:
+            req = {"seq": seq, "next_by_subj": subject, "batch": 256}
+            await nc.publish(f"$JS.API.DIRECT.GET.{stream}", json.dumps(req).encode(),
+                             reply=inbox)
+            while True:
+                msg = await asyncio.wait_for(queue.get(), timeout)
+                hdr = msg.headers or {}
+                status = hdr.get("Status", "")
+                if status == "404":
+                    return out
+                if status == "204":
+                    break
+                if status:
+                    raise ObjectReadError(f"{stream}: direct get refused: {status}")
+                out.append(msg)
+                seq = int(hdr.get("Nats-Sequence", seq)) + 1
+                if hdr.get("Nats-Num-Pending") == "0":
+                    return out
+    except TimeoutError:
+        raise ObjectReadError(f"{stream}: no answer to a direct get within {timeout:g}s") from None
+    finally:
+        await sub.unsubscribe()
+
+
+def _decode_direct(msg: Msg) -> tuple[int, VersionPublished] | None:
+    try:
+        ev = msgspec.json.decode(msg.data, type=VersionPublished)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None  # not ours: skip
+    return int((msg.headers or {}).get("Nats-Sequence", 0)), ev
+
+
 async def list_versions(nc: Client, model: str) -> list[tuple[int, VersionPublished]]:
     """Every published version event of ``model`` in publish order (stream sequence)."""
     js = nc.jetstream()
@@ -643,23 +704,8 @@ async def list_versions(nc: Client, model: str) -> list[tuple[int, VersionPublis
         return []
     if not info.state.messages:
         return []
-    psub = await js.pull_subscribe(
-        ckpt_published(model),
-        stream=CKPT_STREAM,
-        config=api.ConsumerConfig(
-            ack_policy=api.AckPolicy.NONE, mem_storage=True, inactive_threshold=30.0
-        ),
-    )
-    out: list[tuple[int, VersionPublished]] = []
-    try:
-        left = (await psub.consumer_info()).num_pending or 0
-        while left > 0:
-            msgs = await psub.fetch(min(left, 256), timeout=5)
-            left -= len(msgs)
-            out.extend(d for d in map(_decode, msgs) if d)
-    finally:
-        await psub.unsubscribe()
-    return out
+    msgs = await _direct_all(nc, CKPT_STREAM, ckpt_published(model))
+    return [d for d in map(_decode_direct, msgs) if d]
 
 
 async def watch_versions(

@@ -27,7 +27,8 @@ def free_port() -> int:
 
 
 def role_passwords() -> dict[str, str]:
-    return {r: secrets.token_urlsafe(16) for r in creds.ROLES}
+    # a letter first: nats-server parses an environment value ("-1abc", "2x" are numbers)
+    return {r: "p" + secrets.token_urlsafe(16) for r in creds.ROLES}
 
 
 def password_env(passwords: dict[str, str]) -> dict[str, str]:
@@ -101,11 +102,22 @@ def single_with_auth(tmp: Path, passwords: dict[str, str]) -> Node:
     return Node(conf, password_env(passwords), port, log=tmp / "nats.log")
 
 
-def cluster(tmp: Path, passwords: dict[str, str]) -> list[Node]:
-    """The three infra/nats/cluster-N.conf nodes on free ports (auth.conf included by them)."""
+ROUTE_PASSWORD_ENV = "ROLLBUS_NATS_ROUTE_PASSWORD"
+
+
+def cluster(tmp: Path, passwords: dict[str, str], route_password: str = "") -> list[Node]:
+    """The three infra/nats/cluster-N.conf nodes on free ports (auth.conf included by them),
+    their routes authenticated with ``route_password`` (a random one by default): the
+    environment the configs read (``ROLLBUS_NATS_ROUTE_PASSWORD``, ``ROLLBUS_NATS_ROUTE_N``)."""
+    pw = route_password or "p" + secrets.token_urlsafe(16)
     shutil.copy(INFRA / "auth.conf", tmp / "auth.conf")
     client = [free_port() for _ in range(3)]
     route = [free_port() for _ in range(3)]
+    route_env = {ROUTE_PASSWORD_ENV: pw}
+    for j in range(3):
+        route_env[f"ROLLBUS_NATS_ROUTE_{j + 1}"] = (
+            f"nats-route://rollbus_route:{pw}@127.0.0.1:{route[j]}"
+        )
     nodes = []
     for i in range(3):
         text = (INFRA / f"cluster-{i + 1}.conf").read_text()
@@ -115,7 +127,8 @@ def cluster(tmp: Path, passwords: dict[str, str]) -> list[Node]:
         text = re.sub(r'store_dir: "[^"]*"', f'store_dir: "{tmp / f"n{i + 1}"}"', text)
         conf = tmp / f"cluster-{i + 1}.conf"
         conf.write_text(text)
-        nodes.append(Node(conf, password_env(passwords), client[i], log=tmp / f"n{i + 1}.log"))
+        env = {**password_env(passwords), **route_env}
+        nodes.append(Node(conf, env, client[i], log=tmp / f"n{i + 1}.log"))
     return nodes
 
 

@@ -115,9 +115,31 @@ async def _body(deps: Deps, request: Request) -> bytes:
     return body
 
 
+async def _query_or_body(
+    deps: Deps, request: Request, method: str, name: str
+) -> Response:
+    """``method`` with argument ``name`` from the query, else from a JSON body
+    (``{"mode": "keep"}``, ``{"tags": "weight"}`` or a list of tags): the query wins."""
+    args = _query_args(request, name)
+    if not args:
+        try:
+            admin_check(deps, request)  # 401 before the body is even looked at
+            body = await _body(deps, request)
+        except ControlError as e:
+            rid = request.headers.get("x-request-id") or new_request_id()
+            return _echo(request, reply_response(m.ControlReply(rid, e.code, e.message, e.result)))
+        doc = json.loads(body) if body.strip() else None
+        value = doc.get(name) if isinstance(doc, dict) else None
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            value = ",".join(value)
+        if value is not None and value != "":
+            args = {name: value}
+    return await call(deps, request, method, args)
+
+
 def routes(deps: Deps) -> list[Route]:
     async def pause(request: Request) -> Response:
-        return await call(deps, request, "pause", _query_args(request, "mode"))
+        return await _query_or_body(deps, request, "pause", "mode")
 
     async def resume(request: Request) -> Response:
         return await call(deps, request, "resume", {})
@@ -129,10 +151,10 @@ def routes(deps: Deps) -> list[Route]:
         return _echo(request, reply_response(reply))
 
     async def sleep(request: Request) -> Response:
-        return await call(deps, request, "sleep", _query_args(request, "tags"))
+        return await _query_or_body(deps, request, "sleep", "tags")
 
     async def wakeup(request: Request) -> Response:
-        return await call(deps, request, "wakeup", _query_args(request, "tags"))
+        return await _query_or_body(deps, request, "wakeup", "tags")
 
     async def update_weights(request: Request) -> Response:
         try:

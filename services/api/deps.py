@@ -14,9 +14,12 @@ from shared.subjects import Subjects
 
 
 def bearer_ok(header: str, token: str) -> bool:
-    """``header`` is exactly ``Bearer <token>``, compared in constant time (no early exit
-    on the first differing byte, so response timing tells nothing about the token)."""
-    return hmac.compare_digest(header.encode(), f"Bearer {token}".encode())
+    """``header`` is ``Bearer <token>`` (the scheme in any case, as RFC 9110 says: ``bearer
+    sekret`` too), the token compared in constant time (no early exit on the first
+    differing byte, so response timing tells nothing about the token)."""
+    scheme, _, got = header.strip().partition(" ")
+    ok = hmac.compare_digest(got.strip().encode(), token.encode())
+    return scheme.lower() == "bearer" and ok
 
 
 @dataclass

@@ -117,7 +117,7 @@ class Generation:
         chunk. Anything may arrive here over raw NATS: nothing in it can fail the loop."""
         if not msg.reply:
             return
-        rid = ""
+        rid = (msg.headers or {}).get(REQUEST_ID, "")  # a refusal names the request too
         try:
             gen = self.admit_request(msg.data)
             rid = gen.request_id
@@ -245,7 +245,13 @@ class Generation:
         rep = await eng.bus.request(
             eng.subjects.worker_step, m.pack(plan.step), timeout=eng.settings.control_timeout_s
         )
-        reply = m.unpack(rep.data, type=m.StepReply)
+        try:
+            reply = m.unpack(rep.data, type=m.StepReply)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as e:
+            # not a rank's reply (a forged or corrupt message): this step fails, not the loop
+            raise ControlError(
+                UNAVAILABLE, f"step {plan.step.step} failed: malformed step reply: {e}"
+            ) from None
         if reply.error:
             raise ControlError(UNAVAILABLE, f"step {plan.step.step} failed: {reply.error}")
         self.step_seconds += time.perf_counter() - t0

@@ -154,6 +154,10 @@ class Engine:
 
     async def start(self) -> None:
         await objstore.ensure_events_stream(self.bus.nc, self.subjects.event(">"))
+        # the checkpoint stream and bucket are created here, with fixed subjects: the
+        # trainer may write into them but not create or reconfigure a stream (README Security)
+        await objstore.ensure_ckpt_stream(self.bus.nc, self.settings.model_name or "")
+        await objstore.ensure_bucket(self.bus.nc, self.settings.ckpt_bucket)
         svc = await self.bus.add_service(
             "rollbus-engine", "0.1.0", f"rollbus engine ({self.settings.instance})"
         )

@@ -139,6 +139,9 @@ FORBIDDEN_PUBLISH = {
         f"$JS.API.CONSUMER.CREATE.OBJ_{BUCKET}",
         f"$JS.API.STREAM.PURGE.OBJ_{BUCKET}",
         "rollbus.ckpt.tiny.published",
+        # forged version events of models named ctl/events (they match rollbus.*.ctl.>)
+        "rollbus.ckpt.ctl.published",
+        "rollbus.ckpt.events.published",
         "_INBOX_api.x.y",
         "_INBOX_engine.x.y",
         "$KV.rollbus_state.x",
@@ -163,12 +166,15 @@ FORBIDDEN_PUBLISH = {
         f"rollbus.{I}.events.control",
         f"$O.{BUCKET}.C.forged",
         "rollbus.ckpt.tiny.published",
+        "rollbus.ckpt.ctl.published",
         "_INBOX_engine.x.y",
         "$JS.API.STREAM.INFO.ROLLBUS_EVENTS",
     ],
     "engine": [
         f"$O.{BUCKET}.C.forged",
         "rollbus.ckpt.tiny.published",
+        "rollbus.ckpt.worker.published",
+        "rollbus.ckpt.events.published",
         "$JS.API.STREAM.PURGE.OBJ_rollbus_ckpt",
         "$JS.API.STREAM.DELETE.ROLLBUS_EVENTS",
         "_INBOX_worker.x.y",
@@ -354,6 +360,9 @@ async def test_allowed_checkpoint_paths(server: Server) -> None:
     worker = await Bus.connect(server.url("worker"), "worker")
     op = await connect(server.url("operator"), "operator")
     try:
+        # the engine creates the stream and the bucket at start; the trainer only finds them
+        await objstore.ensure_ckpt_stream(engine.nc, "tiny")
+        await objstore.ensure_bucket(engine.nc, BUCKET)
         tnc = trainer.nc
         await objstore.ensure_ckpt_stream(tnc, "tiny")
         await objstore.ensure_bucket(tnc, BUCKET)
@@ -393,15 +402,15 @@ async def test_allowed_checkpoint_paths(server: Server) -> None:
         await sub.unsubscribe()
 
         await objstore.ensure_events_stream(enc, f"rollbus.{I}.events.>")
-        js_op = op.nc.jetstream()
         got: list[bytes] = []
 
         async def on_event(msg: nats.aio.msg.Msg) -> None:
             got.append(msg.data)
 
-        esub = await js_op.subscribe(
-            f"rollbus.{I}.events.>", stream="ROLLBUS_EVENTS", ordered_consumer=True, cb=on_event
-        )
+        # the operator follows events live (core subscription) and reads the stored ones
+        # by direct get (no consumer: it may not create one)
+        esub = await op.nc.subscribe(f"rollbus.{I}.events.>", cb=on_event)
+        await op.nc.flush()
         await engine.publish(f"rollbus.{I}.events.control", b'{"kind": "x"}')
         for _ in range(100):
             if got:
@@ -409,6 +418,12 @@ async def test_allowed_checkpoint_paths(server: Server) -> None:
             await asyncio.sleep(0.05)
         assert b'{"kind": "x"}' in got
         await esub.unsubscribe()
+        stored = await op.nc.jetstream().get_last_msg(
+            "ROLLBUS_EVENTS", f"rollbus.{I}.events.control", direct=True
+        )
+        assert stored.data == b'{"kind": "x"}'
+        history = await objstore._direct_all(op.nc, "ROLLBUS_EVENTS", f"rollbus.{I}.events.>")
+        assert b'{"kind": "x"}' in [h.data for h in history]
 
         kv = await enc.jetstream().create_key_value(bucket=natsd.KV_BUCKET)
         await kv.put(f"{I}.state", b"serving")
@@ -453,3 +468,216 @@ def test_rollbus_creds_finds_the_running_servers_port(tmp_path: Path) -> None:
     finally:
         srv.stop()
     assert creds.local_server_url(s) == "nats://127.0.0.1:0"  # stopped: the setting again
+
+
+# ---------------------------------------------------------------------- bypasses found in review
+
+# subjects a role must not publish to, as push-consumer deliver subjects (with the queue
+# group of their real subscribers)
+TARGETS = [
+    (f"rollbus.{I}.ctl.pause", "engine"),
+    (f"rollbus.{I}.worker.ctl.sleep", "rank0"),
+    (f"rollbus.{I}.gen", "engine"),
+    (f"rollbus.{I}.worker.step", "rank0"),
+]
+STREAMS = {
+    "trainer": [f"OBJ_{BUCKET}", "ROLLBUS_CKPT"],
+    "worker": [f"OBJ_{BUCKET}"],
+    "operator": ["ROLLBUS_EVENTS"],
+    "api": [f"OBJ_{BUCKET}", "ROLLBUS_EVENTS"],
+}
+
+
+async def _stored(server: Server) -> None:
+    """The streams, as the engine creates them at start, each with something stored."""
+    engine = await Bus.connect(server.url("engine"), "engine-setup")
+    trainer = await Bus.connect(server.url("trainer"), "trainer-setup")
+    try:
+        await objstore.ensure_ckpt_stream(engine.nc, "tiny")
+        await objstore.ensure_bucket(engine.nc, BUCKET)
+        await objstore.ensure_events_stream(engine.nc, f"rollbus.{I}.events.>")
+        await engine.publish(f"rollbus.{I}.events.control", b'{"mode": "abort"}')
+        await objstore.put_object(trainer.nc, BUCKET, "tiny/bypass/x", b'{"mode": "abort"}')
+        ev = VersionPublished("tiny", "bypass", 1, 1, publisher="test")
+        await objstore.publish_version(trainer.nc, ev)
+    finally:
+        await trainer.close()
+        await engine.close()
+
+
+async def _spies(as_role: object) -> list[bytes]:
+    """The real subscribers of TARGETS (engine and rank queue groups): what reaches them."""
+    got: list[bytes] = []
+
+    async def on_msg(msg: nats.aio.msg.Msg) -> None:
+        got.append(msg.data)
+
+    engine = await as_role("engine")  # type: ignore[operator]
+    worker = await as_role("worker")  # type: ignore[operator]
+    for subject, queue in TARGETS:
+        spy = worker if ".worker." in subject else engine
+        await spy.nc.subscribe(subject, queue=queue, cb=on_msg)
+    for c in (engine, worker):
+        await c.nc.flush()
+    return got
+
+
+@pytest.mark.parametrize("role", list(STREAMS))
+async def test_push_consumer_into_a_forbidden_subject_is_refused(
+    role: str, server: Server, as_role: object
+) -> None:
+    """Bypass 1: a push consumer whose deliver subject is a subject the role may not
+    publish to (the server does not check it): no role but the engine may create one."""
+    await _stored(server)
+    got = await _spies(as_role)
+    c = await as_role(role)  # type: ignore[operator]
+    for stream in STREAMS[role]:
+        for subject, queue in TARGETS:
+            cfg = {
+                "deliver_subject": subject, "deliver_group": queue, "deliver_policy": "all",
+                "ack_policy": "none", "name": "evil",
+            }
+            body = json.dumps({"stream_name": stream, "config": cfg}).encode()
+            for api_subject in (
+                f"$JS.API.CONSUMER.CREATE.{stream}",
+                f"$JS.API.CONSUMER.CREATE.{stream}.evil",
+                f"$JS.API.CONSUMER.CREATE.{stream}.evil.{subject}",
+                f"$JS.API.CONSUMER.DURABLE.CREATE.{stream}.evil",
+            ):
+                await c.nc.publish(api_subject, body, reply=c.nc.new_inbox())
+                await c.nc.flush()
+                await c.violation("publish", api_subject)
+    # and nats-py's own call fails (no answer), it does not create the consumer
+    with pytest.raises(nats.errors.TimeoutError):
+        await c.nc.jetstream(timeout=1).add_consumer(
+            STREAMS[role][0], deliver_subject=TARGETS[0][0], deliver_group="engine"
+        )
+    await asyncio.sleep(0.5)
+    assert got == []
+
+
+@pytest.mark.parametrize("role", ["trainer", "worker", "operator", "api"])
+async def test_stream_create_or_update_is_refused(
+    role: str, server: Server, as_role: object
+) -> None:
+    """Bypass 2: the trainer added `gen`, `worker.step`, `ctl.update_weights` to its
+    stream's subjects and read every prompt back. Only the engine creates or changes a
+    stream; the subjects stay what it set."""
+    await _stored(server)
+    c = await as_role(role)  # type: ignore[operator]
+    grab = [f"rollbus.{I}.gen", f"rollbus.{I}.worker.step", f"rollbus.{I}.ctl.update_weights"]
+    for stream in ("ROLLBUS_CKPT", f"OBJ_{BUCKET}", "ROLLBUS_EVENTS", "EVIL"):
+        body = json.dumps({"name": stream, "subjects": grab}).encode()
+        for op in ("CREATE", "UPDATE"):
+            subject = f"$JS.API.STREAM.{op}.{stream}"
+            await c.nc.publish(subject, body, reply=c.nc.new_inbox())
+            await c.nc.flush()
+            await c.violation("publish", subject)
+    engine = await as_role("engine")  # type: ignore[operator]
+    js = engine.nc.jetstream()
+    assert (await js.stream_info("ROLLBUS_CKPT")).config.subjects == ["rollbus.ckpt.*.published"]
+    assert (await js.stream_info(f"OBJ_{BUCKET}")).config.subjects == [f"$O.{BUCKET}.C.>",
+                                                                       f"$O.{BUCKET}.M.>"]
+
+
+async def test_reflected_messages_reach_no_handler(server: Server, as_role: object) -> None:
+    """A JetStream API answer, a direct get or another responder's reply sent to a
+    subject named as reply (the server and responders publish wherever a reply subject
+    says) is not a request: the bus drops it before any handler runs, and a responder
+    never answers into anything but an inbox."""
+    await _stored(server)
+    engine = await Bus.connect(server.url("engine"), "engine")
+    worker = await Bus.connect(server.url("worker"), "worker")
+    calls: list[str] = []
+    try:
+        svc = await engine.add_service("rollbus-engine", "0.1.0")
+        wsvc = await worker.add_service("rollbus-worker", "0.1.0")
+
+        def handler(name: str):  # type: ignore[no-untyped-def]
+            async def h(data: bytes, headers: dict[str, str]) -> bytes:
+                calls.append(name)
+                return b'{"ok": true}'
+
+            return h
+
+        await engine.serve(svc, "pause", f"rollbus.{I}.ctl.pause", handler("pause"),
+                           queue="engine")
+        await engine.serve(svc, "is_paused", f"rollbus.{I}.ctl.is_paused",
+                           handler("is_paused"), queue="engine")
+        await worker.serve(wsvc, "sleep", f"rollbus.{I}.worker.ctl.sleep", handler("sleep"),
+                           queue="rank0")
+        steps: list[bytes] = []
+
+        async def on_step(msg: nats.aio.msg.Msg) -> None:
+            steps.append(msg.data)
+
+        await worker.subscribe(f"rollbus.{I}.worker.step", on_step, queue="rank0")
+        await engine.flush()
+        await worker.flush()
+
+        w = await as_role("worker")  # type: ignore[operator]
+        meta = await objstore.get_meta(w.nc, BUCKET, "tiny/bypass/x")
+        get = json.dumps({"last_by_subj": f"$O.{BUCKET}.C.{meta.nuid}"}).encode()
+        for target in (f"rollbus.{I}.ctl.pause", f"rollbus.{I}.worker.step"):
+            await w.nc.publish(f"$JS.API.DIRECT.GET.OBJ_{BUCKET}", get, reply=target)
+            await w.nc.publish(f"$JS.API.STREAM.INFO.OBJ_{BUCKET}", b"", reply=target)
+        # the api makes the engine answer into a rank's subject
+        a = await as_role("api")  # type: ignore[operator]
+        await a.nc.publish(f"rollbus.{I}.ctl.is_paused", b"{}",
+                           reply=f"rollbus.{I}.worker.ctl.sleep")
+        await w.nc.flush()
+        await a.nc.flush()
+        for _ in range(100):
+            if engine.dropped_requests >= 3 and worker.dropped_requests >= 2:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)
+        assert calls == [] and steps == []
+        assert engine.dropped_requests >= 3 and worker.dropped_requests >= 2
+        # a real request still works
+        api = await Bus.connect(server.url("api"), "api")
+        try:
+            await routed(api, f"rollbus.{I}.ctl.pause")
+        finally:
+            await api.close()
+        assert "pause" in calls
+    finally:
+        await worker.close()
+        await engine.close()
+
+
+async def test_a_jetstream_ack_in_a_request_inbox_is_dropped(nats_url: str) -> None:
+    """Bypass 2's second half: a stream that captures a request's subject sends its
+    publish ack to the request's reply inbox. The bus drops and counts it; the request
+    gets its responder's real reply."""
+    responder = await Bus.connect(nats_url, "responder")
+    caller = await Bus.connect(nats_url, "caller")
+    js = caller.nc.jetstream()
+    await js.add_stream(name="JSACK_TEST", subjects=["jsack.test.*"])
+    try:
+        svc = await responder.add_service("jsack", "0.1.0")
+
+        async def slow(data: bytes, headers: dict[str, str]) -> bytes:
+            await asyncio.sleep(0.2)  # the ack comes first
+            return b"real"
+
+        await responder.serve(svc, "ctl", "jsack.test.ctl", slow, queue="q")
+
+        async def chunks(msg: nats.aio.msg.Msg) -> None:
+            await asyncio.sleep(0.2)
+            rid = (msg.headers or {}).get("Rollbus-Request-Id", "")
+            await responder.publish(msg.reply, b"chunk", headers={"Rollbus-Request-Id": rid})
+
+        await responder.subscribe("jsack.test.gen", chunks)
+        await responder.flush()
+        await routed(caller, "jsack.test.ctl")
+        before = caller.dropped_replies
+        assert (await caller.request("jsack.test.ctl", b"{}", timeout=5)).data == b"real"
+        async for rep in caller.stream("jsack.test.gen", b"{}", idle_timeout=5):
+            assert rep.data == b"chunk"
+            break
+        assert caller.dropped_replies >= before + 2
+    finally:
+        await js.delete_stream("JSACK_TEST")
+        await caller.close()
+        await responder.close()

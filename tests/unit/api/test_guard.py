@@ -87,7 +87,7 @@ def test_default_ports() -> None:
 
 def test_bearer_ok_compares_in_constant_time(monkeypatch: pytest.MonkeyPatch) -> None:
     assert bearer_ok("Bearer s3cret", "s3cret")
-    for bad in ("", "Bearer", "Bearer s3cre", "Bearer s3cretx", "bearer s3cret", "s3cret"):
+    for bad in ("", "Bearer", "Bearer s3cre", "Bearer s3cretx", "Basic s3cret", "s3cret"):
         assert not bearer_ok(bad, "s3cret")
     calls = []
     real = hmac.compare_digest

@@ -1,0 +1,79 @@
+"""Control arguments from the query or a JSON body (the query wins), and the Bearer
+scheme in any case."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from starlette.testclient import TestClient
+
+from services.api.app import create_app
+from services.api.deps import Deps, bearer_ok
+from shared import messages as m
+from shared.settings import Settings
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, dict[str, Any]]]:
+    seen: list[tuple[str, dict[str, Any]]] = []
+
+    async def control(self: Deps, method: str, data: bytes, rid: str, **kw: Any) -> m.ControlReply:
+        seen.append((method, json.loads(data or b"{}")))
+        return m.ControlReply(rid, 200, "", {})
+
+    monkeypatch.setattr(Deps, "control", control)
+    return seen
+
+
+@pytest.fixture(autouse=True)
+def _model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 128}')
+    monkeypatch.setenv("ROLLBUS_MODEL", str(tmp_path))
+    monkeypatch.setenv("ROLLBUS_DATA_DIR", str(tmp_path / "data"))
+
+
+def client(**kw: Any) -> TestClient:
+    return TestClient(create_app(Settings(**kw)))
+
+
+@pytest.mark.parametrize(
+    "path, query, body, want",
+    [
+        ("/v1/pause", "", {"mode": "keep"}, {"mode": "keep"}),
+        ("/v1/pause", "?mode=wait", {"mode": "keep"}, {"mode": "wait"}),  # query wins
+        ("/v1/pause", "", None, {}),
+        ("/v1/sleep", "", {"tags": "weight"}, {"tags": "weight"}),
+        ("/v1/sleep", "", {"tags": ["weight", "kv_cache"]}, {"tags": "weight,kv_cache"}),
+        ("/v1/sleep", "?tags=kv_cache", {"tags": "weight"}, {"tags": "kv_cache"}),
+        ("/v1/wakeup", "", {"tags": "weight"}, {"tags": "weight"}),
+    ],
+)
+def test_args_from_query_or_body(
+    calls: list[tuple[str, dict[str, Any]]], path: str, query: str, body: Any, want: Any
+) -> None:
+    c = client()
+    r = c.post(path + query, json=body) if body is not None else c.post(path + query)
+    assert r.status_code == 200, r.text
+    assert calls == [(path.rsplit("/", 1)[-1], want)]
+
+
+def test_bad_body_arg_is_400(calls: list[tuple[str, dict[str, Any]]]) -> None:
+    r = client().post("/v1/pause", json={"mode": "nap"})
+    assert r.status_code == 400 and calls == []
+    r = client().post("/v1/sleep", content=b"[1]")
+    assert r.status_code == 400 and calls == []
+
+
+def test_bearer_scheme_is_case_insensitive(calls: list[tuple[str, dict[str, Any]]]) -> None:
+    assert bearer_ok("bearer sekret", "sekret") and bearer_ok("BEARER sekret", "sekret")
+    assert not bearer_ok("Basic sekret", "sekret") and not bearer_ok("bearer sekre", "sekret")
+    assert not bearer_ok("bearer", "sekret") and not bearer_ok("sekret", "sekret")
+    c = client(admin_token="sekret")
+    assert c.post("/v1/pause", headers={"authorization": "bearer sekret"}).status_code == 200
+    assert c.post("/v1/pause", headers={"authorization": "bearer nope"}).status_code == 401
+    # 401 before the body is read
+    r = c.post("/v1/pause", content=b"{not json", headers={"authorization": "bearer x"})
+    assert r.status_code == 401
