@@ -57,7 +57,9 @@ def ensure(creds_dir: Path) -> dict[str, tuple[str, str]]:
     for role in ROLES:
         path = creds_dir / role
         if not path.exists():
-            _write_private(path, f"{role}:{secrets.token_urlsafe(32)}\n")
+            # a letter first: nats-server parses a `$VAR` value that starts with `-` or a
+            # digit as a number, so such a password would break an external auth.conf
+            _write_private(path, f"{role}:p{secrets.token_urlsafe(32)}\n")
         else:
             os.chmod(path, FILE_MODE)
     return {role: load(creds_dir, role) for role in ROLES}
