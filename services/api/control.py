@@ -129,11 +129,13 @@ async def _query_or_body(
             rid = request.headers.get("x-request-id") or new_request_id()
             return _echo(request, reply_response(m.ControlReply(rid, e.code, e.message, e.result)))
         doc = json.loads(body) if body.strip() else None
-        value = doc.get(name) if isinstance(doc, dict) else None
-        if isinstance(value, list) and all(isinstance(v, str) for v in value):
-            value = ",".join(value)
-        if value is not None and value != "":
-            args = {name: value}
+        if isinstance(doc, dict):
+            # the whole body goes on: the engine's argument struct names a wrong or
+            # unknown field (400), as it does over NATS
+            args = {k: v for k, v in doc.items() if v is not None and v != ""}
+            value = args.get(name)
+            if isinstance(value, list) and all(isinstance(v, str) for v in value):
+                args[name] = ",".join(value)
     return await call(deps, request, method, args)
 
 
@@ -142,7 +144,7 @@ def routes(deps: Deps) -> list[Route]:
         return await _query_or_body(deps, request, "pause", "mode")
 
     async def resume(request: Request) -> Response:
-        return await call(deps, request, "resume", {})
+        return await _query_or_body(deps, request, "resume", "")
 
     async def is_paused(request: Request) -> Response:
         reply = await call_reply(deps, request, "is_paused", b"{}")

@@ -77,3 +77,29 @@ def test_bearer_scheme_is_case_insensitive(calls: list[tuple[str, dict[str, Any]
     # 401 before the body is read
     r = c.post("/v1/pause", content=b"{not json", headers={"authorization": "bearer x"})
     assert r.status_code == 401
+
+
+@pytest.mark.parametrize(
+    "path, content, param",
+    [
+        ("/v1/pause", b'{"bogus": 1}', "bogus"),  # an unknown field is named, not ignored
+        ("/v1/pause", b'{"mode": "bogus"}', "mode"),
+        ("/v1/pause", b"{bad", "body"),
+        ("/v1/resume", b"{bad", "body"),
+        ("/v1/resume", b'{"x": "\xff"}', "body"),
+        ("/v1/sleep", b'{"tags": 5}', "tags"),
+    ],
+)
+def test_bad_control_bodies_are_400_naming_the_field(
+    calls: list[tuple[str, dict[str, Any]]], path: str, content: bytes, param: str
+) -> None:
+    r = client().post(path, content=content, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["result"]["param"] == param, r.text
+    assert calls == []
+
+
+def test_a_control_body_over_the_limit_is_400(calls: list[tuple[str, dict[str, Any]]]) -> None:
+    r = client(max_body_bytes=1024).post("/v1/resume", content=b"{" + b" " * 4096 + b"}")
+    assert r.status_code == 400 and r.json()["result"]["param"] == "body", r.text
+    assert calls == []
