@@ -105,6 +105,9 @@ def _query_args(request: Request, *names: str) -> dict[str, Any]:
 
 
 async def _body(deps: Deps, request: Request) -> bytes:
+    """The checked JSON-object body of a control call; the token is checked first (401
+    before the body is even looked at)."""
+    admin_check(deps, request)
     try:
         body = await read_body(request, deps.settings.max_body_bytes)
         doc = parse_json(body)
@@ -115,6 +118,11 @@ async def _body(deps: Deps, request: Request) -> bytes:
     return body
 
 
+def _refused(request: Request, e: ControlError) -> Response:
+    rid = request.headers.get("x-request-id") or new_request_id()
+    return _echo(request, reply_response(m.ControlReply(rid, e.code, e.message, e.result)))
+
+
 async def _query_or_body(
     deps: Deps, request: Request, method: str, name: str
 ) -> Response:
@@ -123,11 +131,9 @@ async def _query_or_body(
     args = _query_args(request, name)
     if not args:
         try:
-            admin_check(deps, request)  # 401 before the body is even looked at
             body = await _body(deps, request)
         except ControlError as e:
-            rid = request.headers.get("x-request-id") or new_request_id()
-            return _echo(request, reply_response(m.ControlReply(rid, e.code, e.message, e.result)))
+            return _refused(request, e)
         doc = json.loads(body) if body.strip() else None
         if isinstance(doc, dict):
             # the whole body goes on: the engine's argument struct names a wrong or
@@ -160,11 +166,9 @@ def routes(deps: Deps) -> list[Route]:
 
     async def update_weights(request: Request) -> Response:
         try:
-            admin_check(deps, request)  # 401 before the body is even looked at
             body = await _body(deps, request)
         except ControlError as e:
-            rid = request.headers.get("x-request-id") or new_request_id()
-            return _echo(request, reply_response(m.ControlReply(rid, e.code, e.message, e.result)))
+            return _refused(request, e)
         return await call(deps, request, "update_weights", body or b"{}")
 
     async def status(request: Request) -> Response:
