@@ -315,6 +315,9 @@ class Launcher:
                 code = c.proc.poll()
                 if code is None or self._stopping:
                     continue
+                # a stack that answered /health 200 was ready even if our own probe (every
+                # 0.5 s) had not seen it yet: a user may kill a rank right after that 200
+                ready_once = ready_once or self._health()
                 exit_code, why = self._child_died(c, code, ready_once)
                 if why:
                     _say(why)
