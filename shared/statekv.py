@@ -15,6 +15,8 @@ from nats.js import api
 from nats.js.errors import BadRequestError, KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
+from shared.objstore import replicas_for
+
 STATE_BUCKET = "rollbus_state"
 _SAFE = frozenset("-_abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")
 
@@ -44,7 +46,10 @@ class StateBucket:
                 try:
                     self._kv = await js.create_key_value(
                         api.KeyValueConfig(
-                            bucket=STATE_BUCKET, history=1, storage=api.StorageType.FILE
+                            bucket=STATE_BUCKET,
+                            history=1,
+                            storage=api.StorageType.FILE,
+                            replicas=replicas_for(self.nc),  # R3 on a cluster of >= 3
                         )
                     )
                 except BadRequestError:  # created concurrently
