@@ -167,6 +167,27 @@ async def _wait_current(c: Cluster, timeout: float = 60.0) -> None:
         await nc.close()
 
 
+async def _wait_leader(c: Cluster, stream: str, timeout: float = 60.0) -> None:
+    """``stream`` has a leader again (on the nodes still alive)."""
+    alive = [n for n in c.nodes if n.proc is not None and n.proc.poll() is None]
+    deadline = time.monotonic() + timeout
+    while True:
+        nc = None
+        try:
+            nc = await c.connect("trainer", alive)
+            si = await nc.jetstream().stream_info(stream)
+            if si.cluster and si.cluster.leader:
+                return
+        except Exception:
+            pass
+        finally:
+            if nc is not None:
+                await nc.close()
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{stream} has no leader")
+        await asyncio.sleep(0.5)
+
+
 async def _leader(c: Cluster, role: str, stream: str) -> natsconf.Node:
     nc = await c.connect(role)
     try:
@@ -265,7 +286,10 @@ async def test_node_killed_during_update_weights_pull(
         print("update_weights during the kill:", rep["error_code"], rep["error_message"])
         assert rep["error_code"] == 200 or (rep["error_code"] >= 500 and rep["error_message"])
         await _until_answers(op)
-        # the next call works, and a version published before the kill loads
+        # the bucket's stream elects a new leader among the two survivors (under load this
+        # can outlast the reader's own retry window); then the next call works, and a
+        # version published before the kill loads
+        await _wait_leader(cluster, "OBJ_rollbus_ckpt")
         rep = await _ctl(op, "update_weights", {"version": "v1"})
         assert rep["error_code"] == 200, rep
         st = await _ctl(op, "status")
