@@ -12,7 +12,6 @@ reported by name and the rest are stopped the same way. Children also get
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import signal
@@ -32,7 +31,7 @@ from services.tiny_model import ensure_tiny_model
 from shared import creds
 from shared.bus import Bus
 from shared.errors import BusUnreachable
-from shared.model_config import ModelConfig
+from shared.model_config import ConfigError, ModelConfig, read_hf_config
 from shared.settings import Settings
 
 RANK = "worker rank"
@@ -405,15 +404,10 @@ class Launcher:
 
 def check_model(model_dir: Path, tp: int) -> None:
     """A model dir the ranks cannot serve is one line at once, before any rank starts."""
-    cfg_file = model_dir / "config.json"
-    if not cfg_file.is_file():
-        raise LaunchError(f"ROLLBUS_MODEL={model_dir}: no config.json there")
     try:
-        cfg = json.loads(cfg_file.read_text())
-        if not isinstance(cfg, dict):
-            raise ValueError("not a JSON object")
-    except (OSError, ValueError) as e:
-        raise LaunchError(f"ROLLBUS_MODEL={model_dir}: bad config.json: {e}") from None
+        cfg = read_hf_config(model_dir)
+    except ConfigError as e:
+        raise LaunchError(f"ROLLBUS_MODEL={model_dir}: {e}") from None
     try:
         ModelConfig.from_hf(cfg).validate_tp(tp)
     except (ValueError, TypeError, KeyError, ArithmeticError) as e:

@@ -15,6 +15,9 @@ from typing import Any
 
 from safetensors.numpy import save_file
 
+from shared.model_config import ModelConfig, read_hf_config
+from shared.sharding import init_weights
+
 TINY_CONFIG: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -38,13 +41,11 @@ def create_model_dir(
     path: Path, config: dict[str, Any] | None = None, seed: int = 0, version: str = "v0"
 ) -> Path:
     """Write a full model dir atomically (a half-written dir is never picked up)."""
-    from services.worker import model as mdl
-
     cfg_dict = {**TINY_CONFIG, **(config or {})}
-    cfg = mdl.ModelConfig.from_hf(cfg_dict)
+    cfg = ModelConfig.from_hf(cfg_dict)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
-    save_file(mdl.init_weights(cfg, seed), str(tmp / "model.safetensors"))
+    save_file(init_weights(cfg, seed), str(tmp / "model.safetensors"))
     (tmp / "config.json").write_text(json.dumps(cfg_dict, indent=2))
     (tmp / "version.txt").write_text(version + "\n")
     tmp.rename(path)
@@ -60,12 +61,10 @@ def ensure_tiny_model(path: Path, seed: int = 0) -> Path:
 
 def write_version(model_dir: Path, version: str, seed: int) -> Path:
     """A snapshot version ``<model>/versions/<version>/`` with new deterministic weights."""
-    from services.worker import model as mdl
-
-    cfg_dict = json.loads((model_dir / "config.json").read_text())
-    cfg = mdl.ModelConfig.from_hf(cfg_dict)
+    cfg_dict = read_hf_config(model_dir)
+    cfg = ModelConfig.from_hf(cfg_dict)
     d = model_dir / "versions" / version
     d.mkdir(parents=True, exist_ok=True)
-    save_file(mdl.init_weights(cfg, seed), str(d / "model.safetensors"))
+    save_file(init_weights(cfg, seed), str(d / "model.safetensors"))
     (d / "config.json").write_text(json.dumps(cfg_dict, indent=2))
     return d

@@ -1,4 +1,6 @@
-"""The served model's architecture, parsed from a HF ``config.json`` (no paddle, no numpy).
+"""The served model's architecture, parsed from a HF ``config.json`` (no paddle, no numpy):
+the one reader of ``config.json`` (:func:`read_hf_config`, :func:`load_config`) and of the
+context length (:func:`max_model_len`).
 
 Families: ``llama`` (GQA, untied), ``qwen2`` (q/k/v bias), ``qwen3`` (per-head q/k
 RMSNorm, explicit ``head_dim``) and ``ernie4_5`` (dense, interleaved RoPE), with the
@@ -13,7 +15,9 @@ a start stops with one line instead of serving wrong tokens.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 FAMILIES = ("llama", "qwen2", "qwen3", "ernie4_5")
@@ -264,6 +268,31 @@ def _type_key(params: dict[str, Any]) -> dict[str, Any]:
     return {("rope_type" if k == "type" else k): v for k, v in params.items()}
 
 
+CONFIG_FILE = "config.json"
+
+
+def read_hf_config(path: Path) -> dict[str, Any]:
+    """The raw ``config.json`` of a model dir (or the file itself when ``path`` is one);
+    :class:`ConfigError` when it is missing or not a JSON object (naming the file)."""
+    p = Path(path)
+    if p.is_dir() or not p.exists():
+        p = p / CONFIG_FILE
+    if not p.is_file():
+        raise ConfigError(f"no {CONFIG_FILE} in model dir {path}")
+    try:
+        raw = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"bad {p}: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"bad {p}: not a JSON object")
+    return raw
+
+
+def load_config(model_dir: Path) -> ModelConfig:
+    """The parsed ``config.json`` of a model dir (:class:`ConfigError` names what is wrong)."""
+    return ModelConfig.from_hf(read_hf_config(model_dir))
+
+
 def context_length(config: dict[str, Any], setting: int = 0) -> int:
     """The context length to serve: the setting when non-zero, else from the config."""
     if setting:
@@ -272,3 +301,15 @@ def context_length(config: dict[str, Any], setting: int = 0) -> int:
         return ModelConfig.from_hf(config).max_model_len
     except (ConfigError, TypeError, ValueError):
         return int(config.get("max_position_embeddings", 2048))
+
+
+def max_model_len(model_dir: Path, setting: int = 0) -> int:
+    """``ROLLBUS_MAX_MODEL_LEN`` when set, else the model dir's context length: the one
+    answer the engine's scheduler and the API's length checks share."""
+    if setting:
+        return setting
+    return context_length(read_hf_config(model_dir))
+
+
+def vocab_size(model_dir: Path) -> int:
+    return int(read_hf_config(model_dir)["vocab_size"])

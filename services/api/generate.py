@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from services.worker.tokenizer import IncrementalDecoder, Tokenizer
 from shared import messages as m
 from shared.bus import Bus, new_request_id
 from shared.errors import UNAVAILABLE, ControlError, Timeout
 from shared.subjects import Subjects
+from shared.tokenizer import IncrementalDecoder, Tokenizer
 
 IDLE_TIMEOUT_S = 30.0  # default; the API passes CONTROL_TIMEOUT_S (engine heartbeats faster)
 

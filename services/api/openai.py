@@ -158,8 +158,8 @@ class _FirstToken:
 
 class OpenAIRoutes:
     def __init__(self, deps: Deps) -> None:
-        from services.engine.generation import max_model_len
-        from services.worker.tokenizer import load_tokenizer
+        from shared.model_config import max_model_len
+        from shared.tokenizer import load_tokenizer
 
         self.deps = deps
         s = deps.settings

@@ -7,10 +7,8 @@ second one arriving meanwhile gets 409 at once instead of queueing behind it.
 
 from __future__ import annotations
 
-import json
 import os
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from services.engine.ranks import RankError
@@ -18,7 +16,9 @@ from services.engine.state import State
 from shared import messages as m
 from shared.bus import new_request_id
 from shared.errors import NOT_FOUND, ControlError
+from shared.model_config import read_hf_config
 from shared.redact import public_url
+from shared.versions import read_version_txt
 
 if TYPE_CHECKING:
     from services.engine.main import Engine
@@ -114,9 +114,8 @@ async def wakeup(eng: Engine, args: m.TagArgs) -> dict[str, Any]:
 
 def default_version(eng: Engine) -> str:
     """``<model>/version.txt``, else the newest published version, else 404."""
-    p = Path(eng.settings.model_dir) / "version.txt"
-    if p.is_file() and p.read_text().strip():
-        return p.read_text().strip()
+    if (v := read_version_txt(eng.settings.model_dir)) is not None:
+        return v
     if eng.latest_published:
         return eng.latest_published
     raise ControlError(NOT_FOUND, "no version given, no version.txt and nothing published")
@@ -213,7 +212,7 @@ async def status(eng: Engine, _: object = None) -> dict[str, Any]:
 
 def model_config(eng: Engine, _: object = None) -> dict[str, Any]:
     """The served model's HF ``config.json``: what a trainer shards a state dict by."""
-    cfg = json.loads((Path(eng.settings.model_dir) / "config.json").read_text())
+    cfg = read_hf_config(eng.settings.model_dir)
     return {"model": eng.settings.served_model_name, "tp": eng.settings.tp, "config": cfg}
 
 

@@ -27,11 +27,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -42,7 +40,7 @@ from services.engine.scheduler import Output, Scheduler, Seq
 from shared import messages as m
 from shared.bus import REQUEST_ID
 from shared.errors import BAD_REQUEST, TOO_MANY_REQUESTS, UNAVAILABLE, ControlError
-from shared.model_config import context_length
+from shared.model_config import max_model_len, vocab_size
 from shared.tasks import Supervisor
 
 if TYPE_CHECKING:
@@ -51,16 +49,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("rollbus.engine.gen")
 
 HEARTBEAT_S = 5.0
-
-
-def max_model_len(model_dir: Path, setting: int) -> int:
-    if setting:
-        return setting
-    return context_length(json.loads((model_dir / "config.json").read_text()))
-
-
-def vocab_size(model_dir: Path) -> int:
-    return int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
 
 
 class Refused(Exception):

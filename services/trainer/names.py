@@ -32,12 +32,13 @@ from typing import Any
 
 import numpy as np
 
-from services.worker import model as mdl
+from shared.model_config import ModelConfig
+from shared.sharding import full_shapes
 
 PREFIXES = ("llama", "qwen2")
 
 
-def default_prefix(cfg: mdl.ModelConfig) -> str:
+def default_prefix(cfg: ModelConfig) -> str:
     return "qwen2" if cfg.attention_bias else "llama"
 
 
@@ -59,15 +60,15 @@ def training_name(inference_name: str, prefix: str = "llama") -> str:
 
 
 def get_name_mappings_to_training(
-    cfg: mdl.ModelConfig, prefix: str | None = None
+    cfg: ModelConfig, prefix: str | None = None
 ) -> dict[str, str]:
     """Inference (HF) name → training name, for every parameter of ``cfg``."""
     p = prefix or default_prefix(cfg)
-    return {name: training_name(name, p) for name in mdl.full_shapes(cfg)}
+    return {name: training_name(name, p) for name in full_shapes(cfg)}
 
 
 def get_name_mappings_to_inference(
-    cfg: mdl.ModelConfig, prefix: str | None = None
+    cfg: ModelConfig, prefix: str | None = None
 ) -> dict[str, str]:
     """Training name → inference (HF) name: the inverse of the above."""
     return {t: i for i, t in get_name_mappings_to_training(cfg, prefix).items()}
@@ -95,7 +96,7 @@ def detect_prefix(names: Mapping[str, Any]) -> str | None:
 
 def to_inference(
     state: Mapping[str, Any],
-    cfg: mdl.ModelConfig,
+    cfg: ModelConfig,
     prefix: str | None = None,
     *,
     contiguous: bool = True,
@@ -112,7 +113,7 @@ def to_inference(
     if p is None:
         # no training-prefixed name: an HF-named state dict (``lm_head.weight`` alone
         # cannot tell the layouts apart, so the prefix decides)
-        unknown = sorted(set(state) - set(mdl.full_shapes(cfg)))
+        unknown = sorted(set(state) - set(full_shapes(cfg)))
         if unknown:
             raise ValueError(f"unknown tensors (no inference name): {unknown[:5]}")
         return {k: to_numpy(v) for k, v in state.items()}
@@ -140,7 +141,7 @@ def to_inference(
 
 
 def to_training(
-    state: Mapping[str, np.ndarray], cfg: mdl.ModelConfig, prefix: str | None = None
+    state: Mapping[str, np.ndarray], cfg: ModelConfig, prefix: str | None = None
 ) -> dict[str, np.ndarray]:
     """The inverse of :func:`to_inference`: HF names/layout → training names/layout."""
     to_train = get_name_mappings_to_training(cfg, prefix)

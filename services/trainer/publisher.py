@@ -55,14 +55,14 @@ from safetensors.numpy import load_file
 
 from services.trainer import names
 from services.trainer.shards import ShardLayout, plan_shards, serialize
-from services.worker import model as mdl
-from services.worker.sources import ipc_version_dir
 from shared import manifest as mf
 from shared import objstore
 from shared.bus import Bus
 from shared.creds import default_dir, role_url
 from shared.messages import ControlReply, VersionPublished, json_decode
+from shared.model_config import ModelConfig, read_hf_config
 from shared.subjects import Subjects, ckpt_object_name
+from shared.versions import check_version_name, ipc_version_dir
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 DEFAULT_IPC_DIR = Path("/dev/shm/rollbus")
@@ -103,18 +103,18 @@ class VersionInfo:
     publisher: str
 
 
-def load_config(config: Any) -> mdl.ModelConfig:
-    if isinstance(config, mdl.ModelConfig):
+def load_config(config: Any) -> ModelConfig:
+    if isinstance(config, ModelConfig):
         return config
     if isinstance(config, str | Path):
         p = Path(config)
-        config = json.loads((p / "config.json" if p.is_dir() else p).read_text())
+        config = read_hf_config(p)
     if not isinstance(config, Mapping):
         raise TypeError("config must be a ModelConfig, an HF config dict or a config.json path")
-    return mdl.ModelConfig.from_hf(dict(config))
+    return ModelConfig.from_hf(dict(config))
 
 
-def read_model_dir(path: Path) -> tuple[mdl.ModelConfig, dict[str, np.ndarray]]:
+def read_model_dir(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """Config and full state dict of an HF model dir; :class:`NotAModelDir` if it is not."""
     if not path.is_dir():
         raise FileNotFoundError(f"no such directory: {path}")
@@ -224,10 +224,9 @@ class CheckpointPublisher:
 
     def _load(
         self, version: str, source: Path | str | Mapping[str, Any], config: Any
-    ) -> tuple[mdl.ModelConfig, dict[str, np.ndarray]]:
+    ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
         """Config and HF-named state; transposed weights stay views (copied once later)."""
-        if not version or "/" in version or version in (".", ".."):
-            raise ValueError(f"bad version name {version!r} (non-empty, no '/')")
+        check_version_name(version)
         if isinstance(source, str | Path):
             cfg, state = read_model_dir(Path(source))
             if config is not None:

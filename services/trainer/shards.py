@@ -18,17 +18,18 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save
 
-from services.worker import model as mdl
 from shared import manifest as mf
+from shared import sharding
+from shared.model_config import ModelConfig
 from shared.subjects import rank_shard_file
 
 
 def shard_state(
-    cfg: mdl.ModelConfig, state: dict[str, np.ndarray], tp: int
+    cfg: ModelConfig, state: dict[str, np.ndarray], tp: int
 ) -> list[dict[str, np.ndarray]]:
     """One dict per rank; raises ``ValueError`` naming a missing or mis-shaped tensor."""
     cfg.validate_tp(tp)
-    shapes = mdl.full_shapes(cfg)
+    shapes = sharding.full_shapes(cfg)
     missing = [n for n in shapes if n not in state]
     if missing:
         raise ValueError(f"state dict lacks {missing[:5]}")
@@ -36,7 +37,7 @@ def shard_state(
         if tuple(state[name].shape) != tuple(shape):
             raise ValueError(f"{name}: shape {tuple(state[name].shape)}, config says {shape}")
     return [
-        {n: mdl.shard_tensor(cfg, n, np.asarray(state[n]), r, tp) for n in shapes}
+        {n: sharding.shard_tensor(cfg, n, np.asarray(state[n]), r, tp) for n in shapes}
         for r in range(tp)
     ]
 
@@ -112,7 +113,7 @@ class ShardLayout:
 
 
 def plan_shards(
-    cfg: mdl.ModelConfig, state: dict[str, np.ndarray], tp: int
+    cfg: ModelConfig, state: dict[str, np.ndarray], tp: int
 ) -> list[ShardLayout] | None:
     """Each rank's file, planned without copying anything (None: a dtype only safetensors
     itself can write; then :func:`serialize` falls back to it). The bytes are exactly
@@ -151,9 +152,9 @@ def plan_shards(
     return out
 
 
-def _check(cfg: mdl.ModelConfig, state: dict[str, np.ndarray], tp: int) -> dict[str, Any]:
+def _check(cfg: ModelConfig, state: dict[str, np.ndarray], tp: int) -> dict[str, Any]:
     cfg.validate_tp(tp)
-    shapes = mdl.full_shapes(cfg)
+    shapes = sharding.full_shapes(cfg)
     missing = [n for n in shapes if n not in state]
     if missing:
         raise ValueError(f"state dict lacks {missing[:5]}")
@@ -163,19 +164,13 @@ def _check(cfg: mdl.ModelConfig, state: dict[str, np.ndarray], tp: int) -> dict[
     return shapes
 
 
-def _shard_view(cfg: mdl.ModelConfig, name: str, full: np.ndarray, r: int, tp: int) -> np.ndarray:
-    """:func:`mdl.shard_tensor` without the copy: a view of ``full``."""
-    local = mdl.shard_shape(cfg, name, full.shape, r, tp)
-    axis = mdl._split_axis(name)
-    if axis is None:
-        return full
-    index = [slice(None)] * full.ndim
-    index[axis] = slice(r * local[axis], (r + 1) * local[axis])
-    return full[tuple(index)]
+def _shard_view(cfg: ModelConfig, name: str, full: np.ndarray, r: int, tp: int) -> np.ndarray:
+    """:func:`shared.sharding.shard_tensor` without the copy: a view of ``full``."""
+    return sharding.shard_view(cfg, name, full, r, tp)
 
 
 def serialize(
-    cfg: mdl.ModelConfig, state: dict[str, np.ndarray], tp: int, model: str, version: str
+    cfg: ModelConfig, state: dict[str, np.ndarray], tp: int, model: str, version: str
 ) -> tuple[list[bytes], mf.Manifest]:
     """Safetensors bytes per rank and the manifest describing them (each byte copied
     once, from the source tensors straight into the file, hashed while in cache)."""
@@ -196,7 +191,7 @@ def serialize(
 
 
 def _serialize_slow(
-    cfg: mdl.ModelConfig, state: dict[str, np.ndarray], tp: int, model: str, version: str
+    cfg: ModelConfig, state: dict[str, np.ndarray], tp: int, model: str, version: str
 ) -> tuple[list[bytes], mf.Manifest]:
     blobs: list[bytes] = []
     specs: list[mf.ShardSpec] = []
@@ -222,7 +217,7 @@ def _serialize_slow(
 
 def write_sharded_dir(
     out_dir: Path,
-    cfg: mdl.ModelConfig,
+    cfg: ModelConfig,
     state: dict[str, np.ndarray],
     tp: int,
     model: str,

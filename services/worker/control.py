@@ -26,6 +26,7 @@ from shared.messages import (
     UpdateIdArgs,
     WakeupWorkerArgs,
 )
+from shared.model_config import ModelConfig
 
 
 def release_memory() -> None:
@@ -52,7 +53,7 @@ def rss_bytes() -> int:
 class Rank:
     rank: int
     tp: int
-    cfg: mdl.ModelConfig
+    cfg: ModelConfig
     weights: WeightStore
     kv: mdl.KVCache
     comm: CommGroup

@@ -30,13 +30,15 @@ from services.worker import model as mdl
 from services.worker.comm import CommGroup, configure_env
 from services.worker.sources import make_source
 from services.worker.stepper import Stepper, Watermark
-from services.worker.weights import WeightStore, load_config, model_dir_version
+from services.worker.weights import WeightStore
 from shared import messages as m
 from shared.bus import RANK, Bus
 from shared.errors import INTERNAL, ControlError
+from shared.model_config import load_config
 from shared.settings import Settings, settings_or_exit
 from shared.subjects import Subjects
 from shared.tasks import Supervisor
+from shared.versions import model_dir_version
 
 log = logging.getLogger("rollbus.worker")
 

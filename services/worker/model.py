@@ -5,17 +5,10 @@ Pure compute: the caller owns the weights (a dict of this rank's shards, HF name
 HF layout ``[out, in]``, float32 paddle tensors) and the :class:`KVCache`; the model
 holds no parameters, so swapping the dict is a weight update and dropping it is sleep.
 
-Sharding over ``tp`` ranks (Megatron style):
-
-- column-parallel (dim 0 split): q/k/v/gate/up weights and the q/k/v biases, so each
-  rank owns whole attention heads and a slice of the MLP; with fewer kv heads than
-  ranks, each rank holds a copy of the one kv head its query heads read;
-- row-parallel (dim 1 split): o_proj and down_proj; their partial outputs are summed
-  with one ``all_reduce`` each per layer;
-- replicated: the norms (qwen3's per-head q/k norms too), ``embed_tokens`` and
-  ``lm_head``. The vocabulary is replicated rather than vocab-parallel so every rank
-  returns full logits with no extra all-gather; the price is ``vocab * hidden * 4``
-  bytes per rank.
+Sharding over ``tp`` ranks follows :mod:`shared.sharding` (Megatron style): the partial
+outputs of the row-parallel o_proj and down_proj are summed with one ``all_reduce`` each
+per layer. The vocabulary is replicated rather than vocab-parallel so every rank returns
+full logits with no extra all-gather; the price is ``vocab * hidden * 4`` bytes per rank.
 """
 
 from __future__ import annotations
@@ -31,9 +24,8 @@ import paddle
 import paddle.distributed as dist
 import paddle.nn.functional as F
 
-from shared.model_config import ConfigError, ModelConfig
-
-__all__ = ["ConfigError", "ModelConfig"]  # re-exported: the config lives in shared
+from shared.model_config import ModelConfig
+from shared.sharding import local_kv_heads, shard_names
 
 
 def _prefer_avx2_mkl_on_amd() -> None:
@@ -50,120 +42,6 @@ def _prefer_avx2_mkl_on_amd() -> None:
 
 
 _prefer_avx2_mkl_on_amd()
-
-_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-_ROW = ("o_proj", "down_proj")
-_REPLICATED = (
-    "input_layernorm",
-    "post_attention_layernorm",
-    "norm",
-    "embed_tokens",
-    "lm_head",
-    "q_norm",
-    "k_norm",
-)
-
-
-def full_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Unsharded HF shape of every parameter the model needs, in a stable order."""
-    d, kv = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim
-    q = cfg.num_attention_heads * cfg.head_dim
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, d)}
-    for i in range(cfg.num_hidden_layers):
-        p = f"model.layers.{i}."
-        for proj, out in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-            shapes[f"{p}self_attn.{proj}.weight"] = (out, d)
-            if cfg.attention_bias:
-                shapes[f"{p}self_attn.{proj}.bias"] = (out,)
-        if cfg.qk_norm:
-            shapes[f"{p}self_attn.q_norm.weight"] = (cfg.head_dim,)
-            shapes[f"{p}self_attn.k_norm.weight"] = (cfg.head_dim,)
-        shapes[f"{p}self_attn.o_proj.weight"] = (d, q)
-        shapes[f"{p}mlp.gate_proj.weight"] = (cfg.intermediate_size, d)
-        shapes[f"{p}mlp.up_proj.weight"] = (cfg.intermediate_size, d)
-        shapes[f"{p}mlp.down_proj.weight"] = (d, cfg.intermediate_size)
-        shapes[f"{p}input_layernorm.weight"] = (d,)
-        shapes[f"{p}post_attention_layernorm.weight"] = (d,)
-    shapes["model.norm.weight"] = (d,)
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, d)
-    return shapes
-
-
-def shard_names(cfg: ModelConfig) -> list[str]:
-    return list(full_shapes(cfg))
-
-
-def _split_axis(name: str) -> int | None:
-    """The axis `name` is split along under TP, or None when it is replicated."""
-    parts = name.split(".")
-    module = parts[-2] if len(parts) >= 2 else ""
-    if module in _COLUMN:
-        return 0
-    if module in _ROW and parts[-1] == "weight":
-        return 1
-    if module in _REPLICATED:
-        return None
-    raise ValueError(f"unknown parameter {name!r}")
-
-
-def _part(cfg: ModelConfig, name: str, length: int, rank: int, tp: int) -> tuple[int, int]:
-    """(start, size) of `rank`'s part of a split axis of `length`. With fewer kv heads
-    than ranks (tp a multiple of num_key_value_heads), k/v are replicated per kv head:
-    rank r holds the kv head its query heads read, ``r // (tp / kv_heads)``."""
-    kv = cfg.num_key_value_heads
-    if kv < tp and name.split(".")[-2] in ("k_proj", "v_proj"):
-        if length % kv:
-            raise ValueError(f"{name}: axis of {length} cannot hold {kv} kv heads")
-        size = length // kv
-        return (rank // (tp // kv)) * size, size
-    if length % tp:
-        raise ValueError(f"{name}: axis of {length} cannot be split {tp} ways")
-    return rank * (length // tp), length // tp
-
-
-def shard_shape(
-    cfg: ModelConfig, name: str, full_shape: tuple[int, ...], rank: int, tp: int
-) -> tuple[int, ...]:
-    cfg.validate_tp(tp)
-    if not 0 <= rank < tp:
-        raise ValueError(f"rank {rank} out of range for tp={tp}")
-    axis = _split_axis(name)
-    if axis is None:
-        return tuple(full_shape)
-    if axis >= len(full_shape):
-        raise ValueError(f"{name}: shape {tuple(full_shape)} cannot be split {tp} ways")
-    shape = list(full_shape)
-    shape[axis] = _part(cfg, name, full_shape[axis], rank, tp)[1]
-    return tuple(shape)
-
-
-def shard_tensor(cfg: ModelConfig, name: str, full: np.ndarray, rank: int, tp: int) -> np.ndarray:
-    shard_shape(cfg, name, full.shape, rank, tp)  # validates
-    axis = _split_axis(name)
-    if axis is None:
-        return np.ascontiguousarray(full)
-    start, size = _part(cfg, name, full.shape[axis], rank, tp)
-    index = [slice(None)] * full.ndim
-    index[axis] = slice(start, start + size)
-    return np.ascontiguousarray(full[tuple(index)])
-
-
-def local_kv_heads(cfg: ModelConfig, tp: int) -> int:
-    """kv heads per rank: a 1/tp share, or 1 (replicated) when there are fewer than tp."""
-    return max(1, cfg.num_key_value_heads // tp)
-
-
-def init_weights(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    weights: dict[str, np.ndarray] = {}
-    for name, shape in full_shapes(cfg).items():
-        if name.endswith("norm.weight"):
-            weights[name] = np.ones(shape, dtype=np.float32)
-        else:
-            weights[name] = rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
-    return weights
-
 
 class KVCache:
     """Paged KV cache for one rank: per layer a key and a value paddle tensor of shape

@@ -42,26 +42,25 @@ import struct
 import threading
 import time
 from collections.abc import Coroutine
-from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import quote
 
 import numpy as np
 
-from services.worker import model as mdl
 from services.worker.weights import (
     Expected,
     LoadedShard,
     SnapshotSource,
     Source,
-    model_dir_version,
 )
 from shared import manifest as mf
 from shared import objstore
 from shared.bus import Bus
-from shared.errors import BAD_REQUEST, NOT_FOUND, UNAVAILABLE, UNPROCESSABLE, ControlError
+from shared.errors import NOT_FOUND, UNAVAILABLE, UNPROCESSABLE, ControlError
+from shared.model_config import ModelConfig
 from shared.settings import Settings
 from shared.subjects import ckpt_object_name
+from shared.versions import check_version_name, model_dir_version
 
 T = TypeVar("T")
 
@@ -127,11 +126,6 @@ def parse_safetensors(buf: Any, where: str) -> dict[str, np.ndarray]:
     return out
 
 
-def _check_version_name(version: str) -> None:
-    if not version or "/" in version or version in (".", ".."):
-        raise ControlError(BAD_REQUEST, f"bad version name {version!r}")
-
-
 class _LoopThread:
     """An asyncio loop on its own daemon thread, for blocking callers to submit to."""
 
@@ -166,7 +160,7 @@ class ObjectStoreSource:
     ) -> LoadedShard:
         if version == model_dir_version(self.settings.model_dir):
             return self.fallback(version, verify_checksum, expected)
-        _check_version_name(version)
+        check_version_name(version)
         if self._io is None:
             self._io = _LoopThread(f"objstore-rank{self.rank}")
         verify = True if verify_checksum is None else verify_checksum  # a manifest exists
@@ -245,11 +239,6 @@ def _spec(a: np.ndarray) -> mf.TensorSpec:
     return mf.TensorSpec(shape=list(a.shape), dtype=str(a.dtype))
 
 
-def ipc_version_dir(ipc_dir: Path, model: str, version: str) -> Path:
-    """``<ipc_dir>/<model>/<version>/``, each part percent-quoted (ids may hold ``/``)."""
-    return Path(ipc_dir) / quote(model, safe="") / quote(version, safe="")
-
-
 def _ipc_error(where: str, e: OSError, what: str) -> ControlError:
     if e.errno == errno.ENOENT:
         return ControlError(NOT_FOUND, f"{where}: no such {what}")
@@ -325,7 +314,7 @@ class IpcSource:
     ) -> LoadedShard:
         if version == model_dir_version(self.settings.model_dir):
             return self.fallback(version, verify_checksum, expected)
-        _check_version_name(version)
+        check_version_name(version)
         t0 = time.perf_counter()
         verify = True if verify_checksum is None else verify_checksum  # a manifest exists
         qmodel, qversion = quote(self.model, safe=""), quote(version, safe="")
@@ -447,7 +436,7 @@ class FallbackSource:
             raise
 
 
-def make_source(settings: Settings, cfg: mdl.ModelConfig, rank: int) -> Source:
+def make_source(settings: Settings, cfg: ModelConfig, rank: int) -> Source:
     snap = SnapshotSource(cfg, settings.model_dir, rank, settings.tp, settings.dtype)
     store = ObjectStoreSource(settings, snap, rank, settings.tp)  # connects on first use
     if settings.load_strategy == "object_store":

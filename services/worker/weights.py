@@ -19,7 +19,6 @@ Sources:
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import time
 from collections import deque
@@ -34,11 +33,13 @@ import paddle.utils.dlpack
 from safetensors import SafetensorError, safe_open
 
 from services.worker import hf_files
-from services.worker import model as mdl
 from shared import manifest as mf
-from shared.errors import BAD_REQUEST, NOT_FOUND, UNPROCESSABLE, ControlError
+from shared import sharding
+from shared.errors import BAD_REQUEST, UNPROCESSABLE, ControlError
+from shared.model_config import ModelConfig
 from shared.redact import public_path
 from shared.subjects import rank_shard_file
+from shared.versions import snapshot_dir
 
 
 @dataclass
@@ -56,33 +57,6 @@ Expected = dict[str, mf.TensorSpec] | None  # the served tensors of this rank, i
 # (version, verify_checksum, expected) -> shard. verify_checksum None = the default:
 # verify wherever the version has a manifest.
 Source = Callable[..., LoadedShard]
-
-
-def read_version_txt(model_dir: Path) -> str | None:
-    p = model_dir / "version.txt"
-    if p.is_file():
-        v = p.read_text().strip()
-        return v or None
-    return None
-
-
-def model_dir_version(model_dir: Path) -> str:
-    """The version the model dir itself holds: its ``version.txt``, else ``v0``."""
-    return read_version_txt(model_dir) or "v0"
-
-
-def snapshot_dir(model_dir: Path, version: str) -> Path:
-    """Where version ``version`` lives, or a 404 naming what was looked for."""
-    if version == model_dir_version(model_dir):
-        return model_dir
-    if "/" in version or version in ("", ".", ".."):
-        raise ControlError(BAD_REQUEST, f"bad version name {version!r}")
-    d = model_dir / "versions" / version
-    if not d.is_dir():
-        raise ControlError(
-            NOT_FOUND, f"unknown version {version!r}: no directory versions/{version}"
-        )
-    return d
 
 
 def _spec_of(arr: np.ndarray) -> mf.TensorSpec:
@@ -110,7 +84,7 @@ class SnapshotSource:
     """Load versions from local directories (FastDeploy's ``ipc_snapshot``)."""
 
     def __init__(
-        self, cfg: mdl.ModelConfig, model_dir: Path, rank: int, tp: int, dtype: str = "float32"
+        self, cfg: ModelConfig, model_dir: Path, rank: int, tp: int, dtype: str = "float32"
     ) -> None:
         self.cfg, self.model_dir, self.rank, self.tp = cfg, model_dir, rank, tp
         self.dtype = hf_files.compute_dtype(dtype)  # ROLLBUS_DTYPE; float32 on CPU
@@ -197,8 +171,8 @@ class SnapshotSource:
                 UNPROCESSABLE, f"rank {self.rank}: no *.safetensors in {self._rel(d)}"
             )
         arrays: dict[str, np.ndarray] = {}
-        shapes = mdl.full_shapes(self.cfg)
-        wanted = set(mdl.shard_names(self.cfg))
+        shapes = sharding.full_shapes(self.cfg)
+        wanted = set(sharding.shard_names(self.cfg))
         nbytes = 0
         where = ""
 
@@ -210,7 +184,7 @@ class SnapshotSource:
                     f"{where}: {name} has shape {list(full.shape)}, the served config "
                     f"says {list(shapes[name])}",
                 )
-            return mdl.shard_tensor(self.cfg, name, full, self.rank, self.tp)
+            return sharding.shard_tensor(self.cfg, name, full, self.rank, self.tp)
 
         for f in files:
             where = f"rank {self.rank}: {self._rel(f)}"
@@ -406,10 +380,3 @@ class WeightStore:
         mf.check_tensors(self.spec, got, f"rank {self.rank}: version {self.version!r}")
         self.current = to_paddle(shard.arrays)
         return shard
-
-
-def load_config(model_dir: Path) -> mdl.ModelConfig:
-    p = model_dir / "config.json"
-    if not p.is_file():
-        raise ControlError(NOT_FOUND, f"no config.json in model dir {model_dir}")
-    return mdl.ModelConfig.from_hf(json.loads(p.read_text()))

@@ -41,7 +41,8 @@ import nats
 import numpy as np
 
 from shared import manifest as mf
-from shared import objstore
+from shared import objstore, sharding
+from shared.model_config import ModelConfig
 from tests.bench.common import Table, start_stack_retry
 
 log = logging.getLogger("bench")
@@ -264,7 +265,6 @@ def ipc_vs_memcpy(
     """Rank 0's ipc stage work vs one memcpy of its shard's bytes, in seconds."""
     from services.tiny_model import TINY_CONFIG
     from services.trainer.publisher import CheckpointPublisher
-    from services.worker import model as mdl
     from services.worker.sources import IpcSource
     from services.worker.weights import to_paddle
     from shared.settings import Settings
@@ -273,7 +273,7 @@ def ipc_vs_memcpy(
     cfg_d = {**TINY_CONFIG, **cfg_over}
     pub = CheckpointPublisher("nats://unused", ipc_dir=ipc_dir)
     blobs, man = pub.prepare(
-        model, "ipc1", mdl.init_weights(mdl.ModelConfig.from_hf(cfg_d), 7), 2, cfg_d
+        model, "ipc1", sharding.init_weights(ModelConfig.from_hf(cfg_d), 7), 2, cfg_d
     )
     pub._write_ipc(model, "ipc1", blobs, man, None)
     del blobs
@@ -302,7 +302,6 @@ def ipc_vs_memcpy(
 def run(tmp: Path, nats_url: str, runs: int = 5, quick: bool = False) -> list[Table]:
     from services.trainer import names
     from services.trainer.publisher import CheckpointPublisher
-    from services.worker import model as mdl
 
     over = QUICK if quick else CONFIG
     stack = start_stack_retry(
@@ -319,7 +318,7 @@ def run(tmp: Path, nats_url: str, runs: int = 5, quick: bool = False) -> list[Ta
     )
     model = stack.model_dir.name
     cfg_d = json.loads((stack.model_dir / "config.json").read_text())
-    cfg = mdl.ModelConfig.from_hf(cfg_d)
+    cfg = ModelConfig.from_hf(cfg_d)
     pub = CheckpointPublisher(nats_url)
     size = f"hidden {over['hidden_size']}, {over['num_hidden_layers']} layers, " \
         f"vocab {over['vocab_size']}"
@@ -330,11 +329,11 @@ def run(tmp: Path, nats_url: str, runs: int = 5, quick: bool = False) -> list[Ta
 
     try:
         for i, v in enumerate(("p1", "p2")):  # the versions the ranks pull
-            r = pub.publish(model, v, mdl.init_weights(cfg, 100 + i), tp=2, config=cfg_d)
+            r = pub.publish(model, v, sharding.init_weights(cfg, 100 + i), tp=2, config=cfg_d)
             total = r.bytes
         shard_objs = asyncio.run(_shards(nats_url, model, "p1"))
         shard_mib = shard_objs[0][2] // MIB
-        state = names.to_training(mdl.init_weights(cfg, 5), cfg)  # what a trainer holds
+        state = names.to_training(sharding.init_weights(cfg, 5), cfg)  # what a trainer holds
         with httpx.Client(base_url=stack.base_url, timeout=600) as c:
             for run_i in range(runs):
                 # publish

@@ -1,7 +1,7 @@
 """rollbus's answer for a model dir, through the worker's real code in process: config
 parsing (``load_config``), the snapshot source (bf16/fp16 -> fp32, TP slices), the TP
 model and its paged KV cache, greedy decoding that stops on every eos id of the model's
-configs (the API's rule, :func:`services.worker.tokenizer.config_eos_ids`).
+configs (the API's rule, :func:`shared.tokenizer.config_eos_ids`).
 
 Run as a script (``python rollbus_side.py JOBS.json``) with one rank's PADDLE_* env: it
 joins the gloo group and runs every job of the file at that TP, writing ``<out>.npz``
@@ -19,8 +19,10 @@ import numpy as np
 import paddle
 
 from services.worker import model as mdl
-from services.worker.tokenizer import config_eos_ids
-from services.worker.weights import SnapshotSource, load_config, model_dir_version, to_paddle
+from services.worker.weights import SnapshotSource, to_paddle
+from shared.model_config import load_config
+from shared.tokenizer import config_eos_ids
+from shared.versions import model_dir_version
 
 BLOCK = 4
 

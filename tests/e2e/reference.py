@@ -10,6 +10,7 @@ import paddle
 from safetensors.numpy import load_file
 
 from services.worker import model as mdl
+from shared.model_config import ModelConfig
 
 
 def load_weights(weights_dir: Path) -> dict[str, np.ndarray]:
@@ -29,7 +30,7 @@ def greedy(
 ) -> list[int]:
     """Greedy tokens for ``prompt`` with the HF-named weights of ``weights`` (a dict),
     ``weights_dir`` or the model dir itself."""
-    cfg = mdl.ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+    cfg = ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
     host = weights if weights is not None else load_weights(weights_dir or model_dir)
     w = {k: paddle.to_tensor(v) for k, v in host.items()}
     bs = 16

@@ -15,10 +15,10 @@ from typing import Any
 import msgspec
 import pytest
 
-from services.worker.sources import ipc_version_dir
 from shared import objstore
 from shared.messages import VersionPublished
 from shared.subjects import ckpt_published
+from shared.versions import ipc_version_dir
 from tests.e2e.stack import Stack, start_stack
 from tests.e2e.test_checkpoints import _raw, events, model_of, post, publish, wait_for
 from tests.e2e.test_control import digests

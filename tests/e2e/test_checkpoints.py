@@ -24,12 +24,13 @@ import pytest
 from services.tiny_model import create_model_dir
 from services.trainer import names
 from services.trainer.publisher import CheckpointPublisher, VersionConflict
-from services.worker import model as mdl
-from services.worker.sources import ipc_version_dir, parse_safetensors
+from services.worker.sources import parse_safetensors
 from shared import manifest as mf
-from shared import objstore
+from shared import objstore, sharding
 from shared.messages import VersionPublished
+from shared.model_config import ModelConfig
 from shared.subjects import ckpt_object_name
+from shared.versions import ipc_version_dir
 from tests.e2e.stack import Stack, model_config, start_stack
 from tests.e2e.test_control import digests
 
@@ -47,8 +48,8 @@ def model_of(stack: Stack) -> str:
 
 def training_state(stack: Stack, seed: int) -> dict[str, np.ndarray]:
     """What a paddle trainer would hand us: training names, [in, out] Linear weights."""
-    cfg = mdl.ModelConfig.from_hf(model_config(stack.model_dir))
-    return names.to_training(mdl.init_weights(cfg, seed), cfg)
+    cfg = ModelConfig.from_hf(model_config(stack.model_dir))
+    return names.to_training(sharding.init_weights(cfg, seed), cfg)
 
 
 def expected_digests(blobs: list[bytes]) -> dict[int, str]:
@@ -379,7 +380,7 @@ def test_published_version_changes_greedy_output_to_the_new_weights(ostack: Stac
     in-process tp=1 model with the published weights says, and differ from before."""
     from tests.e2e.reference import greedy
 
-    cfg = mdl.ModelConfig.from_hf(model_config(ostack.model_dir))
+    cfg = ModelConfig.from_hf(model_config(ostack.model_dir))
     body = {
         "model": model_of(ostack),
         "prompt": "rollout",
@@ -400,6 +401,6 @@ def test_published_version_changes_greedy_output_to_the_new_weights(ostack: Stac
     assert post(ostack, "/v1/resume").status_code == 200
     after = post(ostack, "/v1/completions", json=body).json()
     assert after["weight_version"] == "g1"
-    want = greedy(ostack.model_dir, prompt, 12, weights=mdl.init_weights(cfg, 31))
+    want = greedy(ostack.model_dir, prompt, 12, weights=sharding.init_weights(cfg, 31))
     assert after["choices"][0]["token_ids"] == want
     assert want != before["choices"][0]["token_ids"]

@@ -21,8 +21,9 @@ from safetensors.numpy import load_file
 
 from services.tiny_model import write_version
 from services.trainer.shards import write_sharded_dir
-from services.worker import model as mdl
+from shared import sharding
 from shared.bus import Bus
+from shared.model_config import ModelConfig
 from shared.subjects import Subjects
 from tests.e2e.stack import Stack, free_port, model_config, wait_healthy
 
@@ -165,11 +166,11 @@ def test_update_weights_bad_input(stack: Stack, body: Any, status: int, needle: 
 
 
 def _sharded_version(stack: Stack, name: str, seed: int) -> Path:
-    cfg = mdl.ModelConfig.from_hf(model_config(stack.model_dir))
+    cfg = ModelConfig.from_hf(model_config(stack.model_dir))
     d = stack.model_dir / "versions" / name
     if d.exists():
         shutil.rmtree(d)
-    write_sharded_dir(d, cfg, mdl.init_weights(cfg, seed), 2, "tiny", name)
+    write_sharded_dir(d, cfg, sharding.init_weights(cfg, seed), 2, "tiny", name)
     return d
 
 
@@ -194,12 +195,12 @@ def test_all_or_nothing_when_one_rank_fails(stack: Stack) -> None:
 
 def test_shape_mismatch_is_422(stack: Stack) -> None:
     cfg_dict = {**model_config(stack.model_dir), "intermediate_size": 256}
-    cfg = mdl.ModelConfig.from_hf(cfg_dict)
+    cfg = ModelConfig.from_hf(cfg_dict)
     d = stack.model_dir / "versions" / "wrong-shape"
     d.mkdir(parents=True, exist_ok=True)
     from safetensors.numpy import save_file
 
-    save_file(mdl.init_weights(cfg, 3), str(d / "model.safetensors"))
+    save_file(sharding.init_weights(cfg, 3), str(d / "model.safetensors"))
     post(stack, "/v1/pause")
     r = post(stack, "/v1/update_weights", json={"version": "wrong-shape"})
     assert r.status_code == 422 and "shape" in r.json()["error_message"]
@@ -214,7 +215,7 @@ def test_verify_checksum(stack: Stack) -> None:
     assert all("verify_s" in x for x in r.json()["result"]["ranks"])
     # sharded snapshot equals what a rank computes from HF files of the same weights
     ref = load_file(str(d / "rank0-of-2.safetensors"))
-    assert set(ref) == set(mdl.shard_names(mdl.ModelConfig.from_hf(model_config(stack.model_dir))))
+    assert set(ref) == set(sharding.shard_names(ModelConfig.from_hf(model_config(stack.model_dir))))
     # flip bytes inside rank 0's tensor data, same size: only SHA-256 can tell
     f = d / "rank0-of-2.safetensors"
     raw = bytearray(f.read_bytes())

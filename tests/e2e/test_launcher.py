@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 from safetensors import safe_open
 
+from shared import sharding
+from shared.model_config import ModelConfig
 from tests.e2e.stack import free_port, wait_healthy
 
 
@@ -157,7 +159,6 @@ def test_plain_hf_dir_without_version_txt(tmp_path: Path, nats_url: str) -> None
 
     from services import trainer
     from services.tiny_model import create_model_dir
-    from services.worker import model as mdl
 
     model_dir = create_model_dir(tmp_path / "Qwen2.5-0.5B", seed=0)
     (model_dir / "version.txt").unlink()
@@ -183,8 +184,8 @@ def test_plain_hf_dir_without_version_txt(tmp_path: Path, nats_url: str) -> None
             r = c.post("/v1/update_weights")  # nothing published, no version.txt
             assert r.status_code == 404
             assert c.get("/v1/status").json()["state"] == "paused"  # not stuck in updating
-            cfg = mdl.ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
-            state = {k: np.asarray(v) for k, v in mdl.init_weights(cfg, 5).items()}
+            cfg = ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+            state = {k: np.asarray(v) for k, v in sharding.init_weights(cfg, 5).items()}
             res = trainer.publish(
                 "Qwen2.5-0.5B", "p1", state, tp=1, nats_url=nats_url, instance=instance
             )

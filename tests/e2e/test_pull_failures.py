@@ -22,7 +22,8 @@ import pytest
 
 from services import natsd
 from services.trainer.publisher import CheckpointPublisher
-from services.worker import model as mdl
+from shared import sharding
+from shared.model_config import ModelConfig
 from tests.e2e.stack import Stack, free_port, model_config, start_stack
 from tests.e2e.test_control import digests
 
@@ -89,7 +90,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Stac
     )
     try:
         cfg = model_config(stack.model_dir)
-        state = mdl.init_weights(mdl.ModelConfig.from_hf(cfg), 3)
+        state = sharding.init_weights(ModelConfig.from_hf(cfg), 3)
         CheckpointPublisher(server.url).publish("pullbig", "p1", state, tp=2, config=cfg)
         yield server, stack
     finally:

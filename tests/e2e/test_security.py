@@ -25,11 +25,11 @@ from services.tiny_model import create_model_dir
 from services.trainer import names
 from services.trainer.publisher import CheckpointPublisher
 from services.trainer.shards import write_sharded_dir
-from services.worker import model as mdl
-from services.worker.sources import ipc_version_dir
 from shared import manifest as mf
-from shared import objstore
+from shared import objstore, sharding
+from shared.model_config import ModelConfig
 from shared.subjects import ckpt_object_name
+from shared.versions import ipc_version_dir
 from tests.e2e.stack import Stack, model_config, start_stack
 
 TOKEN = "t0k-" + uuid.uuid4().hex
@@ -112,8 +112,8 @@ def model_of(stack: Stack) -> str:
 
 
 def state(stack: Stack, seed: int) -> dict[str, np.ndarray]:
-    cfg = mdl.ModelConfig.from_hf(model_config(stack.model_dir))
-    return names.to_training(mdl.init_weights(cfg, seed), cfg)
+    cfg = ModelConfig.from_hf(model_config(stack.model_dir))
+    return names.to_training(sharding.init_weights(cfg, seed), cfg)
 
 
 def publisher(stack: Stack) -> CheckpointPublisher:
@@ -257,9 +257,9 @@ def test_corrupt_bytes_in_a_valid_header_are_refused_by_default(sec: Stack) -> N
     blobs, man = prepare(sec, "cb-obj", 52)
     upload_raw(sec, "cb-obj", [blobs[0], flip_last_byte(blobs[1])], man)
     # pre-sharded snapshot dir
-    cfg = mdl.ModelConfig.from_hf(model_config(sec.model_dir))
+    cfg = ModelConfig.from_hf(model_config(sec.model_dir))
     d = sec.model_dir / "versions" / "cb-snap"
-    write_sharded_dir(d, cfg, mdl.init_weights(cfg, 53), 2, model_of(sec), "cb-snap")
+    write_sharded_dir(d, cfg, sharding.init_weights(cfg, 53), 2, model_of(sec), "cb-snap")
     g = d / "rank1-of-2.safetensors"
     g.write_bytes(flip_last_byte(g.read_bytes()))
 

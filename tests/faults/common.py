@@ -17,7 +17,8 @@ from typing import Any
 import httpx
 
 from services import natsd
-from services.worker import model as mdl
+from shared import sharding
+from shared.model_config import ModelConfig
 from tests.e2e.reference import greedy
 from tests.e2e.stack import Stack, free_port, model_config
 
@@ -113,8 +114,8 @@ PUBLISHED = {"p1": 11}
 def _reference(model_dir: str, version: str) -> tuple[int, ...]:
     d = Path(model_dir)
     if version in PUBLISHED:
-        cfg = mdl.ModelConfig.from_hf(model_config(d))
-        weights = mdl.init_weights(cfg, PUBLISHED[version])
+        cfg = ModelConfig.from_hf(model_config(d))
+        weights = sharding.init_weights(cfg, PUBLISHED[version])
         return tuple(greedy(d, PROMPT_IDS, N_GREEDY, weights=weights))
     wdir = d if version == "v0" else d / "versions" / version
     return tuple(greedy(d, PROMPT_IDS, N_GREEDY, weights_dir=wdir))
@@ -125,7 +126,7 @@ def publish(stack: Stack, nats_url: str, version: str) -> None:
     from services.trainer.publisher import CheckpointPublisher
 
     cfg = model_config(stack.model_dir)
-    state = mdl.init_weights(mdl.ModelConfig.from_hf(cfg), PUBLISHED[version])
+    state = sharding.init_weights(ModelConfig.from_hf(cfg), PUBLISHED[version])
     CheckpointPublisher(nats_url).publish("tiny", version, state, tp=2, config=cfg)
 
 

@@ -17,9 +17,9 @@ from safetensors.numpy import save
 from services.tiny_model import TINY_CONFIG, create_model_dir
 from services.trainer import names, shards
 from services.trainer.publisher import CheckpointPublisher, VersionConflict
-from services.worker import model as mdl
 from shared import manifest as mf
-from shared import objstore
+from shared import objstore, sharding
+from shared.model_config import ModelConfig
 from shared.subjects import ckpt_object_name
 
 MIB = 1 << 20
@@ -28,7 +28,7 @@ CFG = {**TINY_CONFIG, "vocab_size": 2048, "hidden_size": 256, "intermediate_size
        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4}
 
 
-def _plain_blobs(cfg: mdl.ModelConfig, hf: dict[str, np.ndarray], tp: int) -> list[bytes]:
+def _plain_blobs(cfg: ModelConfig, hf: dict[str, np.ndarray], tp: int) -> list[bytes]:
     """The reference: contiguous shards written by safetensors itself."""
     return [save(s) for s in shards.shard_state(cfg, hf, tp)]
 
@@ -51,8 +51,8 @@ async def _read_all(url: str, model: str, version: str) -> tuple[mf.Manifest, li
 
 
 async def test_state_dict_round_trip_bytes_and_sha_identical(nats_url: str) -> None:
-    cfg = mdl.ModelConfig.from_hf(CFG)
-    hf = mdl.init_weights(cfg, 5)
+    cfg = ModelConfig.from_hf(CFG)
+    hf = sharding.init_weights(cfg, 5)
     train = names.to_training(hf, cfg)  # paddle layout: transposed linears
     model = f"pub-{uuid.uuid4().hex[:6]}"
     pub = CheckpointPublisher(nats_url)
@@ -69,7 +69,7 @@ async def test_state_dict_round_trip_bytes_and_sha_identical(nats_url: str) -> N
     # re-publishing the same content: nothing uploaded; other content: refused
     again = await pub.apublish(model, "v1", train, tp=2, config=CFG)
     assert not again.uploaded and again.seq == res.seq
-    other = names.to_training(mdl.init_weights(cfg, 6), cfg)
+    other = names.to_training(sharding.init_weights(cfg, 6), cfg)
     with pytest.raises(VersionConflict):
         await pub.apublish(model, "v1", other, tp=2, config=CFG)
 
@@ -104,14 +104,14 @@ async def test_ranks_upload_concurrently(nats_url: str, monkeypatch: pytest.Monk
             live[0] -= 1
 
     monkeypatch.setattr(objstore, "put_object", spy)
-    cfg = mdl.ModelConfig.from_hf(CFG)
+    cfg = ModelConfig.from_hf(CFG)
     model = f"conc-{uuid.uuid4().hex[:6]}"
     await CheckpointPublisher(nats_url).apublish(
-        model, "c1", names.to_training(mdl.init_weights(cfg, 1), cfg), tp=4, config=CFG
+        model, "c1", names.to_training(sharding.init_weights(cfg, 1), cfg), tp=4, config=CFG
     )
     assert peak[0] == 4  # every rank's shard in flight at once (the manifest after)
     _, got = await _read_all(nats_url, model, "c1")
-    assert got == _plain_blobs(cfg, mdl.init_weights(cfg, 1), 4)
+    assert got == _plain_blobs(cfg, sharding.init_weights(cfg, 1), 4)
 
 
 async def test_put_window_is_bounded(nats_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -176,11 +176,11 @@ async def test_failed_fill_publishes_nothing(
         real_fill(self, buf, sha, half)
 
     monkeypatch.setattr(shards.ShardLayout, "fill", broken)
-    cfg = mdl.ModelConfig.from_hf(CFG)
+    cfg = ModelConfig.from_hf(CFG)
     model = f"fail-{uuid.uuid4().hex[:6]}"
     pub = CheckpointPublisher(nats_url)
     with pytest.raises(OSError, match="unreadable"):
-        await pub.apublish(model, "f1", mdl.init_weights(cfg, 2), tp=2, config=CFG)
+        await pub.apublish(model, "f1", sharding.init_weights(cfg, 2), tp=2, config=CFG)
     assert await pub.aversions(model) == []  # never announced
     nc = await nats.connect(nats_url)
     try:

@@ -12,7 +12,9 @@ from pathlib import Path
 import numpy as np
 import paddle
 
-from services.worker.model import Batch, KVCache, ModelConfig, TPModel, init_weights, shard_tensor
+from services.worker.model import Batch, KVCache, TPModel
+from shared.model_config import ModelConfig
+from shared.sharding import init_weights, shard_tensor
 
 CONFIG = ModelConfig(
     vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=3,

@@ -8,12 +8,13 @@ from safetensors.numpy import save
 
 from services.engine.autoupdate import VersionIndex, durable_name, newest
 from services.trainer import names
-from services.worker import model as mdl
 from services.worker.sources import parse_safetensors
+from shared import sharding
 from shared.errors import ControlError
 from shared.messages import VersionPublished
+from shared.model_config import ModelConfig
 
-CFG = mdl.ModelConfig(
+CFG = ModelConfig(
     vocab_size=64,
     hidden_size=16,
     intermediate_size=24,
@@ -26,7 +27,7 @@ CFG = mdl.ModelConfig(
 def test_mapping_is_a_bijection_with_training_names() -> None:
     to_train = names.get_name_mappings_to_training(CFG)
     to_inf = names.get_name_mappings_to_inference(CFG)
-    assert set(to_train) == set(mdl.full_shapes(CFG))
+    assert set(to_train) == set(sharding.full_shapes(CFG))
     assert {v: k for k, v in to_train.items()} == to_inf
     assert to_train["model.embed_tokens.weight"] == "llama.embed_tokens.weight"
     assert to_train["model.layers.1.self_attn.q_proj.weight"] == (
@@ -34,7 +35,7 @@ def test_mapping_is_a_bijection_with_training_names() -> None:
     )
     assert to_train["lm_head.weight"] == "lm_head.weight"
     assert to_train["model.norm.weight"] == "llama.norm.weight"
-    qwen = mdl.ModelConfig(**{**CFG.__dict__, "attention_bias": True})
+    qwen = ModelConfig(**{**CFG.__dict__, "attention_bias": True})
     assert names.get_name_mappings_to_training(qwen)["model.layers.0.self_attn.k_proj.bias"] == (
         "qwen2.layers.0.self_attn.k_proj.bias"
     )
@@ -50,7 +51,7 @@ def test_transposed_set() -> None:
 
 
 def test_round_trip_values_and_layout() -> None:
-    hf = mdl.init_weights(CFG, seed=3)
+    hf = sharding.init_weights(CFG, seed=3)
     train = names.to_training(hf, CFG)
     # paddle Linear layout: [in, out]
     assert train["llama.layers.0.mlp.gate_proj.weight"].shape == (16, 24)
@@ -65,7 +66,7 @@ def test_round_trip_values_and_layout() -> None:
 def test_to_inference_accepts_paddle_and_names_problems() -> None:
     import paddle
 
-    hf = mdl.init_weights(CFG, seed=4)
+    hf = sharding.init_weights(CFG, seed=4)
     train = {k: paddle.to_tensor(v) for k, v in names.to_training(hf, CFG).items()}
     back = names.to_inference(train, CFG)
     assert np.array_equal(
@@ -113,7 +114,7 @@ def test_durable_names_are_valid_and_distinct() -> None:
 
 
 def test_hf_named_state_passes_through_untransposed() -> None:
-    hf = mdl.init_weights(CFG, seed=5)
+    hf = sharding.init_weights(CFG, seed=5)
     back = names.to_inference(hf, CFG)
     assert all(np.array_equal(back[k], hf[k]) for k in hf)
     assert back["lm_head.weight"].shape == (64, 16)

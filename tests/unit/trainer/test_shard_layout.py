@@ -9,9 +9,10 @@ from safetensors.numpy import save
 
 from services.tiny_model import TINY_CONFIG
 from services.trainer import names, shards
-from services.worker import model as mdl
+from shared import sharding
+from shared.model_config import ModelConfig
 
-CFG = mdl.ModelConfig.from_hf(dict(TINY_CONFIG))
+CFG = ModelConfig.from_hf(dict(TINY_CONFIG))
 
 
 def _reference(state: dict[str, np.ndarray], tp: int) -> list[bytes]:
@@ -19,7 +20,7 @@ def _reference(state: dict[str, np.ndarray], tp: int) -> list[bytes]:
 
 
 def test_serialize_equals_safetensors_and_hashes_match() -> None:
-    w = mdl.init_weights(CFG, 3)
+    w = sharding.init_weights(CFG, 3)
     for tp in (1, 2):
         blobs, man = shards.serialize(CFG, w, tp, "m", "v")
         ref = _reference(w, tp)
@@ -29,7 +30,7 @@ def test_serialize_equals_safetensors_and_hashes_match() -> None:
 
 
 def test_transposed_views_are_copied_once_into_the_same_bytes() -> None:
-    w = mdl.init_weights(CFG, 4)
+    w = sharding.init_weights(CFG, 4)
     views = names.to_inference(names.to_training(w, CFG), CFG, contiguous=False)
     assert any(not a.flags.c_contiguous for a in views.values())  # no copy made yet
     blobs, _ = shards.serialize(CFG, views, 2, "m", "v")
@@ -38,7 +39,7 @@ def test_transposed_views_are_copied_once_into_the_same_bytes() -> None:
 
 def test_mixed_dtypes_follow_safetensors_order() -> None:
     w = {k: (v.astype(np.float16) if "norm" in k else v) for k, v in
-         mdl.init_weights(CFG, 5).items()}
+         sharding.init_weights(CFG, 5).items()}
     for lay in shards.plan_shards(CFG, w, 2) or []:
         buf = bytearray(lay.size)
         seen: list[int] = []
@@ -48,7 +49,7 @@ def test_mixed_dtypes_follow_safetensors_order() -> None:
 
 
 def test_unsupported_dtype_falls_back_to_safetensors() -> None:
-    w = {k: v.astype(">f4") for k, v in mdl.init_weights(CFG, 6).items()}  # big-endian
+    w = {k: v.astype(">f4") for k, v in sharding.init_weights(CFG, 6).items()}  # big-endian
     assert shards.plan_shards(CFG, w, 2) is None
     blobs, man = shards.serialize(CFG, w, 2, "m", "v")
     assert len(blobs) == 2 and man.shards[0].size == len(blobs[0])

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from services.worker import hf_files
-from services.worker import model as mdl
 from services.worker.weights import SnapshotSource
+from shared import sharding
+from shared.model_config import ModelConfig
 
 
 def write_safetensors(path: Path, tensors: dict[str, tuple[str, np.ndarray]]) -> None:
@@ -34,7 +35,7 @@ def bf16_bits(x: np.ndarray) -> np.ndarray:
     return (bits >> 16).astype(np.uint16)
 
 
-CFG = mdl.ModelConfig(
+CFG = ModelConfig(
     vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
     num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True,
 )  # fmt: skip
@@ -45,7 +46,7 @@ def exact_weights(seed: int) -> dict[str, np.ndarray]:
     # multiples of 1/8 in [-4, 4]: exact in bf16 and fp16
     return {
         n: (rng.integers(-32, 33, size=s) / 8).astype(np.float32)
-        for n, s in mdl.full_shapes(CFG).items()
+        for n, s in sharding.full_shapes(CFG).items()
     }
 
 
@@ -71,7 +72,7 @@ def test_snapshot_loads_any_float_dtype_as_fp32_slices(tmp_path: Path, dtype: st
         for n in names:
             got = shard.arrays[n]
             assert got.dtype == np.float32 and got.flags.c_contiguous and got.flags.writeable
-            np.testing.assert_array_equal(got, mdl.shard_tensor(CFG, n, full[n], rank, tp))
+            np.testing.assert_array_equal(got, sharding.shard_tensor(CFG, n, full[n], rank, tp))
 
 
 def test_bf16_conversion_is_exact_upper_half() -> None:

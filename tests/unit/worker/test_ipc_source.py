@@ -10,11 +10,13 @@ import pytest
 
 from services.tiny_model import TINY_CONFIG
 from services.trainer.publisher import CheckpointPublisher, UnsafeIpcDir
-from services.worker import model as mdl
-from services.worker.sources import IpcSource, ipc_version_dir
+from services.worker.sources import IpcSource
 from shared import manifest as mf
+from shared import sharding
 from shared.errors import ControlError
+from shared.model_config import ModelConfig
 from shared.settings import Settings
+from shared.versions import ipc_version_dir
 
 MODEL = "tiny-ipc"
 NOBODY = 65534
@@ -25,8 +27,8 @@ root_only = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another uid n
 def ipc(tmp_path: Path) -> tuple[Path, mf.Manifest]:
     """Version s1 written by the trainer SDK under tmp/ipc."""
     pub = CheckpointPublisher("nats://unused", ipc_dir=tmp_path / "ipc")
-    cfg = mdl.ModelConfig.from_hf(TINY_CONFIG)
-    blobs, man = pub.prepare(MODEL, "s1", mdl.init_weights(cfg, 3), 2, TINY_CONFIG)
+    cfg = ModelConfig.from_hf(TINY_CONFIG)
+    blobs, man = pub.prepare(MODEL, "s1", sharding.init_weights(cfg, 3), 2, TINY_CONFIG)
     assert pub._write_ipc(MODEL, "s1", blobs, man, None) is True
     return tmp_path / "ipc", man
 
@@ -155,13 +157,13 @@ def test_forged_manifest_size_is_refused_before_mapping(ipc: tuple[Path, mf.Mani
 
 
 def test_trainer_refuses_unsafe_ipc_dirs(tmp_path: Path) -> None:
-    cfg = mdl.ModelConfig.from_hf(TINY_CONFIG)
+    cfg = ModelConfig.from_hf(TINY_CONFIG)
     real = tmp_path / "real"
     real.mkdir(mode=0o700)
     (tmp_path / "link").symlink_to(real)
     for ipc_dir in (tmp_path / "link",):
         pub = CheckpointPublisher("nats://unused", ipc_dir=ipc_dir)
-        blobs, man = pub.prepare(MODEL, "s1", mdl.init_weights(cfg, 3), 2, TINY_CONFIG)
+        blobs, man = pub.prepare(MODEL, "s1", sharding.init_weights(cfg, 3), 2, TINY_CONFIG)
         with pytest.raises(UnsafeIpcDir, match="symlink"):
             pub._write_ipc(MODEL, "s1", blobs, man, None)
     os.chmod(real, 0o777)

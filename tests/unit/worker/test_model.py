@@ -7,16 +7,9 @@ import numpy as np
 import paddle
 import pytest
 
-from services.worker.model import (
-    Batch,
-    KVCache,
-    ModelConfig,
-    TPModel,
-    init_weights,
-    shard_names,
-    shard_shape,
-    shard_tensor,
-)
+from services.worker.model import Batch, KVCache, TPModel
+from shared.model_config import ModelConfig
+from shared.sharding import init_weights, shard_names, shard_shape, shard_tensor
 
 TOL = 1e-4
 

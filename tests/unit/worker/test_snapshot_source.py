@@ -9,19 +9,20 @@ import pytest
 
 from services.tiny_model import TINY_CONFIG, create_model_dir
 from services.trainer.shards import write_sharded_dir
-from services.worker import model as mdl
 from services.worker.sources import open_confined
 from services.worker.weights import SnapshotSource
 from shared import manifest as mf
+from shared import sharding
 from shared.errors import ControlError
+from shared.model_config import ModelConfig
 
-CFG = mdl.ModelConfig.from_hf(TINY_CONFIG)
+CFG = ModelConfig.from_hf(TINY_CONFIG)
 
 
 @pytest.fixture
 def model_dir(tmp_path: Path) -> Path:
     d = create_model_dir(tmp_path / "m", TINY_CONFIG, seed=0)
-    write_sharded_dir(d / "versions" / "s1", CFG, mdl.init_weights(CFG, 1), 2, "m", "s1")
+    write_sharded_dir(d / "versions" / "s1", CFG, sharding.init_weights(CFG, 1), 2, "m", "s1")
     return d
 
 

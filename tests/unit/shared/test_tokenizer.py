@@ -1,4 +1,4 @@
-"""services.worker.tokenizer: byte tokenizer, HF tokenizer.json wrapper, chat templates,
+"""shared.tokenizer: byte tokenizer, HF tokenizer.json wrapper, chat templates,
 and streaming decode that never splits a UTF-8 character."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from services.worker.tokenizer import (
+from shared.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
     IncrementalDecoder,

@@ -1,0 +1,76 @@
+"""Version names and where a model dir keeps its versions. Pure (files only, no bus).
+
+A version is an opaque label (its order is publish order, see DESIGN.md). It becomes a
+path component (``<model>/versions/<V>/``, ``<ipc_dir>/<model>/<V>/``) and an object-name
+component, so it must be non-empty, at most :data:`MAX_VERSION_LEN` characters, contain
+no ``/`` and not be ``.`` or ``..``. The model dir itself holds the version named in its
+``version.txt`` (``v0`` without one).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from urllib.parse import quote
+
+from shared.errors import BAD_REQUEST, NOT_FOUND, ControlError
+from shared.messages import MAX_VERSION_LEN
+
+VERSION_FILE = "version.txt"
+DEFAULT_VERSION = "v0"  # of a model dir without version.txt
+
+
+class BadVersionName(ControlError, ValueError):
+    """A version name that cannot be a path component (400)."""
+
+    def __init__(self, version: str) -> None:
+        super().__init__(
+            BAD_REQUEST,
+            f"bad version name {version!r} (non-empty, no '/', not '.' or '..', "
+            f"at most {MAX_VERSION_LEN} characters)",
+        )
+
+
+def check_version_name(version: str) -> str:
+    """``version`` when it is a valid name, else :class:`BadVersionName`."""
+    if (
+        not isinstance(version, str)
+        or not version
+        or len(version) > MAX_VERSION_LEN
+        or "/" in version
+        or version in (".", "..")
+    ):
+        raise BadVersionName(str(version))
+    return version
+
+
+def read_version_txt(model_dir: Path) -> str | None:
+    """The version named in ``<model_dir>/version.txt``, or None (no file, or empty)."""
+    p = Path(model_dir) / VERSION_FILE
+    if p.is_file():
+        return p.read_text().strip() or None
+    return None
+
+
+def model_dir_version(model_dir: Path) -> str:
+    """The version the model dir itself holds: its ``version.txt``, else ``v0``."""
+    return read_version_txt(model_dir) or DEFAULT_VERSION
+
+
+def snapshot_dir(model_dir: Path, version: str) -> Path:
+    """Where version ``version`` of the ``snapshot`` strategy lives, or a 404 naming what
+    was looked for: the model dir itself, else ``<model_dir>/versions/<version>/``."""
+    model_dir = Path(model_dir)
+    if version == model_dir_version(model_dir):
+        return model_dir
+    check_version_name(version)
+    d = model_dir / "versions" / version
+    if not d.is_dir():
+        raise ControlError(
+            NOT_FOUND, f"unknown version {version!r}: no directory versions/{version}"
+        )
+    return d
+
+
+def ipc_version_dir(ipc_dir: Path, model: str, version: str) -> Path:
+    """``<ipc_dir>/<model>/<version>/``, each part percent-quoted (ids may hold ``/``)."""
+    return Path(ipc_dir) / quote(model, safe="") / quote(version, safe="")
