@@ -31,6 +31,7 @@ bench *ARGS:
 
 lint:
     ruff check shared services tests
+    lint-imports --no-cache --no-logo
     mypy shared
 
 # rollbus on a 3-node NATS cluster (infra/nats/cluster-*.conf), nodes killed under load
