@@ -1,6 +1,8 @@
 """Tokenizers: a byte-level one for the default tiny model and a wrapper over a HF
 ``tokenizer.json``, behind one small protocol; plus streaming (incremental) decode.
 
+Chat templates render as transformers renders them (:mod:`shared.chat_template`).
+
 Special tokens: ``encode(text)`` adds them the way the tokenizer's own post-processor
 does (HF default ``add_special_tokens=True``; the byte tokenizer prepends ``<bos>``).
 Text produced by ``apply_chat_template`` already carries what the template puts in, so
@@ -14,12 +16,15 @@ sentencepiece-style leading spaces survive because the window starts before the 
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 import tokenizers
+
+from shared import chat_template
 
 DEFAULT_CHAT_TEMPLATE = "<|{role}|>\n{content}\n"
 """Per-message format used when a model ships no chat template; the rendered chat ends
@@ -42,7 +47,10 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int]) -> str: ...
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> str: ...
 
 
@@ -93,7 +101,10 @@ class ByteTokenizer:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         return render_default_chat(messages, add_generation_prompt)
 
@@ -128,6 +139,7 @@ class HFTokenizer:
         self.model_dir = model_dir
         self._tok = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         tcfg = _read_json(model_dir / "tokenizer_config.json")
+        smap = _read_json(model_dir / "special_tokens_map.json")
         mcfg = _read_json(model_dir / "config.json")
         gcfg = _read_json(model_dir / "generation_config.json")
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
@@ -147,19 +159,29 @@ class HFTokenizer:
         self.stop_token_ids: list[int] = stops
         bos = [self._id_of(self.bos_token)] + _ids(mcfg.get("bos_token_id"))
         self.bos_token_id: int | None = next((i for i in bos if i is not None), None)
+        # every named special token, as transformers hands them to a chat template
+        self.special_tokens: dict[str, str | None] = {
+            k: _token_text(tcfg.get(k, smap.get(k))) for k in chat_template.SPECIAL_TOKENS
+        }
         self.chat_template = self._find_template(tcfg)
+        if self.chat_template is not None:
+            # compiled once, here; a template that does not compile fails each chat request
+            # with its error (400) but leaves /v1/completions serving
+            with contextlib.suppress(chat_template.ChatTemplateError):
+                chat_template.compile_template(self.chat_template)
 
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
 
     def _find_template(self, tcfg: dict[str, Any]) -> str | None:
+        # as transformers: a chat_template.jinja file wins over tokenizer_config.json
+        jinja_file = self.model_dir / "chat_template.jinja"
+        if jinja_file.is_file():
+            return jinja_file.read_text(encoding="utf-8")
         template = tcfg.get("chat_template")
         if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
             template = named.get("default")
-        jinja_file = self.model_dir / "chat_template.jinja"
-        if template is None and jinja_file.exists():
-            template = jinja_file.read_text(encoding="utf-8")
         return template if isinstance(template, str) else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -169,31 +191,22 @@ class HFTokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
+        """The chat as transformers' ``apply_chat_template(..., tokenize=False)`` renders
+        it (:mod:`shared.chat_template`); the default format when the model has no
+        template. CPU work: call it off the event loop."""
         if self.chat_template is None:
             return render_default_chat(messages, add_generation_prompt)
-        try:
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
-        except ImportError as e:
-            raise RuntimeError(
-                f"{self.model_dir} has a jinja chat template; install jinja2 to render it"
-            ) from e
-
-        def raise_exception(message: str) -> None:
-            raise ValueError(f"chat template: {message}")
-
-        # Same environment options as HF transformers so templates render identically.
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.filters["tojson"] = lambda x, indent=None: json.dumps(
-            x, ensure_ascii=False, indent=indent
-        )
-        env.globals["raise_exception"] = raise_exception
-        return env.from_string(self.chat_template).render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
+        return chat_template.render(
+            self.chat_template,
+            messages,
+            add_generation_prompt,
+            self.special_tokens,
+            chat_template_kwargs,
         )
 
 

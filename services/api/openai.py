@@ -36,6 +36,7 @@ from services.api.body import BadRequest, parse_json, read_body
 from services.api.deps import Deps, bearer_ok
 from services.api.generate import Delta, GenCall
 from shared import messages as m
+from shared.chat_template import RESERVED as RESERVED_TEMPLATE_ARGS
 from shared.errors import TOO_MANY_REQUESTS, ControlError
 
 __all__ = ["BadRequest", "error_response", "routes"]
@@ -176,9 +177,14 @@ class OpenAIRoutes:
 
     def _prompt_ids(self, req: schema.Sampling, body: dict[str, Any]) -> list[int]:
         if isinstance(req, schema.ChatRequest):
+            kwargs = req.chat_template_kwargs or {}
+            if clash := sorted(RESERVED_TEMPLATE_ARGS & set(kwargs)):
+                raise BadRequest(
+                    f"chat_template_kwargs may not set {', '.join(clash)}", "chat_template_kwargs"
+                )
             try:  # the raw messages: a template may use fields the schema does not name
                 text = self.tokenizer.apply_chat_template(
-                    body["messages"], add_generation_prompt=True
+                    body["messages"], add_generation_prompt=True, chat_template_kwargs=kwargs
                 )
             except Exception as e:  # noqa: BLE001 - a template rejecting the chat is a 400
                 raise BadRequest(f"the chat template refused 'messages': {e}", "messages") from e
@@ -431,7 +437,9 @@ class OpenAIRoutes:
         try:
             self._auth(request)
             raw = await read_body(request, s.max_body_bytes)
-            job = self.parse(parse_json(raw, empty={}), chat)
+            # off the event loop: a chat template (untrusted jinja) or a long prompt's
+            # tokenization is CPU work that would stall every other request and stream
+            job = await asyncio.to_thread(self.parse, parse_json(raw, empty={}), chat)
             assert self.deps.bus is not None
             gave_up = asyncio.Event()
             call = GenCall(

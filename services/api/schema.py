@@ -21,6 +21,7 @@ MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 MAX_MESSAGES = 4096  # chat messages per request
 MAX_TOP_LOGPROBS = 20
 MAX_JSON_DEPTH = 64  # nesting of any request body
+MAX_TEMPLATE_KWARGS = 64  # entries of chat_template_kwargs
 
 Count = Annotated[int, Meta(ge=1, le=TOKEN_LIMIT)]
 TokenId = Annotated[int, Meta(ge=0, le=TOKEN_LIMIT)]
@@ -80,6 +81,11 @@ class ChatRequest(Sampling, kw_only=True):
     max_completion_tokens: Count | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    # vLLM's: extra variables for the chat template (e.g. {"enable_thinking": false})
+    chat_template_kwargs: (
+        Annotated[dict[Annotated[str, Meta(min_length=1, max_length=256)], Any],
+                  Meta(max_length=MAX_TEMPLATE_KWARGS)] | None
+    ) = None  # fmt: skip
 
 
 def convert(body: Any, kind: type[Sampling]) -> Sampling:
