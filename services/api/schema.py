@@ -83,9 +83,8 @@ class ChatRequest(Sampling, kw_only=True):
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     # vLLM's: extra variables for the chat template (e.g. {"enable_thinking": false})
     chat_template_kwargs: (
-        Annotated[dict[Annotated[str, Meta(min_length=1, max_length=256)], Any],
-                  Meta(max_length=MAX_TEMPLATE_KWARGS)] | None
-    ) = None  # fmt: skip
+        Annotated[dict[str, Any], Meta(max_length=MAX_TEMPLATE_KWARGS)] | None
+    ) = None
 
 
 def convert(body: Any, kind: type[Sampling]) -> Sampling:
