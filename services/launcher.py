@@ -160,6 +160,8 @@ class Launcher:
         s = self.settings
         if s.model:
             check_model(s.model_dir, s.tp)
+        if s.device != "cpu":
+            check_device(s)
         if not natsd.port_is_free(s.api_host, s.api_port):
             raise LaunchError(
                 f"API port {s.api_host}:{s.api_port} is busy: set ROLLBUS_API_PORT to a free port"
@@ -412,6 +414,21 @@ def check_model(model_dir: Path, tp: int) -> None:
         ModelConfig.from_hf(cfg).validate_tp(tp)
     except (ValueError, TypeError, KeyError, ArithmeticError) as e:
         raise LaunchError(f"ROLLBUS_MODEL={model_dir}: unsupported model config: {e!s}") from None
+
+
+def check_device(settings: Settings) -> None:
+    """``ROLLBUS_DEVICE`` this paddle build cannot serve is one line at once, before any
+    rank starts (a rank checks too). Asked of a worker process: the launcher never
+    imports paddle."""
+    cmd = [sys.executable, "-m", "services.worker", "--rank", "0", "--check-device"]
+    env = {**QUIET_ENV, **os.environ, **settings.to_env()}
+    try:
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        raise LaunchError(f"ROLLBUS_DEVICE={settings.device}: device check hung") from None
+    if r.returncode != 0:
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        raise LaunchError(lines[-1] if lines else f"device check exited {r.returncode}")
 
 
 def serve(settings: Settings) -> int:

@@ -60,6 +60,9 @@ class Settings(BaseSettings):
     max_model_len: int = Field(0, ge=0, description="context length; 0 = from the model config")
     max_batch_size: int = Field(64, ge=1, description="sequences per engine step")
     max_step_tokens: int = Field(2048, ge=1, description="tokens per engine step (prefill chunks)")
+    device: Literal["cpu", "gpu"] = Field(
+        "cpu", description="where ranks compute: cpu (gloo) or gpu (rank r on gpu:r, NCCL)"
+    )
     dtype: Literal["float32", "auto"] = Field(
         "float32", description="compute dtype; auto = the checkpoint's on GPU, float32 on CPU"
     )

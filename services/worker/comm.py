@@ -2,7 +2,8 @@
 
 We start the ranks ourselves (no ``paddle.distributed.launch``): the launcher hands each
 rank its endpoint list, ``init_parallel_env`` joins the global gloo (CPU) or NCCL (GPU)
-group once, and tensor parallelism runs on a sub-group created with ``new_group`` so it
+group once (the device choice is :mod:`shared.device`; :func:`place` applies it), and
+tensor parallelism runs on a sub-group created with ``new_group`` so it
 can be destroyed on sleep (``SHUTDOWN_COMM_GROUP_IF_WORKER_IDLE``) and rebuilt on
 wakeup without restarting the process. Creating or destroying a group is collective:
 every rank must call it, which the engine's scatter guarantees.
@@ -13,14 +14,31 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from shared.device import DeviceError, comm_env, gpu_problem, paddle_device
 
-def configure_env(rank: int, tp: int, endpoints: list[str], backend: str = "gloo") -> None:
+
+def place(device: str, rank: int, tp: int) -> str:
+    """Check that this paddle build can serve ``device`` for ``tp`` ranks, then make it
+    the rank's default device (``cpu`` or ``gpu:<rank>``); :class:`DeviceError` (one line)
+    when it cannot. Every tensor the rank creates afterwards lives there."""
+    import paddle
+
+    cuda = bool(paddle.device.is_compiled_with_cuda())
+    count = int(paddle.device.cuda.device_count()) if cuda else 0
+    if problem := gpu_problem(device, tp, cuda, count):
+        raise DeviceError(problem)
+    where = paddle_device(device, rank)
+    paddle.set_device(where)
+    return where
+
+
+def configure_env(rank: int, tp: int, endpoints: list[str], device: str = "cpu") -> None:
     os.environ.update(
         PADDLE_TRAINER_ID=str(rank),
         PADDLE_TRAINERS_NUM=str(tp),
         PADDLE_TRAINER_ENDPOINTS=",".join(endpoints),
         PADDLE_CURRENT_ENDPOINT=endpoints[rank],
-        PADDLE_DISTRI_BACKEND=backend,
+        **comm_env(device, rank),  # gloo, or NCCL on gpu:<rank>
     )
     # gloo's pair sockets follow this interface; keep them on loopback for a
     # single-host deployment (override it for multi-host ranks)

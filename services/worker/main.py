@@ -27,12 +27,13 @@ import paddle
 
 from services.worker import control
 from services.worker import model as mdl
-from services.worker.comm import CommGroup, configure_env
+from services.worker.comm import CommGroup, configure_env, place
 from services.worker.sources import make_source
 from services.worker.stepper import Stepper, Watermark
 from services.worker.weights import WeightStore
 from shared import messages as m
 from shared.bus import RANK, Bus
+from shared.device import DeviceError
 from shared.errors import INTERNAL, ControlError
 from shared.model_config import load_config
 from shared.settings import Settings, settings_or_exit
@@ -70,6 +71,7 @@ class TransientStartError(RuntimeError):
 
 
 def build_rank(settings: Settings, rank: int) -> control.Rank:
+    place(settings.device, rank, settings.tp)  # DeviceError: a config error, exit 2
     # ranks share the host's cores; paddle's CPU kernels default to one thread
     paddle.base.core.set_num_threads(max(1, (os.cpu_count() or 1) // settings.tp))
     model_dir = settings.model_dir
@@ -238,12 +240,28 @@ async def step_watchdog(mark: Watermark, rank: int, bound: float) -> None:
             os._exit(STEP_HUNG)
 
 
+def check_device(settings: Settings) -> int:
+    """The launcher's pre-flight of ``ROLLBUS_DEVICE``: one line and exit 2 when this
+    paddle build cannot serve it, before any rank starts."""
+    try:
+        place(settings.device, 0, settings.tp)
+    except DeviceError as e:
+        print(str(e), file=sys.stderr, flush=True)
+        return CONFIG_ERROR
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="rollbus-worker")
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--endpoints", default="", help="comma-separated host:port per rank")
+    ap.add_argument(
+        "--check-device", action="store_true", help="check ROLLBUS_DEVICE here, then exit (0/2)"
+    )
     args = ap.parse_args(argv)
     settings = settings_or_exit(f"rollbus-worker rank {args.rank}")
+    if args.check_device:
+        return check_device(settings)
     logging.basicConfig(
         level=settings.log_level.upper(),
         format=f"%(asctime)s rank{args.rank} %(levelname)s %(name)s: %(message)s",
@@ -253,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         if len(eps) != settings.tp:
             print(f"rollbus-worker: need {settings.tp} endpoints, got {eps}", file=sys.stderr)
             return 2
-        configure_env(args.rank, settings.tp, eps)
+        configure_env(args.rank, settings.tp, eps, settings.device)
     try:
         return asyncio.run(amain(settings, args.rank))
     except ControlError as e:
