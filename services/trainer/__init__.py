@@ -1,7 +1,8 @@
 """Trainer side: the SDK (``CheckpointPublisher``) and the ``rollbus publish``/``versions`` CLI.
 
-Imported lazily: ``from services.trainer import CheckpointPublisher`` pulls in paddle
-(through the model's sharding rules) only when used.
+Imported lazily, so ``services.cli`` stays light. Nothing here imports paddle or the
+worker: the sharding rules and the model config come from ``shared`` (import-linter keeps
+it so), and a paddle state dict is read through ``numpy()``.
 """
 
 from __future__ import annotations

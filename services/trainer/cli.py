@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-import warnings
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -69,13 +68,11 @@ def _fail(cmd: str, msg: str) -> int:
 
 def publish(args: argparse.Namespace, settings: Settings) -> int:
     d = Path(args.dir)
-    # checked before importing the SDK (and paddle): errors come back at once
+    # checked before importing the SDK: errors come back at once
     if not d.is_dir():
         return _fail("publish", f"no such directory: {d}")
     if not (d / "config.json").is_file() or not any(d.glob("*.safetensors")):
         return _fail("publish", f"{d} is not an HF model dir (needs config.json and *.safetensors)")
-    # paddle (imported for the sharding rules) warns about ccache on import: not ours
-    warnings.filterwarnings("ignore", message="No ccache found")
     from services.trainer.publisher import CheckpointPublisher, NotAModelDir, VersionConflict
 
     tp = args.tp or settings.tp
@@ -101,7 +98,6 @@ def publish(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def versions(args: argparse.Namespace, settings: Settings) -> int:
-    warnings.filterwarnings("ignore", message="No ccache found")
     from services.trainer.publisher import CheckpointPublisher
 
     pub = CheckpointPublisher(nats_url_of(args, settings), bucket=settings.ckpt_bucket)
