@@ -4,6 +4,7 @@ compiled once, the sandbox's refusals, what the template sees."""
 from __future__ import annotations
 
 from datetime import datetime
+from pathlib import Path
 
 import pytest
 
@@ -58,3 +59,17 @@ def test_kwargs_reach_the_template_but_not_reserved_names() -> None:
 def test_syntax_error_is_one_chat_template_error() -> None:
     with pytest.raises(ct.ChatTemplateError, match="does not compile"):
         ct.render("{% for %}", USER)
+
+
+def test_chat_template_jinja_file_wins_over_tokenizer_config(tmp_path: Path) -> None:
+    import json
+
+    from shared.tokenizer import load_tokenizer
+    from tests.fixtures.chat import make_tokenizer_dir
+
+    d = make_tokenizer_dir(tmp_path / "q", "qwen2.5")
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": "CONFIG"}))
+    assert load_tokenizer(d).apply_chat_template(USER).startswith("<|im_start|>system")
+    (d / "chat_template.jinja").unlink()  # as transformers: the config's template then
+    assert load_tokenizer(d).apply_chat_template(USER) == "CONFIG"
