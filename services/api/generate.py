@@ -209,7 +209,7 @@ class Calls:
 
     def __init__(self, calls: list[GenCall]) -> None:
         self.calls = calls
-        self._pumps: list[asyncio.Future[None]] = []
+        self._pumps: list[asyncio.Task[None]] = []
 
     async def open(self) -> None:
         try:
@@ -244,7 +244,7 @@ class Calls:
             else:
                 await queue.put(done)
 
-        tasks = [asyncio.ensure_future(pump(i, c)) for i, c in enumerate(self.calls)]
+        tasks = [asyncio.create_task(pump(i, c)) for i, c in enumerate(self.calls)]
         self._pumps = tasks
         try:
             left = len(tasks)

@@ -334,6 +334,7 @@ class OpenAIRoutes:
             if top and not logprobs:
                 raise BadRequest("top_logprobs needs 'logprobs': true", "top_logprobs")
         else:
+            assert isinstance(req, schema.CompletionRequest)
             logprobs, top = req.logprobs is not None, req.logprobs or 0
         opts = req.stream_options
         gens = [

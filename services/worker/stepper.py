@@ -210,7 +210,9 @@ class Stepper:
             [p for _, _, p in good],
             [self._generator(s) for _, s, _ in good],
         )
-        seq_ids, tokens, logprobs = [], [], []
+        seq_ids: list[int] = []
+        tokens: list[int] = []
+        logprobs: list[float] = []
         top: list[m.TopLogprobs] = []  # stays empty unless a spec asked for alternatives
         for (_, s, _), res in zip(good, results, strict=True):
             if isinstance(res, Exception):
