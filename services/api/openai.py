@@ -183,12 +183,14 @@ def completion_logprobs(
     logprobs: list[float],
     tops: list[m.TopLogprobs] | None,
     label: Label,
+    offset: int = 0,
 ) -> dict[str, Any]:
     """OpenAI's legacy ``logprobs`` object of a completion choice: ``top_logprobs`` per
     position is a ``{token: logprob}`` dict of the alternatives plus the sampled token
-    (two ids with the same text share one key, as in OpenAI's shape)."""
+    (two ids with the same text share one key, as in OpenAI's shape). ``text_offset``
+    counts from ``offset`` (a stream's chunk continues its choice's count)."""
     toks = [label(t) for t in ids]
-    offsets, pos = [], 0
+    offsets, pos = [], offset
     for t in toks:
         offsets.append(pos)
         pos += len(t)
@@ -401,11 +403,20 @@ class OpenAIRoutes:
         token_ids: list[int],
         logprobs: list[float],
         tops: list[m.TopLogprobs] | None = None,
+        offsets: dict[int, int] | None = None,
+        index: int = 0,
     ) -> Any:
+        """The ``logprobs`` of a choice (or of a stream chunk: ``offsets`` keeps each
+        choice's ``text_offset`` count across its chunks)."""
         if not job.logprobs:
             return None
-        shape = chat_logprobs if job.chat else completion_logprobs
-        return shape(token_ids, logprobs, tops, self._label(job))
+        if job.chat:
+            return chat_logprobs(token_ids, logprobs, tops, self._label(job))
+        start = 0 if offsets is None else offsets.get(index, 0)
+        out = completion_logprobs(token_ids, logprobs, tops, self._label(job), start)
+        if offsets is not None:
+            offsets[index] = start + sum(len(t) for t in out["tokens"])
+        return out
 
     def _versions(
         self,
@@ -485,13 +496,14 @@ class OpenAIRoutes:
         created = int(time.time())
         obj = "chat.completion.chunk" if job.chat else "text_completion"
         started: set[int] = set()
+        offsets: dict[int, int] = {}  # per choice: text_offset continues across chunks
         out_tokens = 0
         first = _FirstToken(self.deps)
         try:
             async for d in call.deltas():
                 first.seen(d)
                 out_tokens += len(d.token_ids)
-                yield self._sse_chunk(job, rid, created, obj, d, started)
+                yield self._sse_chunk(job, rid, created, obj, d, started, offsets)
         except ControlError as e:
             err = {"error": {"message": e.message, "type": "server_error", "code": e.code}}
             yield f"data: {json.dumps(err)}\n\n".encode()
@@ -516,7 +528,14 @@ class OpenAIRoutes:
         yield b"data: [DONE]\n\n"
 
     def _sse_chunk(
-        self, job: Job, rid: str, created: int, obj: str, d: Delta, started: set[int]
+        self,
+        job: Job,
+        rid: str,
+        created: int,
+        obj: str,
+        d: Delta,
+        started: set[int],
+        offsets: dict[int, int],
     ) -> bytes:
         c: dict[str, Any] = {"index": d.index}
         if job.chat:
@@ -527,7 +546,7 @@ class OpenAIRoutes:
             c["delta"] = delta
         else:
             c["text"] = d.text
-        c["logprobs"] = self._logprobs(job, d.token_ids, d.logprobs, d.top)
+        c["logprobs"] = self._logprobs(job, d.token_ids, d.logprobs, d.top, offsets, d.index)
         c["finish_reason"] = d.finish_reason
         if job.return_token_ids:
             c["token_ids"] = d.token_ids

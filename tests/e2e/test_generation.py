@@ -227,6 +227,9 @@ def test_top_logprobs_of_completions_chat_and_streams(client: openai.OpenAI) -> 
     streamed = [a for ch in chunks if ch.choices[0].logprobs
                 for a in ch.choices[0].logprobs.top_logprobs]  # fmt: skip
     assert streamed == lp.top_logprobs
+    offsets = [o for ch in chunks if ch.choices[0].logprobs
+               for o in ch.choices[0].logprobs.text_offset]  # fmt: skip
+    assert offsets == lp.text_offset  # counted across the chunks of the choice
     # raw logprobs (vLLM's default): the first position's distribution does not depend
     # on the temperature the request samples with
     hot = client.completions.create(**{**kw, "temperature": 2.0, "seed": 3})

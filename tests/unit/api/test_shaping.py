@@ -45,6 +45,7 @@ def test_completion_logprobs_0_or_no_alternatives_give_the_sampled_token_alone()
     out = completion_logprobs([3, 1], [-0.5, -0.75], None, label)
     assert out["top_logprobs"] == [{"é": -0.5}, {"a": -0.75}]
     assert out["text_offset"] == [0, 1]
+    assert completion_logprobs([3, 1], [-0.5, -0.75], None, label, 7)["text_offset"] == [7, 8]
 
 
 def test_the_sampled_token_keeps_its_own_logprob_in_the_alternatives() -> None:
