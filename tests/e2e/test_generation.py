@@ -7,6 +7,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -256,6 +257,47 @@ def test_top_logprobs_of_completions_chat_and_streams(client: openai.OpenAI) -> 
     streamed_chat = [e for p in parts if p.choices and p.choices[0].logprobs
                      for e in p.choices[0].logprobs.content]  # fmt: skip
     assert [e.model_dump() for e in streamed_chat] == [e.model_dump() for e in content]
+
+
+def test_top_logprobs_in_a_step_shared_with_requests_that_ask_none(stack: Stack) -> None:
+    """Requests queued while paused start in the same steps: the one asking for
+    alternatives gets them at every position, the others none, all the same tokens."""
+    body = {"model": "tiny", "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "return_tokens_as_token_ids": True}  # fmt: skip
+    asks = [None, 3, 0, None]
+    bodies = [
+        {**body, "prompt": f"{PROMPT} {i}", **({} if k is None else {"logprobs": k})}
+        for i, k in enumerate(asks)
+    ]
+    alone = []
+    with stack.client(timeout=120) as c:
+        for b in bodies:
+            alone.append(c.post("/v1/completions", json=b).json()["choices"][0])
+    assert ctl(stack, "/v1/pause", params={"mode": "keep"}).status_code == 200
+
+    def post(b: dict[str, Any]) -> dict[str, Any]:
+        with stack.client(timeout=120) as c:
+            r = c.post("/v1/completions", json=b)
+        assert r.status_code == 200, r.text
+        return dict(r.json()["choices"][0])
+
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        futures = [pool.submit(post, b) for b in bodies]
+        deadline = time.monotonic() + 30
+        while stack.status()["queued"] < len(bodies) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ctl(stack, "/v1/resume").status_code == 200
+        together = [f.result() for f in futures]
+    for k, one, both in zip(asks, alone, together, strict=True):
+        assert both["token_ids"] == one["token_ids"]
+        if k is None:
+            assert both["logprobs"] is None
+        else:  # the same, up to float noise of another batch shape
+            tops, ref = both["logprobs"]["top_logprobs"], one["logprobs"]["top_logprobs"]
+            assert [set(d) for d in tops] == [set(d) for d in ref]
+            assert all(len(d) == max(k, 1) for d in tops)
+            for d, r in zip(tops, ref, strict=True):
+                assert all(d[t] == pytest.approx(v, abs=1e-4) for t, v in r.items())
 
 
 def test_top_logprobs_beyond_20_are_400_naming_the_field(stack: Stack) -> None:
