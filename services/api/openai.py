@@ -263,9 +263,12 @@ class OpenAIRoutes:
         if key and not bearer_ok(request.headers.get("authorization", ""), key):
             raise BadRequest("missing or wrong API key (Authorization: Bearer <key>)", code=401)
 
-    def _prompts(self, req: schema.Sampling, body: dict[str, Any]) -> list[list[int]]:
+    def _prompts(
+        self, req: schema.Sampling, body: dict[str, Any], n: int
+    ) -> list[list[int]]:
         """Every prompt's token ids: chat renders its messages; a completion's ``prompt``
-        is a string, a list of strings, token ids, or a list of token-id lists."""
+        is a string, a list of strings, token ids, or a list of token-id lists, whose
+        number times ``n`` is bounded by ``ROLLBUS_MAX_N`` (checked before encoding)."""
         if isinstance(req, schema.ChatRequest):
             try:  # the raw messages: a template may use fields the schema does not name
                 text = self.tokenizer.apply_chat_template(
@@ -286,6 +289,13 @@ class OpenAIRoutes:
             raise BadRequest(
                 "'prompt' must be a string, a list of strings, a list of token ids or a list "
                 "of token-id lists (not empty, not mixed with bare ids)",
+                "prompt",
+            )
+        max_n = self.deps.settings.max_n
+        if len(items) * n > max_n:
+            raise BadRequest(
+                f"{len(items)} prompts x n={n} make {len(items) * n} choices; the limit is "
+                f"{max_n} (ROLLBUS_MAX_N)",
                 "prompt",
             )
         prompts = []
@@ -311,16 +321,10 @@ class OpenAIRoutes:
             raise BadRequest(
                 f"model '{req.model}' does not exist; this server serves '{self.model}'", "model"
             )
-        prompts = self._prompts(req, body)
         n, max_n = req.n or 1, self.deps.settings.max_n
         if n > max_n:
             raise BadRequest(f"n is {n}; the limit is {max_n} (ROLLBUS_MAX_N)", "n")
-        if len(prompts) * n > max_n:
-            raise BadRequest(
-                f"{len(prompts)} prompts x n={n} make {len(prompts) * n} choices; the limit is "
-                f"{max_n} (ROLLBUS_MAX_N)",
-                "prompt",
-            )
+        prompts = self._prompts(req, body, n)
         max_name, max_tokens = "max_tokens", req.max_tokens
         if isinstance(req, schema.ChatRequest) and req.max_completion_tokens is not None:
             max_name, max_tokens = "max_completion_tokens", req.max_completion_tokens
