@@ -7,6 +7,7 @@ Control and event messages are JSON so the ``nats`` CLI can speak them; the hot 
 from __future__ import annotations
 
 import re
+import struct
 import sys
 import time
 from typing import Annotated, Any, Literal, TypeVar
@@ -22,6 +23,7 @@ T = TypeVar("T")
 MAX_REQUEST_ID_LEN = 256
 MAX_STOP_TOKEN_IDS = 256  # client-given; the API adds the tokenizer's end-of-sequence ids
 MAX_VERSION_LEN = 256
+MAX_TOP_LOGPROBS = 20  # alternatives per position (OpenAI's maximum)
 FLOAT_MAX = sys.float_info.max  # ``le=FLOAT_MAX`` rejects inf; every bound rejects NaN
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 TOKEN_LIMIT = 2**31 - 1
@@ -192,6 +194,7 @@ class SamplingSpec(msgspec.Struct, array_like=True):
     seed: int | None = None
     salt: int = 0  # the choice index: seeded choices of one request differ, yet reproduce
     logprobs: bool = False
+    top_logprobs: int = 0  # alternatives to report at this position (0: none)
 
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=TOKEN_LIMIT)]
@@ -214,6 +217,7 @@ class GenRequest(msgspec.Struct):
     top_k: Annotated[int, msgspec.Meta(ge=0, le=TOKEN_LIMIT)] = 0
     seed: Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)] | None = None
     logprobs: bool = False
+    top_logprobs: Annotated[int, msgspec.Meta(ge=0, le=MAX_TOP_LOGPROBS)] = 0
     stop_token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS + 16)] = (
         msgspec.field(default_factory=list)
     )
@@ -225,6 +229,24 @@ class VersionSpan(msgspec.Struct, array_like=True):
     version: str
     start: int
     end: int
+
+
+class TopLogprobs(msgspec.Struct, array_like=True):
+    """The most likely tokens at one sampled position: ids (most likely first) and their
+    logprobs packed as little-endian float32, 4 bytes each (compact on the hot path)."""
+
+    ids: list[int]
+    packed: bytes = b""
+
+    @classmethod
+    def of(cls, ids: list[int], logprobs: list[float]) -> TopLogprobs:
+        return cls(ids, struct.pack(f"<{len(logprobs)}f", *logprobs))
+
+    @property
+    def logprobs(self) -> list[float]:
+        if len(self.packed) != 4 * len(self.ids):
+            raise ValueError(f"{len(self.ids)} top ids but {len(self.packed)} bytes of logprobs")
+        return list(struct.unpack(f"<{len(self.ids)}f", self.packed))
 
 
 class GenChunk(msgspec.Struct):
@@ -241,6 +263,7 @@ class GenChunk(msgspec.Struct):
     error_message: str = ""
     heartbeat: bool = False  # also the engine's "queued" acknowledgement, sent first
     error_param: str = ""  # the request field an error_code 400 is about
+    top: list[TopLogprobs] | None = None  # per token, when the request asked top_logprobs
 
 
 class GenCancel(msgspec.Struct):
@@ -270,7 +293,9 @@ class StepReply(msgspec.Struct, array_like=True):
     """Rank 0's answer: one (seq_id, token, logprob) per sampling spec, in order.
 
     ``error`` fails the whole step; ``failed`` names sequences whose sampling alone
-    failed (``(seq_id, code, why)``): only their requests end, the others go on."""
+    failed (``(seq_id, code, why)``): only their requests end, the others go on.
+    ``top`` is empty unless a spec asked for ``top_logprobs``; then it holds one entry
+    per sampled token (empty ids where none was asked)."""
 
     step: int
     seq_ids: list[int]
@@ -279,6 +304,7 @@ class StepReply(msgspec.Struct, array_like=True):
     error: str = ""
     seconds: float = 0.0
     failed: list[tuple[int, int, str]] = msgspec.field(default_factory=list)
+    top: list[TopLogprobs] = msgspec.field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- events

@@ -5,12 +5,19 @@ Per choice: incremental detokenization (never half a UTF-8 character), stop stri
 half-streamed), and the weight-version spans. When every choice has ended on our side
 (e.g. on a stop string) while the engine still runs it, the engine is told to cancel,
 as it is when the client goes away.
+
+Several prompts in one call (``/v1/completions`` with a list): :class:`Calls` sends each
+as its own engine request (each admitted, bounded and cancelled on its own), numbers the
+choices as OpenAI does (``prompt_index * n + choice``), and fails the whole call — every
+other request cancelled — when any one is refused or fails.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from shared import messages as m
 from shared.bus import Bus, new_request_id
@@ -30,6 +37,7 @@ class Delta:
     version: str = ""
     finish_reason: str | None = None
     spans: list[m.VersionSpan] | None = None
+    top: list[m.TopLogprobs] = field(default_factory=list)  # per token, when asked
 
 
 @dataclass
@@ -81,6 +89,7 @@ class Choice:
             self.version,
             self.finish_reason,
             self.spans if self.finish_reason else None,
+            list(chunk.top or []),
         )
         self.emitted = end
         return delta
@@ -189,6 +198,73 @@ class GenCall:
         if not self._finished_cleanly:
             cancel = m.json_encode(m.GenCancel(self.gen.request_id))
             await self.bus.publish(self.subjects.gen + ".cancel", cancel)
+
+
+class Calls:
+    """Several :class:`GenCall` of ``n`` choices each, as one: choice ``j`` of call ``i``
+    is choice ``i * n + j``. :meth:`open` opens all of them concurrently; if any is
+    refused, every other is cancelled and that (the first in order) error raised.
+    :meth:`deltas` merges their deltas as they come; a failure of one ends the whole
+    call (the others are cancelled)."""
+
+    def __init__(self, calls: list[GenCall]) -> None:
+        self.calls = calls
+        self._pumps: list[asyncio.Task[None]] = []
+
+    async def open(self) -> None:
+        try:
+            results = await asyncio.gather(
+                *(c.open() for c in self.calls), return_exceptions=True
+            )
+        except BaseException:  # cancelled (the client left): nothing may stay queued
+            await self.close()
+            raise
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await self.close()
+            raise errors[0]
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        if len(self.calls) == 1:
+            async for d in self.calls[0].deltas():
+                yield d
+            return
+        done = object()
+        # bounded: a slow reader holds the pumps back, so each call's own unread limit
+        # (max_unread) still applies
+        queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=len(self.calls))
+
+        async def pump(i: int, call: GenCall) -> None:
+            try:
+                async for d in call.deltas():
+                    d.index += i * call.gen.n
+                    await queue.put(d)
+            except Exception as e:  # noqa: BLE001 - handed to the reader, who raises it
+                await queue.put(e)
+            else:
+                await queue.put(done)
+
+        tasks = [asyncio.create_task(pump(i, c)) for i, c in enumerate(self.calls)]
+        self._pumps = tasks
+        try:
+            left = len(tasks)
+            while left:
+                item = await queue.get()
+                if item is done:
+                    left -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield item
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        """Stop every call (those the engine has not ended are cancelled there)."""
+        for t in self._pumps:
+            t.cancel()
+        await asyncio.gather(*self._pumps, return_exceptions=True)
+        await asyncio.gather(*(c.close() for c in self.calls), return_exceptions=True)
 
 
 async def generate(

@@ -3,10 +3,17 @@
 
 vLLM extensions RL users rely on are accepted: ``top_k``, ``ignore_eos``,
 ``stop_token_ids``, ``return_token_ids`` (sampled ``token_ids`` per choice and the
-``prompt_token_ids``). Every response carries ``weight_version``; a choice whose tokens
+``prompt_token_ids``), ``return_tokens_as_token_ids`` (logprob tokens as
+``"token_id:<id>"``). Every response carries ``weight_version``; a choice whose tokens
 span a weight update also carries ``weight_versions: [{"version", "start", "end"}]``
-(and so does the response when ``n == 1``). Logprobs are those of the sampled tokens;
-alternatives (``top_logprobs``) are not computed and come back empty.
+(and so does the response when it has one choice).
+
+Logprobs (of the raw model distribution, see ``services.worker.sampling``): completions
+take ``logprobs: k`` and answer OpenAI's legacy shape (``top_logprobs`` per position: a
+``{token: logprob}`` dict of the k most likely tokens plus the sampled one); chat takes
+``logprobs: true, top_logprobs: k`` (``content[i].top_logprobs``: k ``{token, logprob,
+bytes}``). ``/v1/completions`` takes a list of prompts: each is its own engine request,
+choice ``index = prompt_index * n + j``, usage summed.
 
 Every parameter is checked here, before the engine sees it (``schema``, ``body``): a
 bad one answers 400 naming it in ``error.param``. A full engine queue answers 429 with
@@ -21,7 +28,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -34,7 +41,7 @@ from starlette.types import Send
 from services.api import schema
 from services.api.body import BadRequest, parse_json, read_body
 from services.api.deps import Deps, bearer_ok
-from services.api.generate import Delta, GenCall
+from services.api.generate import Calls, Delta, GenCall
 from shared import messages as m
 from shared.chat_template import RESERVED as RESERVED_TEMPLATE_ARGS
 from shared.errors import TOO_MANY_REQUESTS, ControlError
@@ -133,9 +140,9 @@ class BoundedStream(StreamingResponse):
 
 @dataclass
 class Job:
-    """A parsed generation request."""
+    """A parsed generation request: one engine request per prompt."""
 
-    gen: m.GenRequest
+    gens: list[m.GenRequest]
     stops: list[str]
     stream: bool
     include_usage: bool
@@ -143,6 +150,87 @@ class Job:
     chat: bool
     logprobs: bool
     choices: dict[int, dict[str, Any]] = field(default_factory=dict)
+    as_token_ids: bool = False  # return_tokens_as_token_ids
+
+    @property
+    def gen(self) -> m.GenRequest:
+        """The first (for chat: the only) engine request."""
+        return self.gens[0]
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.gens) * self.gen.n
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(g.prompt_token_ids) for g in self.gens)
+
+
+Label = Callable[[int], str]
+
+
+def _alternatives(
+    token: int, logprob: float, top: m.TopLogprobs | None
+) -> list[tuple[int, float]]:
+    """The alternatives at one position, the sampled token's value being its own logprob
+    (the float64 one) wherever it appears."""
+    if top is None:
+        return []
+    return [(t, logprob if t == token else v) for t, v in zip(top.ids, top.logprobs, strict=True)]
+
+
+def completion_logprobs(
+    ids: list[int],
+    logprobs: list[float],
+    tops: list[m.TopLogprobs] | None,
+    label: Label,
+    offset: int = 0,
+) -> dict[str, Any]:
+    """OpenAI's legacy ``logprobs`` object of a completion choice: ``top_logprobs`` per
+    position is a ``{token: logprob}`` dict of the alternatives plus the sampled token
+    (two ids with the same text share one key, as in OpenAI's shape). ``text_offset``
+    counts from ``offset`` (a stream's chunk continues its choice's count)."""
+    toks = [label(t) for t in ids]
+    offsets, pos = [], offset
+    for t in toks:
+        offsets.append(pos)
+        pos += len(t)
+    top_dicts = []
+    for i, (tid, tok, lp) in enumerate(zip(ids, toks, logprobs, strict=False)):
+        top = tops[i] if tops and i < len(tops) else None
+        d: dict[str, float] = {}
+        for alt, v in _alternatives(tid, lp, top):
+            d.setdefault(label(alt), v)
+        d.setdefault(tok, lp)
+        top_dicts.append(d)
+    return {
+        "tokens": toks,
+        "token_logprobs": logprobs,
+        "top_logprobs": top_dicts,
+        "text_offset": offsets,
+    }
+
+
+def _entry(text: str, logprob: float) -> dict[str, Any]:
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(
+    ids: list[int],
+    logprobs: list[float],
+    tops: list[m.TopLogprobs] | None,
+    label: Label,
+) -> dict[str, Any]:
+    """OpenAI's chat ``logprobs`` object: ``content[i].top_logprobs`` lists the
+    alternatives (``top_logprobs`` of them, most likely first) as ``{token, logprob,
+    bytes}``."""
+    content = []
+    for i, (tid, lp) in enumerate(zip(ids, logprobs, strict=False)):
+        top = tops[i] if tops and i < len(tops) else None
+        entry = _entry(label(tid), lp)
+        entry["top_logprobs"] = [_entry(label(a), v) for a, v in _alternatives(tid, lp, top)]
+        content.append(entry)
+    return {"content": content}
 
 
 class _FirstToken:
@@ -166,6 +254,7 @@ class OpenAIRoutes:
         s = deps.settings
         self.model = s.served_model_name
         self.tokenizer = load_tokenizer(s.model_dir)
+        self._texts: dict[int, str] = {}  # token id -> its text in logprobs
         self.max_model_len = max_model_len(s.model_dir, s.max_model_len)
 
     # ------------------------------------------------------------------ parsing
@@ -175,7 +264,12 @@ class OpenAIRoutes:
         if key and not bearer_ok(request.headers.get("authorization", ""), key):
             raise BadRequest("missing or wrong API key (Authorization: Bearer <key>)", code=401)
 
-    def _prompt_ids(self, req: schema.Sampling, body: dict[str, Any]) -> list[int]:
+    def _prompts(
+        self, req: schema.Sampling, body: dict[str, Any], n: int
+    ) -> list[list[int]]:
+        """Every prompt's token ids: chat renders its messages; a completion's ``prompt``
+        is a string, a list of strings, token ids, or a list of token-id lists, whose
+        number times ``n`` is bounded by ``ROLLBUS_MAX_N`` (checked before encoding)."""
         if isinstance(req, schema.ChatRequest):
             kwargs = req.chat_template_kwargs or {}
             if clash := sorted(RESERVED_TEMPLATE_ARGS & set(kwargs)):
@@ -188,20 +282,38 @@ class OpenAIRoutes:
                 )
             except Exception as e:  # noqa: BLE001 - a template rejecting the chat is a 400
                 raise BadRequest(f"the chat template refused 'messages': {e}", "messages") from e
-            return self.tokenizer.encode(text, add_special_tokens=False)
+            return [self.tokenizer.encode(text, add_special_tokens=False)]
         assert isinstance(req, schema.CompletionRequest)
         prompt: Any = req.prompt
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-            prompt = prompt[0]
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt)
-        if prompt and all(isinstance(t, int) for t in prompt):
-            if not all(t < self.tokenizer.vocab_size for t in prompt):
-                raise BadRequest("prompt token id out of the vocabulary", "prompt")
-            return list(prompt)
-        raise BadRequest(
-            "'prompt' must be a string or a list of token ids (one prompt per request)", "prompt"
-        )
+            items: list[Any] = [prompt]
+        elif prompt and all(isinstance(t, int) for t in prompt):
+            items = [prompt]  # one prompt of token ids
+        elif prompt and all(isinstance(p, str | list) for p in prompt):
+            items = list(prompt)
+        else:
+            raise BadRequest(
+                "'prompt' must be a string, a list of strings, a list of token ids or a list "
+                "of token-id lists (not empty, not mixed with bare ids)",
+                "prompt",
+            )
+        max_n = self.deps.settings.max_n
+        if len(items) * n > max_n:
+            raise BadRequest(
+                f"{len(items)} prompts x n={n} make {len(items) * n} choices; the limit is "
+                f"{max_n} (ROLLBUS_MAX_N)",
+                "prompt",
+            )
+        prompts = []
+        for i, item in enumerate(items):
+            where = "prompt" if len(items) == 1 else f"prompt[{i}]"
+            ids = self.tokenizer.encode(item) if isinstance(item, str) else list(item)
+            if not ids:
+                raise BadRequest(f"{where} is empty", "prompt")
+            if not all(t < self.tokenizer.vocab_size for t in ids):
+                raise BadRequest(f"{where}: token id out of the vocabulary", "prompt")
+            prompts.append(ids)
+        return prompts
 
     def parse(self, body: Any, chat: bool) -> Job:
         if not isinstance(body, dict):
@@ -215,80 +327,106 @@ class OpenAIRoutes:
             raise BadRequest(
                 f"model '{req.model}' does not exist; this server serves '{self.model}'", "model"
             )
-        ids = self._prompt_ids(req, body)
-        room = self.max_model_len - len(ids)
-        if room <= 0:
-            raise BadRequest(
-                f"prompt has {len(ids)} tokens; the maximum context length is {self.max_model_len}",
-                "prompt" if not chat else "messages",
-            )
-        max_name, max_tokens = "max_tokens", req.max_tokens
-        if isinstance(req, schema.ChatRequest) and req.max_completion_tokens is not None:
-            max_name, max_tokens = "max_completion_tokens", req.max_completion_tokens
-        if max_tokens is None:
-            max_tokens = room if chat else min(16, room)
-        if max_tokens > room:
-            raise BadRequest(
-                f"prompt ({len(ids)} tokens) + {max_name} ({max_tokens}) exceeds the maximum "
-                f"context length {self.max_model_len}",
-                max_name,
-            )
         n, max_n = req.n or 1, self.deps.settings.max_n
         if n > max_n:
             raise BadRequest(f"n is {n}; the limit is {max_n} (ROLLBUS_MAX_N)", "n")
+        prompts = self._prompts(req, body, n)
+        max_name, max_tokens = "max_tokens", req.max_tokens
+        if isinstance(req, schema.ChatRequest) and req.max_completion_tokens is not None:
+            max_name, max_tokens = "max_completion_tokens", req.max_completion_tokens
+        budgets = [self._budget(ids, max_name, max_tokens, chat) for ids in prompts]
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         stop_ids = list(req.stop_token_ids or [])
         if any(t >= self.tokenizer.vocab_size for t in stop_ids):
             raise BadRequest("stop_token_ids: token id out of the vocabulary", "stop_token_ids")
         if not req.ignore_eos:
             stop_ids += self.tokenizer.stop_token_ids  # every eos id of the model's configs
-        logprobs = bool(req.logprobs) if chat else req.logprobs is not None
+        if isinstance(req, schema.ChatRequest):
+            logprobs, top = bool(req.logprobs), req.top_logprobs or 0
+            if top and not logprobs:
+                raise BadRequest("top_logprobs needs 'logprobs': true", "top_logprobs")
+        else:
+            assert isinstance(req, schema.CompletionRequest)
+            logprobs, top = req.logprobs is not None, req.logprobs or 0
         opts = req.stream_options
-        gen = m.GenRequest(
-            request_id=uuid.uuid4().hex,
-            prompt_token_ids=ids,
-            max_tokens=max_tokens,
-            n=n,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=max(0, req.top_k or 0),
-            seed=req.seed,
-            logprobs=logprobs,
-            stop_token_ids=stop_ids,
-        )
+        gens = [
+            m.GenRequest(
+                request_id=uuid.uuid4().hex,
+                prompt_token_ids=ids,
+                max_tokens=budget,
+                n=n,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=max(0, req.top_k or 0),
+                seed=req.seed,
+                logprobs=logprobs,
+                top_logprobs=top,
+                stop_token_ids=stop_ids,
+            )
+            for ids, budget in zip(prompts, budgets, strict=True)
+        ]
         return Job(
-            gen,
+            gens,
             stops,
             bool(req.stream),
             bool(opts and opts.include_usage),
             bool(req.return_token_ids),
             chat,
             logprobs,
+            as_token_ids=bool(req.return_tokens_as_token_ids),
         )
+
+    def _budget(self, ids: list[int], max_name: str, max_tokens: int | None, chat: bool) -> int:
+        """``max_tokens`` for one prompt (its default when not given), within the context."""
+        room = self.max_model_len - len(ids)
+        if room <= 0:
+            raise BadRequest(
+                f"prompt has {len(ids)} tokens; the maximum context length is {self.max_model_len}",
+                "prompt" if not chat else "messages",
+            )
+        if max_tokens is None:
+            return room if chat else min(16, room)
+        if max_tokens > room:
+            raise BadRequest(
+                f"prompt ({len(ids)} tokens) + {max_name} ({max_tokens}) exceeds the maximum "
+                f"context length {self.max_model_len}",
+                max_name,
+            )
+        return max_tokens
 
     # ------------------------------------------------------------------ responses
 
-    def _logprobs(self, job: Job, token_ids: list[int], logprobs: list[float]) -> Any:
+    def _label(self, job: Job) -> Label:
+        if job.as_token_ids:
+            return lambda t: f"token_id:{t}"
+        return self._token_text
+
+    def _token_text(self, token: int) -> str:
+        text = self._texts.get(token)
+        if text is None:
+            text = self._texts[token] = self.tokenizer.decode([token])
+        return text
+
+    def _logprobs(
+        self,
+        job: Job,
+        token_ids: list[int],
+        logprobs: list[float],
+        tops: list[m.TopLogprobs] | None = None,
+        offsets: dict[int, int] | None = None,
+        index: int = 0,
+    ) -> Any:
+        """The ``logprobs`` of a choice (or of a stream chunk: ``offsets`` keeps each
+        choice's ``text_offset`` count across its chunks)."""
         if not job.logprobs:
             return None
-        toks = [self.tokenizer.decode([t]) for t in token_ids]
         if job.chat:
-            return {
-                "content": [
-                    {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                    for t, lp in zip(toks, logprobs, strict=False)
-                ]
-            }
-        offsets, pos = [], 0
-        for t in toks:
-            offsets.append(pos)
-            pos += len(t)
-        return {
-            "tokens": toks,
-            "token_logprobs": logprobs,
-            "top_logprobs": [{} for _ in toks],
-            "text_offset": offsets,
-        }
+            return chat_logprobs(token_ids, logprobs, tops, self._label(job))
+        start = 0 if offsets is None else offsets.get(index, 0)
+        out = completion_logprobs(token_ids, logprobs, tops, self._label(job), start)
+        if offsets is not None:
+            offsets[index] = start + sum(len(t) for t in out["tokens"])
+        return out
 
     def _versions(
         self,
@@ -298,15 +436,22 @@ class OpenAIRoutes:
     ) -> None:
         first = spans.get(0) or []
         body["weight_version"] = first[-1].version if first else self.deps.current_version
-        if job.gen.n == 1 and len(first) > 1:
+        if job.num_choices == 1 and len(first) > 1:
             body["weight_versions"] = [
                 {"version": s.version, "start": s.start, "end": s.end} for s in first
             ]
 
-    async def complete(self, job: Job, call: GenCall) -> dict[str, Any]:
+    async def complete(self, job: Job, call: Calls) -> dict[str, Any]:
         acc: dict[int, dict[str, Any]] = {
-            i: {"text": "", "token_ids": [], "logprobs": [], "finish_reason": None, "spans": []}
-            for i in range(job.gen.n)
+            i: {
+                "text": "",
+                "token_ids": [],
+                "logprobs": [],
+                "top": [],
+                "finish_reason": None,
+                "spans": [],
+            }
+            for i in range(job.num_choices)
         }
         first = _FirstToken(self.deps)
         async for d in call.deltas():
@@ -315,6 +460,7 @@ class OpenAIRoutes:
             a["text"] += d.text
             a["token_ids"] += d.token_ids
             a["logprobs"] += d.logprobs
+            a["top"] += d.top
             if d.finish_reason:
                 a["finish_reason"] = d.finish_reason
                 a["spans"] = d.spans or []
@@ -325,10 +471,12 @@ class OpenAIRoutes:
                 c["message"] = {"role": "assistant", "content": a["text"]}
             else:
                 c["text"] = a["text"]
-            c["logprobs"] = self._logprobs(job, a["token_ids"], a["logprobs"])
+            c["logprobs"] = self._logprobs(job, a["token_ids"], a["logprobs"], a["top"])
             c["finish_reason"] = a["finish_reason"]
             if job.return_token_ids:
                 c["token_ids"] = a["token_ids"]
+                if len(job.gens) > 1:
+                    c["prompt_token_ids"] = job.gens[i // job.gen.n].prompt_token_ids
             if len(a["spans"]) > 1:
                 c["weight_versions"] = [
                     {"version": s.version, "start": s.start, "end": s.end} for s in a["spans"]
@@ -342,36 +490,37 @@ class OpenAIRoutes:
             "model": self.model,
             "choices": choices,
             "usage": {
-                "prompt_tokens": len(job.gen.prompt_token_ids),
+                "prompt_tokens": job.prompt_tokens,
                 "completion_tokens": out_tokens,
-                "total_tokens": len(job.gen.prompt_token_ids) + out_tokens,
+                "total_tokens": job.prompt_tokens + out_tokens,
             },
         }
-        if job.return_token_ids:
+        if job.return_token_ids and len(job.gens) == 1:
             body["prompt_token_ids"] = job.gen.prompt_token_ids
         self._versions(body, job, {i: a["spans"] for i, a in acc.items()})
         self.deps.metrics.gen_tokens.inc(out_tokens)
         return body
 
-    async def sse(self, job: Job, call: GenCall) -> AsyncIterator[bytes]:
+    async def sse(self, job: Job, call: Calls) -> AsyncIterator[bytes]:
         rid = ("chatcmpl-" if job.chat else "cmpl-") + job.gen.request_id
         created = int(time.time())
         obj = "chat.completion.chunk" if job.chat else "text_completion"
         started: set[int] = set()
+        offsets: dict[int, int] = {}  # per choice: text_offset continues across chunks
         out_tokens = 0
         first = _FirstToken(self.deps)
         try:
             async for d in call.deltas():
                 first.seen(d)
                 out_tokens += len(d.token_ids)
-                yield self._sse_chunk(job, rid, created, obj, d, started)
+                yield self._sse_chunk(job, rid, created, obj, d, started, offsets)
         except ControlError as e:
             err = {"error": {"message": e.message, "type": "server_error", "code": e.code}}
             yield f"data: {json.dumps(err)}\n\n".encode()
         finally:
             await call.close()
         if job.include_usage:
-            p = len(job.gen.prompt_token_ids)
+            p = job.prompt_tokens
             usage = {
                 "id": rid,
                 "object": obj,
@@ -389,7 +538,14 @@ class OpenAIRoutes:
         yield b"data: [DONE]\n\n"
 
     def _sse_chunk(
-        self, job: Job, rid: str, created: int, obj: str, d: Delta, started: set[int]
+        self,
+        job: Job,
+        rid: str,
+        created: int,
+        obj: str,
+        d: Delta,
+        started: set[int],
+        offsets: dict[int, int],
     ) -> bytes:
         c: dict[str, Any] = {"index": d.index}
         if job.chat:
@@ -400,7 +556,7 @@ class OpenAIRoutes:
             c["delta"] = delta
         else:
             c["text"] = d.text
-        c["logprobs"] = self._logprobs(job, d.token_ids, d.logprobs)
+        c["logprobs"] = self._logprobs(job, d.token_ids, d.logprobs, d.top, offsets, d.index)
         c["finish_reason"] = d.finish_reason
         if job.return_token_ids:
             c["token_ids"] = d.token_ids
@@ -415,7 +571,7 @@ class OpenAIRoutes:
         if d.finish_reason and d.spans and len(d.spans) > 1:
             spans = [{"version": s.version, "start": s.start, "end": s.end} for s in d.spans]
             c["weight_versions"] = spans
-            if job.gen.n == 1:
+            if job.num_choices == 1:
                 body["weight_versions"] = spans
         return f"data: {json.dumps(body)}\n\n".encode()
 
@@ -442,18 +598,23 @@ class OpenAIRoutes:
             job = await asyncio.to_thread(self.parse, parse_json(raw, empty={}), chat)
             assert self.deps.bus is not None
             gave_up = asyncio.Event()
-            call = GenCall(
-                self.deps.bus,
-                self.deps.subjects,
-                self.tokenizer,
-                job.gen,
-                job.stops,
-                self._seen,
-                max_unread=s.stream_buffer * job.gen.n,  # a step sends n chunks at once
-                on_overflow=gave_up.set,
-                # the engine heartbeats every CONTROL_TIMEOUT_S / 3 at most: silence this
-                # long means it is gone (killed, or NATS lost)
-                idle_timeout=s.control_timeout_s,
+            call = Calls(
+                [
+                    GenCall(
+                        self.deps.bus,
+                        self.deps.subjects,
+                        self.tokenizer,
+                        gen,
+                        job.stops,
+                        self._seen,
+                        max_unread=s.stream_buffer * gen.n,  # a step sends n chunks at once
+                        on_overflow=gave_up.set,
+                        # the engine heartbeats every CONTROL_TIMEOUT_S / 3 at most: silence
+                        # this long means it is gone (killed, or NATS lost)
+                        idle_timeout=s.control_timeout_s,
+                    )
+                    for gen in job.gens
+                ]
             )
             await until_disconnect(request, call.open())  # refused (400/429/503) -> raises
             if job.stream:

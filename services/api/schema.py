@@ -13,13 +13,19 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-from shared.messages import FLOAT_MAX, INT64_MAX, INT64_MIN, MAX_STOP_TOKEN_IDS, TOKEN_LIMIT
+from shared.messages import (
+    FLOAT_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOP_LOGPROBS,
+    TOKEN_LIMIT,
+)
 
 MAX_STOP = 64  # stop strings per request
 MAX_STOP_LEN = 1024  # characters per stop string
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 MAX_MESSAGES = 4096  # chat messages per request
-MAX_TOP_LOGPROBS = 20
 MAX_JSON_DEPTH = 64  # nesting of any request body
 MAX_TEMPLATE_KWARGS = 64  # entries of chat_template_kwargs
 
@@ -50,6 +56,7 @@ class Sampling(msgspec.Struct, kw_only=True):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None  # vLLM: logprob tokens as "token_id:<id>"
     # accepted for compatibility and range-checked; not applied (README "Limits")
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
@@ -60,7 +67,8 @@ class Sampling(msgspec.Struct, kw_only=True):
 
 
 class CompletionRequest(Sampling, kw_only=True):
-    # one prompt per request: a string, token ids, or a one-element list of either
+    # a string, a list of strings, token ids, or a list of token-id lists (each a prompt;
+    # their number times n is bounded by ROLLBUS_MAX_N)
     prompt: str | list[str | TokenId | list[TokenId]]
     logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     echo: bool | None = None

@@ -183,6 +183,7 @@ class Generation:
             seq.spans[-1].version if seq.spans else self.engine.state.weight_version,
             out.finish_reason,
             list(seq.spans) if out.finish_reason else None,
+            top=[out.top] if out.top is not None and seq.req.gen.top_logprobs else None,
         )
 
     async def _publish(self, outputs: list[Output]) -> None:

@@ -109,6 +109,7 @@ class Output:
     logprob: float | None
     finish_reason: str | None
     error: tuple[int, str] | None = None  # (code, why): this request failed alone
+    top: m.TopLogprobs | None = None  # the alternatives, when the request asked for them
 
 
 @dataclass
@@ -209,7 +210,8 @@ class Scheduler:
             g = req.gen
             sample = [
                 m.SamplingSpec(
-                    t.seq_id, g.temperature, g.top_p, g.top_k, g.seed, t.index, g.logprobs
+                    t.seq_id, g.temperature, g.top_p, g.top_k, g.seed, t.index, g.logprobs,
+                    g.top_logprobs,
                 )
                 for t in targets
             ]
@@ -285,13 +287,16 @@ class Scheduler:
         for row, seq in zip(plan.step.rows, plan.seqs, strict=True):
             seq.num_computed += len(row.token_ids)
         by_id = {s.seq_id: s for row_seq in plan.seqs for s in row_seq.req.seqs}
+        tops: list[m.TopLogprobs | None] = list(reply.top) or [None] * len(reply.seq_ids)
         samples = [
-            (by_id[sid], tok, lp)
-            for sid, tok, lp in zip(reply.seq_ids, reply.tokens, reply.logprobs, strict=True)
+            (by_id[sid], tok, lp, top)
+            for sid, tok, lp, top in zip(
+                reply.seq_ids, reply.tokens, reply.logprobs, tops, strict=True
+            )
             if sid in by_id
         ]
         # fork first: the leader may finish on this very token and release its blocks
-        for seq, _, _ in samples:
+        for seq, _, _, _ in samples:
             req = seq.req
             if not req.forked and seq is req.seqs[0]:
                 for child in req.seqs[1:]:
@@ -299,12 +304,12 @@ class Scheduler:
                         self._fork(seq, child)
                 req.forked = True
         outputs = self._fail(reply.failed, by_id)
-        for seq, token, logprob in samples:
+        for seq, token, logprob, top in samples:
             if seq.finish_reason is not None:
                 continue  # ended meanwhile
             seq.add_token(token, logprob, version)
             reason = self._finish_reason(seq, token)
-            outputs.append(Output(seq, token, logprob, reason))
+            outputs.append(Output(seq, token, logprob, reason, top=top))
             if reason:
                 self.finish(seq, reason)
         return outputs

@@ -4,19 +4,25 @@ Order of operations per row: temperature, then top-k, then top-p (nucleus), then
 from the renormalised survivors. ``temperature == 0`` means greedy (argmax, lowest id on
 ties, as are top_k=1 and a tiny top_p).
 
-Reported logprob: the log-probability of the sampled token under the *tempered* full
-distribution, ``log_softmax(logits / temperature)``, before top-k/top-p truncation
-(vLLM's "processed" logprobs minus the truncation). Greedy rows use temperature 1, i.e.
-``log_softmax(logits)``. With the RL defaults (top_p=1, top_k=0) this is exactly the
-behaviour policy's logprob of the token.
+Reported logprobs — the sampled token's and the ``top_logprobs`` alternatives — come
+from one ``log_softmax(logits)`` of the **raw** model output, before temperature, top-k
+and top-p: vLLM's default (``logprobs_mode="raw_logprobs"``). So a token's logprob does
+not depend on the sampling parameters of the request; with the RL defaults
+(temperature 1, top_p 1, top_k 0) it is exactly the behaviour policy's logprob, and at
+another temperature it is the model's, not the tempered sampler's. The alternatives are
+the ``top_logprobs`` most likely tokens of that distribution, most likely first, ties
+to the lowest id.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
+
+from shared.messages import MAX_TOP_LOGPROBS
 
 _SEED_MASK = (1 << 64) - 1
 
@@ -28,6 +34,7 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     seed: int | None = None
     logprobs: bool = False
+    top_logprobs: int = 0  # alternatives reported per position (0: none)
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
@@ -38,6 +45,19 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(
+                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
+            )
+
+
+class Sampled(NamedTuple):
+    """One row's result: the token, its logprob and, when asked, the ``top_logprobs``
+    most likely ids with their logprobs (float32), most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[np.ndarray, np.ndarray] | None = None
 
 
 def make_generator(seed: int | None, request_salt: int) -> np.random.Generator:
@@ -59,7 +79,7 @@ def sample(
     tokens: list[int] = []
     logprobs: list[float] = []
     for row, p, gen in zip(logits, params, generators, strict=True):
-        token, logprob = _sample_row(row.astype(np.float64), p, gen)
+        token, logprob, _ = _sample_row(row.astype(np.float64), p, gen)
         tokens.append(token)
         logprobs.append(logprob)
     return tokens, logprobs
@@ -67,10 +87,10 @@ def sample(
 
 def sample_each(
     logits: np.ndarray, params: list[SamplingParams], generators: list[np.random.Generator]
-) -> list[tuple[int, float] | Exception]:
-    """Like :func:`sample`, but a row that fails (e.g. non-finite logits) yields its
-    exception instead of failing the others."""
-    out: list[tuple[int, float] | Exception] = []
+) -> list[Sampled | Exception]:
+    """Like :func:`sample` (with the alternatives when asked), but a row that fails (e.g.
+    non-finite logits) yields its exception instead of failing the others."""
+    out: list[Sampled | Exception] = []
     for row, p, gen in zip(logits, params, generators, strict=True):
         try:
             out.append(_sample_row(row.astype(np.float64), p, gen))
@@ -84,15 +104,25 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum())
 
 
-def _sample_row(
-    logits: np.ndarray, p: SamplingParams, gen: np.random.Generator
-) -> tuple[int, float]:
+def top_logprobs(logp: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ``k`` largest entries of ``logp``: (ids, values as float32), largest first,
+    ties to the lowest id. O(vocab) for the selection."""
+    k = min(k, logp.shape[0])
+    kth = -np.partition(-logp, k - 1)[k - 1]
+    part = np.flatnonzero(logp >= kth)
+    ids = part[np.lexsort((part, -logp[part]))][:k]
+    return ids, logp[ids].astype(np.float32)
+
+
+def _sample_row(logits: np.ndarray, p: SamplingParams, gen: np.random.Generator) -> Sampled:
     if np.isnan(logits).any():  # a broken row must not turn into a silent random token
         raise ValueError("logits contain NaN")
+    raw = _log_softmax(logits)  # every reported logprob comes from this one
+    top = top_logprobs(raw, p.top_logprobs) if p.top_logprobs > 0 else None
     if p.temperature == 0:
         token = int(np.argmax(logits))
-        return token, float(_log_softmax(logits)[token])
-    logp = _log_softmax(logits / p.temperature)
+        return Sampled(token, float(raw[token]), top)
+    logp = raw if p.temperature == 1 else _log_softmax(logits / p.temperature)
     candidates = _truncate(logp, p.top_k, p.top_p)
     if candidates is None:
         probs, ids = np.exp(logp), None
@@ -102,7 +132,7 @@ def _sample_row(
     # Inverse-CDF draw: one uniform per token keeps seeded streams easy to reason about.
     pick = min(int(np.searchsorted(cdf, gen.random() * cdf[-1], side="right")), len(cdf) - 1)
     token = pick if ids is None else int(ids[pick])
-    return token, float(logp[token])
+    return Sampled(token, float(raw[token]), top)
 
 
 def _truncate(logp: np.ndarray, top_k: int, top_p: float) -> np.ndarray | None:

@@ -198,7 +198,9 @@ class Stepper:
         failed: list[tuple[int, int, str]] = []
         for row, s in zip(rows, specs, strict=True):
             try:
-                p = SamplingParams(s.temperature, s.top_p, s.top_k, s.seed, s.logprobs)
+                p = SamplingParams(
+                    s.temperature, s.top_p, s.top_k, s.seed, s.logprobs, s.top_logprobs
+                )
             except (ValueError, TypeError) as e:
                 failed.append((s.seq_id, BAD_REQUEST, f"bad sampling parameters: {e}"))
                 continue
@@ -208,16 +210,31 @@ class Stepper:
             [p for _, _, p in good],
             [self._generator(s) for _, s, _ in good],
         )
-        seq_ids, tokens, logprobs = [], [], []
+        seq_ids: list[int] = []
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        top: list[m.TopLogprobs] = []  # stays empty unless a spec asked for alternatives
         for (_, s, _), res in zip(good, results, strict=True):
             if isinstance(res, Exception):
                 failed.append((s.seq_id, INTERNAL, f"sampling failed: {res!r}"))
                 continue
+            if res.top is not None and len(top) < len(seq_ids):
+                top += [m.TopLogprobs([]) for _ in range(len(seq_ids) - len(top))]
             seq_ids.append(s.seq_id)
-            tokens.append(res[0])
-            logprobs.append(res[1])
+            tokens.append(res.token)
+            logprobs.append(res.logprob)
+            if res.top is not None:
+                top.append(m.TopLogprobs(res.top[0].tolist(), res.top[1].astype("<f4").tobytes()))
+            elif top:
+                top.append(m.TopLogprobs([]))
         return m.StepReply(
-            req.step, seq_ids, tokens, logprobs, seconds=time.perf_counter() - t0, failed=failed
+            req.step,
+            seq_ids,
+            tokens,
+            logprobs,
+            seconds=time.perf_counter() - t0,
+            failed=failed,
+            top=top,
         )
 
     def _generator(self, spec: m.SamplingSpec) -> np.random.Generator:

@@ -1,8 +1,9 @@
 """transformers checkpoints served by a real rollbus stack (``rollbus serve`` with
 ``ROLLBUS_MODEL`` = the HF dir: launcher, engine, gloo ranks, API) answer
 ``/v1/completions`` (prompt as token ids, temperature 0, logprobs, return_token_ids)
-with transformers' greedy tokens and logprobs. One stack per family, shared by the
-module's tests.
+with transformers' greedy tokens and logprobs, and with the ``top_logprobs`` of torch's
+``log_softmax`` of transformers' logits. One stack per family, shared by the module's
+tests.
 
 The llama model's ``generation_config.json`` lists a second eos id — a token its greedy
 continuation emits mid-way, as Llama-3 instruct ends turns on ``<|eot_id|>``: transformers
@@ -23,6 +24,7 @@ import numpy as np
 import pytest
 from cases import BY_NAME, NEW_TOKENS, PROMPTS
 
+from shared.messages import MAX_TOP_LOGPROBS
 from tests.e2e.stack import Stack, start_stack
 
 FIRST_EOS_STEP = 3  # the llama stack's extra eos id: the first new token from this step on
@@ -49,6 +51,7 @@ def complete(stack: Stack, prompt: list[int], **extra: Any) -> dict[str, Any]:
         "tokens": choice["token_ids"],
         "logprobs": np.array(choice["logprobs"]["token_logprobs"]),
         "finish_reason": choice["finish_reason"],
+        "top": choice["logprobs"]["top_logprobs"],
     }
 
 
@@ -117,3 +120,27 @@ def test_every_eos_id_stops(served: Served) -> None:
     free = complete(served.stack, PROMPTS[0], ignore_eos=True)
     assert len(free["tokens"]) == NEW_TOKENS and free["finish_reason"] == "length"
     assert free["tokens"][: len(ref["tokens"])] == ref["tokens"]
+
+
+def test_top_logprobs_equal_torch_log_softmax(served: Served) -> None:
+    """The k alternatives per position (ids by ``return_tokens_as_token_ids``) are the k
+    largest entries of torch's ``log_softmax`` over transformers' logits at that step,
+    their values within the case's tolerance; ids must match exactly wherever the k-th
+    and the next value are further apart than the tolerance."""
+    k = MAX_TOP_LOGPROBS
+    tol = BY_NAME[served.name].tolerance
+    for prompt, ref in zip(PROMPTS, served.refs, strict=True):
+        got = complete(served.stack, prompt, logprobs=k, return_tokens_as_token_ids=True)
+        assert got["tokens"] == ref["tokens"]
+        assert len(got["top"]) == len(ref["tokens"])
+        for step, alts in enumerate(got["top"]):
+            row = ref["log_softmax"][step]
+            ids = [int(t.removeprefix("token_id:")) for t in alts]
+            values = np.array(list(alts.values()))
+            assert len(set(ids)) == k == len(ids)  # greedy: the sampled token is among them
+            diff = np.abs(values - row[ids]).max()
+            assert diff < tol, f"{served.name} step {step}: top logprobs differ by {diff:.2e}"
+            ranked = np.sort(row)[::-1]
+            assert row[ids].min() >= ranked[k - 1] - tol, f"step {step}: not the top {k}"
+            if ranked[k - 1] - ranked[k] > 2 * tol:
+                assert set(ids) == set(np.argsort(-row)[:k].tolist())

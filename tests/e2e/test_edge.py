@@ -291,6 +291,30 @@ def test_full_queue_answers_429_with_retry_after(stack: Stack) -> None:
     assert post(stack, "/v1/completions", {"prompt": "now", "max_tokens": 3}).status_code == 200
 
 
+def test_a_list_of_prompts_fails_whole_when_one_is_refused(stack: Stack) -> None:
+    """Each prompt is its own engine request: past MAX_WAITING one is refused (429), the
+    call answers 429 and the prompts already queued are cancelled, not left waiting."""
+    assert post(stack, "/v1/pause", params={"mode": "keep"}).status_code == 200
+    prompts = [f"p{i}" for i in range(MAX_WAITING + 2)]
+    for stream in (False, True):
+        body = {"prompt": prompts, "max_tokens": 3, "stream": stream}
+        r = post(stack, "/v1/completions", body)
+        assert r.status_code == 429, r.text
+        assert "ROLLBUS_MAX_WAITING" in r.json()["error"]["message"]
+        # still paused: only a cancellation can empty the queue
+        wait_for(lambda: stack.status()["requests"] == 0, "the other prompts cancelled", 20)
+    # a client leaving a call of several prompts cancels every one of them
+    leaver = Pending(stack, {"prompt": prompts[:MAX_WAITING], "max_tokens": 5}, timeout=3)
+    leaver.start()
+    wait_for(lambda: stack.status()["requests"] == MAX_WAITING, "prompts queued")
+    leaver.join(30)
+    assert isinstance(leaver.error, httpx.TimeoutException)
+    wait_for(lambda: stack.status()["requests"] == 0, "the engine cancelled them", timeout=20)
+    assert post(stack, "/v1/resume").status_code == 200
+    r = post(stack, "/v1/completions", {"prompt": prompts[:2], "max_tokens": 3, "n": 2})
+    assert r.status_code == 200 and [c["index"] for c in r.json()["choices"]] == [0, 1, 2, 3]
+
+
 def test_a_non_streaming_client_that_leaves_frees_its_request(stack: Stack) -> None:
     assert post(stack, "/v1/pause", params={"mode": "keep"}).status_code == 200
     leaver = Pending(stack, {"prompt": "bye", "max_tokens": 5}, timeout=3)

@@ -7,6 +7,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -195,6 +196,174 @@ def test_stop_string(client: openai.OpenAI) -> None:
     )
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].text == text[: text.find(stop)]
+
+
+def _token_id(label: str) -> int:
+    assert label.startswith("token_id:"), label
+    return int(label.removeprefix("token_id:"))
+
+
+def test_top_logprobs_of_completions_chat_and_streams(client: openai.OpenAI) -> None:
+    k = 5
+    kw: dict[str, Any] = dict(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=0,
+        logprobs=k,
+        extra_body={"ignore_eos": True, "return_token_ids": True,
+                    "return_tokens_as_token_ids": True},
+    )  # fmt: skip
+    r = client.completions.create(**kw)
+    c = r.choices[0]
+    ids, lp = c.model_extra["token_ids"], c.logprobs
+    assert [_token_id(t) for t in lp.tokens] == ids and len(lp.top_logprobs) == 8
+    for tok, chosen, alts in zip(ids, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(alts) == k  # greedy: the sampled token is the first alternative
+        ranked = sorted(alts.items(), key=lambda kv: -kv[1])
+        assert _token_id(ranked[0][0]) == tok and ranked[0][1] == chosen
+        assert all(v <= 0 for v in alts.values())
+    # the same in a stream, chunk by chunk
+    chunks = list(client.completions.create(stream=True, **kw))
+    streamed = [a for ch in chunks if ch.choices[0].logprobs
+                for a in ch.choices[0].logprobs.top_logprobs]  # fmt: skip
+    assert streamed == lp.top_logprobs
+    offsets = [o for ch in chunks if ch.choices[0].logprobs
+               for o in ch.choices[0].logprobs.text_offset]  # fmt: skip
+    assert offsets == lp.text_offset  # counted across the chunks of the choice
+    # raw logprobs (vLLM's default): the first position's distribution does not depend
+    # on the temperature the request samples with
+    hot = client.completions.create(**{**kw, "temperature": 2.0, "seed": 3})
+    first = hot.choices[0].logprobs.top_logprobs[0]
+    assert all(first[t] == pytest.approx(v, abs=1e-6) for t, v in lp.top_logprobs[0].items())
+    # chat: logprobs true, top_logprobs k; in a stream too
+    chat_kw: dict[str, Any] = dict(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
+    )
+    content = client.chat.completions.create(**chat_kw).choices[0].logprobs.content
+    assert len(content) == 6
+    for entry in content:
+        alts = entry.top_logprobs
+        assert len(alts) == 3 and alts[0].token == entry.token
+        assert alts[0].logprob == entry.logprob and alts[0].bytes == entry.bytes
+        assert [a.logprob for a in alts] == sorted((a.logprob for a in alts), reverse=True)
+    parts = list(client.chat.completions.create(stream=True, **chat_kw))
+    streamed_chat = [e for p in parts if p.choices and p.choices[0].logprobs
+                     for e in p.choices[0].logprobs.content]  # fmt: skip
+    assert [e.model_dump() for e in streamed_chat] == [e.model_dump() for e in content]
+
+
+def test_top_logprobs_in_a_step_shared_with_requests_that_ask_none(stack: Stack) -> None:
+    """Requests queued while paused start in the same steps: the one asking for
+    alternatives gets them at every position, the others none, all the same tokens."""
+    body = {"model": "tiny", "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "return_tokens_as_token_ids": True}  # fmt: skip
+    asks = [None, 3, 0, None]
+    bodies = [
+        {**body, "prompt": f"{PROMPT} {i}", **({} if k is None else {"logprobs": k})}
+        for i, k in enumerate(asks)
+    ]
+    alone = []
+    with stack.client(timeout=120) as c:
+        for b in bodies:
+            alone.append(c.post("/v1/completions", json=b).json()["choices"][0])
+    assert ctl(stack, "/v1/pause", params={"mode": "keep"}).status_code == 200
+
+    def post(b: dict[str, Any]) -> dict[str, Any]:
+        with stack.client(timeout=120) as c:
+            r = c.post("/v1/completions", json=b)
+        assert r.status_code == 200, r.text
+        return dict(r.json()["choices"][0])
+
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        futures = [pool.submit(post, b) for b in bodies]
+        deadline = time.monotonic() + 30
+        while stack.status()["queued"] < len(bodies) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ctl(stack, "/v1/resume").status_code == 200
+        together = [f.result() for f in futures]
+    for k, one, both in zip(asks, alone, together, strict=True):
+        assert both["token_ids"] == one["token_ids"]
+        if k is None:
+            assert both["logprobs"] is None
+        else:  # the same, up to float noise of another batch shape
+            tops, ref = both["logprobs"]["top_logprobs"], one["logprobs"]["top_logprobs"]
+            assert [set(d) for d in tops] == [set(d) for d in ref]
+            assert all(len(d) == max(k, 1) for d in tops)
+            for d, r in zip(tops, ref, strict=True):
+                assert all(d[t] == pytest.approx(v, abs=1e-4) for t, v in r.items())
+
+
+def test_top_logprobs_beyond_20_are_400_naming_the_field(stack: Stack) -> None:
+    chat = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}
+    with stack.client() as c:
+        for path, body, param in (
+            ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
+            ("/v1/chat/completions", {**chat, "top_logprobs": 21}, "top_logprobs"),
+            ("/v1/chat/completions", {**chat, "logprobs": False, "top_logprobs": 2},
+             "top_logprobs"),
+        ):  # fmt: skip
+            r = c.post(path, json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_a_list_of_prompts_indexes_choices_as_openai(client: openai.OpenAI) -> None:
+    prompts = [f"{PROMPT} {i}" for i in range(3)]
+    kw: dict[str, Any] = dict(
+        model="tiny",
+        max_tokens=6,
+        temperature=0,
+        n=2,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    alone = [client.completions.create(prompt=p, **kw) for p in prompts]
+    r = client.completions.create(prompt=prompts, **kw)
+    assert [c.index for c in r.choices] == list(range(6))  # prompt_index * n + j
+    for i, one in enumerate(alone):
+        for j in range(2):
+            c = r.choices[i * 2 + j]
+            assert c.model_extra["token_ids"] == one.choices[j].model_extra["token_ids"]
+            assert c.text == one.choices[j].text
+            assert c.model_extra["prompt_token_ids"] == prompt_ids(prompts[i])
+    assert r.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert r.usage.completion_tokens == 36
+    # token-id lists, streamed: every chunk names its choice
+    stream = client.completions.create(
+        prompt=[prompt_ids(p) for p in prompts], stream=True,
+        stream_options={"include_usage": True}, **kw,
+    )  # fmt: skip
+    toks: dict[int, list[int]] = {}
+    finished, usage = set(), None
+    for ch in stream:
+        if ch.usage:
+            usage = ch.usage
+        for c in ch.choices:
+            toks.setdefault(c.index, []).extend(c.model_extra.get("token_ids") or [])
+            if c.finish_reason:
+                finished.add(c.index)
+    assert finished == set(range(6)) and usage is not None and usage.completion_tokens == 36
+    assert [toks[i] for i in range(6)] == [c.model_extra["token_ids"] for c in r.choices]
+
+
+def test_stop_token_ids_end_a_choice(client: openai.OpenAI) -> None:
+    # seeded sampling: reproducible, and unlike the tiny model's greedy text not a loop
+    kw: dict[str, Any] = dict(model="tiny", prompt=PROMPT, max_tokens=16, seed=5)
+    base = client.completions.create(
+        **kw, extra_body={"ignore_eos": True, "return_token_ids": True}
+    ).choices[0].model_extra["token_ids"]
+    at = next(i for i in range(2, len(base)) if base[i] not in base[:i])
+    r = client.completions.create(
+        **kw, extra_body={"ignore_eos": True, "return_token_ids": True,
+                          "stop_token_ids": [base[at]]},
+    )  # fmt: skip
+    c = r.choices[0]
+    assert c.finish_reason == "stop" and c.model_extra["token_ids"] == base[: at + 1]
 
 
 @pytest.mark.parametrize(

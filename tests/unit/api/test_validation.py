@@ -85,7 +85,12 @@ def test_non_finite_numbers_are_refused_naming_the_field(
         ({"model": "other"}, "model"),
         ({"prompt": [1, 100000]}, "prompt"),
         ({"prompt": [1, -1]}, "prompt[1]"),
-        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": ["a", 5]}, "prompt"),  # strings mixed with bare ids
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [[1], []]}, "prompt"),
+        ({"prompt": [[1], [1, 100000]]}, "prompt"),
+        ({"prompt": ["a"] * 5, "n": 2}, "prompt"),  # 10 choices > ROLLBUS_MAX_N=8
+        ({"prompt": ["a", "x" * 70]}, "prompt"),  # the second is longer than the context
         ({"prompt": "x" * 70}, "prompt"),  # longer than the context
         ({"prompt": None}, "prompt"),
         ({"prompt": 5}, "prompt"),
@@ -106,6 +111,7 @@ def test_completion_parameters_out_of_range(
         ({"messages": [{"role": 1, "content": "x"}]}, "messages[0].role"),
         ({"logprobs": 1}, "logprobs"),
         ({"top_logprobs": 21}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
         ({"max_completion_tokens": 0}, "max_completion_tokens"),
         ({"max_completion_tokens": 10000}, "max_completion_tokens"),
     ],

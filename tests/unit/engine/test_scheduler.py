@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from services.engine.scheduler import Plan, Scheduler
 from shared import messages as m
 
@@ -177,3 +179,29 @@ def test_recompute_all_replays_prompt_and_output() -> None:
     row = plan.step.rows[0]
     assert row.start_pos == 0 and row.token_ids == [1, 2, 3, 4, 5, 7, 7, 7]
     assert len(row.sample) == 1
+
+
+def test_top_logprobs_travel_from_the_reply_to_each_output() -> None:
+    s = sched()
+    g = gen("a", n=2)
+    g.top_logprobs = 3
+    s.add(g, "inbox")
+    s.add(gen("b"), "inbox")  # asks for none: its spec says 0, its output carries none
+    plan = s.schedule()
+    assert plan is not None
+    specs = [spec for row in plan.step.rows for spec in row.sample]
+    assert [spec.top_logprobs for spec in specs] == [3, 3, 0]
+    ids = [spec.seq_id for spec in specs]
+    top = [m.TopLogprobs.of([7, 1, 2], [-0.1, -2.5, -3.0]), m.TopLogprobs.of([7], [-0.1])]
+    top.append(m.TopLogprobs([]))
+    reply = m.StepReply(plan.step.step, ids, [7] * 3, [-0.1] * 3, top=top)
+    reply = m.unpack(m.pack(reply), type=m.StepReply)  # as it crosses the bus
+    outs = s.apply(plan, reply, "v0")
+    assert [o.top.ids if o.top else None for o in outs] == [[7, 1, 2], [7], []]
+    assert outs[0].top is not None and outs[0].top.logprobs == [
+        pytest.approx(v, abs=1e-7) for v in (-0.1, -2.5, -3.0)
+    ]
+    # a reply without alternatives (nobody asked) leaves every output's top unset
+    plan = s.schedule()
+    assert plan is not None
+    assert all(o.top is None for o in s.apply(plan, fake_reply(plan), "v0"))

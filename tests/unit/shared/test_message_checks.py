@@ -41,6 +41,8 @@ def test_gen_request_limits() -> None:
         {"top_p": 0.0},
         {"seed": 2**63},
         {"stop_token_ids": [1] * (m.MAX_STOP_TOKEN_IDS + 17)},
+        {"top_logprobs": m.MAX_TOP_LOGPROBS + 1},
+        {"top_logprobs": -1},
     ):
         data = m.pack({"request_id": "r", "prompt_token_ids": [1], "max_tokens": 1, **bad})
         with pytest.raises(msgspec.ValidationError) as e:

@@ -1,11 +1,20 @@
-"""services.worker.sampling: greedy, seeded reproducibility, top-k/top-p, logprobs."""
+"""services.worker.sampling: greedy, seeded reproducibility, top-k/top-p, logprobs and
+top_logprobs."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from services.worker.sampling import SamplingParams, make_generator, sample
+from services.worker.sampling import (
+    Sampled,
+    SamplingParams,
+    make_generator,
+    sample,
+    sample_each,
+    top_logprobs,
+)
+from shared.messages import MAX_TOP_LOGPROBS
 
 
 def logits(n: int = 4, vocab: int = 50, seed: int = 0) -> np.ndarray:
@@ -76,14 +85,43 @@ def test_top_k_and_top_p_restrict_support() -> None:
     assert seen_p <= set(order[:nucleus].tolist())
 
 
-def test_logprobs_are_tempered_and_nonpositive() -> None:
+def test_logprobs_are_raw_whatever_the_sampling_parameters() -> None:
+    """vLLM's default (raw_logprobs): the model's log_softmax, before temperature and
+    top-k/top-p; the sampler still draws from the tempered, truncated distribution."""
     x = logits(n=3, seed=4)
     params = [SamplingParams(temperature=t, top_k=k) for t, k in ((0.5, 0), (1.0, 10), (2.0, 0))]
     toks, lps = sample(x, params, gens(3))
     assert all(lp <= 0 for lp in lps)
-    for row, p in enumerate(params):
-        want = log_softmax(x[row] / p.temperature)[toks[row]]
-        assert lps[row] == pytest.approx(want, abs=1e-6)
+    for row in range(3):
+        assert lps[row] == pytest.approx(log_softmax(x[row])[toks[row]], abs=1e-9)
+    assert log_softmax(x[0] / 0.5)[toks[0]] != pytest.approx(lps[0], abs=1e-3)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0), SamplingParams(0.7, 0.9, 5)])
+def test_top_logprobs_are_the_k_largest_of_the_raw_log_softmax(params: SamplingParams) -> None:
+    x = logits(n=2, vocab=300, seed=5)
+    params = SamplingParams(
+        params.temperature, params.top_p, params.top_k, top_logprobs=MAX_TOP_LOGPROBS
+    )
+    out = sample_each(x, [params, params], gens(2))
+    for row, res in enumerate(out):
+        assert isinstance(res, Sampled) and res.top is not None
+        ids, vals = res.top
+        want = log_softmax(x[row].astype(np.float64))
+        assert ids.tolist() == np.argsort(-want, kind="stable")[:MAX_TOP_LOGPROBS].tolist()
+        assert vals.dtype == np.float32
+        np.testing.assert_allclose(vals, want[ids], atol=1e-6)
+        assert res.logprob == pytest.approx(want[res.token], abs=1e-12)
+
+
+def test_top_logprobs_ties_go_to_the_lowest_id_and_k_is_capped_by_the_vocab() -> None:
+    x = np.array([[1.0, 3.0, 3.0, 0.0, 3.0]])
+    ids, vals = top_logprobs(log_softmax(x[0]), 2)
+    assert ids.tolist() == [1, 2] and vals[0] == vals[1]
+    res = sample_each(x, [SamplingParams(temperature=0, top_logprobs=9)], gens(1))[0]
+    assert isinstance(res, Sampled) and res.top is not None
+    assert res.top[0].tolist() == [1, 2, 4, 0, 3]
+    assert sample_each(x, [SamplingParams(temperature=0)], gens(1))[0].top is None  # type: ignore[union-attr]
 
 
 def test_sampling_follows_distribution() -> None:
@@ -110,6 +148,8 @@ def test_unseeded_generators_differ() -> None:
         {"top_p": 1.5},
         {"top_k": -1},
         {"temperature": float("nan")},
+        {"top_logprobs": -1},
+        {"top_logprobs": MAX_TOP_LOGPROBS + 1},
     ],
 )
 def test_invalid_params_rejected(kwargs: dict[str, float]) -> None:

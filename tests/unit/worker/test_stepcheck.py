@@ -73,5 +73,5 @@ def test_a_failing_row_does_not_fail_the_others() -> None:
         [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)],
         [make_generator(1, 0), make_generator(1, 1)],
     )
-    assert out[0] == (0, pytest.approx(np.log(1 / 8)))
+    assert out[0][:2] == (0, pytest.approx(np.log(1 / 8)))
     assert isinstance(out[1], ValueError)
