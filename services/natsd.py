@@ -182,7 +182,12 @@ def permissions(
         "worker": {
             # replies only to what it is asked (allow_responses): one per request
             "publish": _stream_get(obj),
-            "subscribe": [_inbox("worker"), f"{ANY}.worker.>", "$SRV.>"],
+            # `weights.*`: the read-only weights subjects (trainer, operator ask); not
+            # `rollbus.ckpt.>`, which `rollbus.*.worker.>` / `.weights.*` would also match
+            "subscribe": {
+                "allow": [_inbox("worker"), f"{ANY}.worker.>", f"{ANY}.weights.*", "$SRV.>"],
+                "deny": not_ckpt,
+            },
             "allow_responses": responses,
         },
         "trainer": {
@@ -197,12 +202,20 @@ def permissions(
                 # the one read-only control call: the served config a state dict is
                 # sharded by (CheckpointPublisher without config=)
                 f"{ANY}.ctl.model_config",
+                # read-only: the served weights (`rollout_state_dict`, shared/readout.py)
+                f"{ANY}.weights.*",
             ],
             "subscribe": [_inbox("trainer")],
         },
         "operator": {
             "publish": {
-                "allow": [f"{ANY}.ctl.>", "$SRV.>", "$JS.API.INFO", *_stream_get(EVENTS_STREAM)],
+                "allow": [
+                    f"{ANY}.ctl.>",
+                    f"{ANY}.weights.*",  # read-only: the served weights
+                    "$SRV.>",
+                    "$JS.API.INFO",
+                    *_stream_get(EVENTS_STREAM),
+                ],
                 "deny": not_ckpt,
             },
             # `_INBOX.>`: the nats CLI's default inbox; no rollbus process uses it

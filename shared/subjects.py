@@ -60,6 +60,15 @@ class Subjects:
     def gen(self) -> str:
         return f"{self.prefix}.gen"
 
+    @property
+    def weights_get(self) -> str:
+        """Read-only: every rank opens a read of its served weights (trainer, operator)."""
+        return f"{self.prefix}.weights.get"
+
+    def weights_rank(self, rank: int) -> str:
+        """Read-only: chunks of rank ``rank``'s open weight read."""
+        return f"{self.prefix}.weights.{rank}"
+
     def event(self, kind: str) -> str:
         return f"{self.prefix}.events.{kind}"
 

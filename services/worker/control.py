@@ -155,21 +155,6 @@ def weights_digest(r: Rank, _: object = None) -> dict[str, Any]:
     return {"rank": r.rank, "version": r.weights.version, "sha256": digest(r.weights.current)}
 
 
-def state_dict(r: Rank, _: object = None) -> dict[str, Any]:
-    """This rank's weights by *inference* (HF) name: shape and dtype of each shard
-    (``services.trainer.names`` maps them to training names)."""
-    if r.weights.current is None:
-        raise ControlError(CONFLICT, f"rank {r.rank}: weights are asleep")
-    return {
-        "rank": r.rank,
-        "version": r.weights.version,
-        "tensors": {
-            n: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("paddle.")}
-            for n, t in sorted(r.weights.current.items())
-        },
-    }
-
-
 def comm_check(r: Rank, _: object = None) -> dict[str, Any]:
     try:
         total = r.comm.check()

@@ -25,13 +25,14 @@ from typing import Any
 
 import paddle
 
-from services.worker import control
+from services.worker import control, readout
 from services.worker import model as mdl
 from services.worker.comm import CommGroup, configure_env, place
 from services.worker.sources import make_source
 from services.worker.stepper import Stepper, Watermark
 from services.worker.weights import WeightStore
 from shared import messages as m
+from shared import readout as ro
 from shared.bus import RANK, Bus
 from shared.device import DeviceError
 from shared.errors import INTERNAL, ControlError
@@ -155,6 +156,7 @@ class WorkerServer:
                 reply_headers=hdr,
                 concurrent=method in INLINE,
             )
+        await self._serve_weights(svc, hdr)
         self.stepper = Stepper(
             self.state,
             self.bus,
@@ -167,6 +169,24 @@ class WorkerServer:
             self.subjects.worker_step, self.stepper.on_step, queue=f"rank{self.rank}"
         )
         await self.bus.flush()
+
+
+    async def _serve_weights(self, svc: Any, hdr: dict[str, str]) -> None:
+        """The read-only weights subjects (``shared.readout``): trainers and operators may
+        read the served weights, not call ``worker.ctl``. The snapshot is taken on the
+        paddle thread (never beside a commit or a step); chunks are served from it."""
+        reads = readout.Reads(self.rank, self.settings.tp, self.bus.nc.max_payload)
+
+        def snap(state: control.Rank, args: ro.ReadArgs) -> dict[str, Any]:
+            return reads.open_read(state.weights.version, state.weights.current, args)
+
+        async def open_read(args: ro.ReadArgs) -> dict[str, Any]:
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(
+                self.pool, self.watermark.run, "weights_get", snap, self.state, args
+            )
+
+        await readout.serve(self.bus, svc, self.subjects, reads, open_read, hdr)
 
 
 async def amain(settings: Settings, rank: int) -> int:

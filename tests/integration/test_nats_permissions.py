@@ -145,6 +145,7 @@ FORBIDDEN_PUBLISH = {
         "_INBOX_api.x.y",
         "_INBOX_engine.x.y",
         "$KV.rollbus_state.x",
+        f"rollbus.{I}.weights.get.x",  # only the two read-only weights subjects
     ],
     "trainer": [
         f"rollbus.{I}.ctl.pause",
@@ -158,6 +159,7 @@ FORBIDDEN_PUBLISH = {
         "$JS.API.STREAM.DELETE.OBJ_rollbus_ckpt",
         "$JS.API.STREAM.INFO.ROLLBUS_EVENTS",
         "$KV.rollbus_state.x",
+        f"rollbus.{I}.weights.0.x",
     ],
     "api": [
         f"rollbus.{I}.worker.ctl.commit",
@@ -169,6 +171,8 @@ FORBIDDEN_PUBLISH = {
         "rollbus.ckpt.ctl.published",
         "_INBOX_engine.x.y",
         "$JS.API.STREAM.INFO.ROLLBUS_EVENTS",
+        f"rollbus.{I}.weights.get",
+        f"rollbus.{I}.weights.0",
     ],
     "engine": [
         f"$O.{BUCKET}.C.forged",
@@ -178,6 +182,7 @@ FORBIDDEN_PUBLISH = {
         "$JS.API.STREAM.PURGE.OBJ_rollbus_ckpt",
         "$JS.API.STREAM.DELETE.ROLLBUS_EVENTS",
         "_INBOX_worker.x.y",
+        f"rollbus.{I}.weights.get",
     ],
     "worker": [
         f"rollbus.{I}.ctl.pause",
@@ -193,6 +198,8 @@ FORBIDDEN_PUBLISH = {
         "_INBOX_api.x.y",
         "_INBOX_operator.x.y",
         "_INBOX_engine.x.y",  # unasked: a reply only to a request it received
+        f"rollbus.{I}.weights.get",
+        f"rollbus.{I}.weights.1",
     ],
 }
 
@@ -204,6 +211,8 @@ FORBIDDEN_SUBSCRIBE = {
         f"$O.{BUCKET}.>",
         "rollbus.ckpt.>",
         ">",
+        f"rollbus.{I}.weights.get",
+        f"rollbus.{I}.weights.0",
         *OTHER_INBOXES["operator"],
     ],
     "trainer": [
@@ -211,19 +220,29 @@ FORBIDDEN_SUBSCRIBE = {
         f"rollbus.{I}.worker.>",
         f"rollbus.{I}.gen",
         f"rollbus.{I}.events.>",
+        f"rollbus.{I}.weights.get",
+        f"rollbus.{I}.weights.0",
         *OTHER_INBOXES["trainer"],
     ],
     "api": [
         f"rollbus.{I}.ctl.>",
         f"rollbus.{I}.worker.>",
         f"rollbus.{I}.gen",
+        f"rollbus.{I}.weights.get",
         *OTHER_INBOXES["api"],
     ],
-    "engine": [f"$O.{BUCKET}.>", "rollbus.ckpt.>", *OTHER_INBOXES["engine"]],
+    "engine": [
+        f"$O.{BUCKET}.>",
+        "rollbus.ckpt.>",
+        f"rollbus.{I}.weights.get",
+        *OTHER_INBOXES["engine"],
+    ],
     "worker": [
         f"rollbus.{I}.ctl.>",
         f"rollbus.{I}.gen",
         f"rollbus.{I}.events.>",
+        "rollbus.ckpt.weights.published",  # matches rollbus.*.weights.*: denied
+        "rollbus.ckpt.worker.published",
         *OTHER_INBOXES["worker"],
     ],
 }
@@ -681,3 +700,65 @@ async def test_a_jetstream_ack_in_a_request_inbox_is_dropped(nats_url: str) -> N
         await js.delete_stream("JSACK_TEST")
         await caller.close()
         await responder.close()
+
+
+async def test_trainer_and_operator_read_the_served_weights(server: Server) -> None:
+    """The read-only weights subjects: ranks (worker role) answer `weights.get` and
+    `weights.<r>` with the real serving code; the trainer and the operator read every
+    rank's shard through `rollout_state_dict` and get the full tensors back — neither may
+    call `worker.ctl` (FORBIDDEN_PUBLISH) nor answer `weights.*` (FORBIDDEN_SUBSCRIBE)."""
+    import numpy as np
+
+    from services.trainer.rollout import arollout_state_dict
+    from services.worker import model as mdl
+    from services.worker import readout
+    from shared import readout as ro
+    from shared.model_config import ModelConfig
+    from shared.subjects import Subjects
+
+    hf = {"model_type": "llama", "vocab_size": 40, "hidden_size": 32, "intermediate_size": 64,
+          "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 1}
+    cfg = ModelConfig.from_hf(hf)
+    full = mdl.init_weights(cfg, seed=3)
+    subjects = Subjects(I)
+    engine = await Bus.connect(server.url("engine"), "engine")
+    workers = [await Bus.connect(server.url("worker"), f"worker-{r}") for r in range(2)]
+    try:
+        svc = await engine.add_service("rollbus-engine", "0.1.0")
+
+        async def model_config(data: bytes, headers: dict[str, str]) -> bytes:
+            body = {"request_id": "x", "result": {"model": "m", "tp": 2, "config": hf}}
+            return json.dumps(body).encode()
+
+        await engine.serve(svc, "model_config", subjects.ctl("model_config"), model_config,
+                           queue="engine")
+        for r, w in enumerate(workers):
+            shard = {n: mdl.shard_tensor(cfg, n, a, r, 2) for n, a in full.items()}
+            reads = readout.Reads(r, 2, w.nc.max_payload)
+
+            async def open_read(args: ro.ReadArgs, reads=reads, shard=shard) -> dict:  # type: ignore[no-untyped-def]
+                return reads.open_read("v7", shard, args)
+
+            wsvc = await w.add_service("rollbus-worker", "0.1.0")
+            await readout.serve(w, wsvc, subjects, reads, open_read, {"Rollbus-Rank": str(r)})
+            await w.flush()
+        await engine.flush()
+        for role in ("trainer", "operator"):
+            for attempt in range(3):  # fresh subscriptions: see routed()
+                try:
+                    # 4 KiB chunks: each rank's shard comes in many chunk requests
+                    got = await arollout_state_dict(
+                        server.url(role), I, timeout=5, chunk_bytes=4096
+                    )
+                    break
+                except (NoResponders, Timeout):
+                    if attempt == 2:
+                        raise
+                    await asyncio.sleep(0.2)
+            assert got.version == "v7" and got.tp == 2
+            assert sorted(got) == sorted(full)
+            for n, a in full.items():
+                assert got[n].dtype == a.dtype and np.array_equal(got[n], a), n
+    finally:
+        for b in (*workers, engine):
+            await b.close()
