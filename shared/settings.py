@@ -61,7 +61,7 @@ class Settings(BaseSettings):
     max_batch_size: int = Field(64, ge=1, description="sequences per engine step")
     max_step_tokens: int = Field(2048, ge=1, description="tokens per engine step (prefill chunks)")
     dtype: Literal["float32", "auto"] = Field(
-        "float32", description="compute dtype; auto = the checkpoint's on GPU, float32 on CPU"
+        "auto", description="compute dtype; auto = the checkpoint's on GPU, float32 on CPU"
     )
 
     # limits and backpressure (README "Limits")

@@ -11,8 +11,10 @@ Sources:
 * ``snapshot`` — version ``V`` is the directory ``<model>/versions/V/``; the model dir
   itself is the version named in its ``version.txt``. A directory holds either
   pre-sharded ``rank<r>-of-<tp>.safetensors`` files (with ``manifest.json``: SHA-256
-  verifiable) or HF ``*.safetensors`` files, from which each rank reads only its slice
-  (bf16 / fp16 converted to fp32, see :mod:`services.worker.hf_files`).
+  verifiable) or HF ``*.safetensors`` files (one, or a sharded set with
+  ``model.safetensors.index.json``), from which each rank reads only its slice's bytes.
+  bf16 / fp16 / fp32 load everywhere and are converted to the compute dtype (see
+  :func:`services.worker.hf_files.compute_dtype`).
 * ``object_store`` / ``ipc`` — see :mod:`services.worker.sources`.
 """
 
@@ -31,7 +33,6 @@ from typing import Any
 import numpy as np
 import paddle
 import paddle.utils.dlpack
-from safetensors import SafetensorError, safe_open
 
 from services.worker import hf_files
 from services.worker import model as mdl
@@ -113,7 +114,9 @@ class SnapshotSource:
         self, cfg: mdl.ModelConfig, model_dir: Path, rank: int, tp: int, dtype: str = "float32"
     ) -> None:
         self.cfg, self.model_dir, self.rank, self.tp = cfg, model_dir, rank, tp
-        self.dtype = hf_files.compute_dtype(dtype)  # ROLLBUS_DTYPE; float32 on CPU
+        if dtype not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"compute dtype {dtype!r} (see hf_files.compute_dtype)")
+        self.dtype = dtype  # the compute dtype: every version is converted to it
 
     def _rel(self, p: Path) -> str:
         return public_path(p, self.model_dir) or "."
@@ -184,14 +187,17 @@ class SnapshotSource:
             timings["verify_s"] = time.perf_counter() - t1
             if digest != spec.sha256:
                 raise ControlError(UNPROCESSABLE, f"{where}: SHA-256 mismatch with manifest")
-        arrays = _read_safetensors(shard_file, where)
-        if spec is not None:
-            mf.check_tensors(spec.tensors, {k: _spec_of(v) for k, v in arrays.items()}, where)
+        arrays = hf_files.load_file(
+            shard_file, where, self.dtype, spec.tensors if spec is not None else None
+        )
         timings["load_s"] = time.perf_counter() - t0
         return LoadedShard(version, arrays, [self._rel(shard_file)], size, timings)
 
     def _load_hf(self, version: str, d: Path, t0: float) -> LoadedShard:
-        files = sorted(d.glob("*.safetensors"))
+        try:
+            files = hf_files.model_files(d)
+        except ValueError as e:
+            raise ControlError(UNPROCESSABLE, f"rank {self.rank}: {self._rel(d)}/{e}") from None
         if not files:
             raise ControlError(
                 UNPROCESSABLE, f"rank {self.rank}: no *.safetensors in {self._rel(d)}"
@@ -202,23 +208,25 @@ class SnapshotSource:
         nbytes = 0
         where = ""
 
-        def take(name: str, full: np.ndarray) -> np.ndarray:
-            # the header's shape is checked before this rank's slice is copied out
-            if tuple(full.shape) != tuple(shapes[name]):
+        def plan(name: str, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
+            # the header's shape is checked before a byte of the tensor is read
+            if tuple(shape) != tuple(shapes[name]):
                 raise ControlError(
                     UNPROCESSABLE,
-                    f"{where}: {name} has shape {list(full.shape)}, the served config "
+                    f"{where}: {name} has shape {list(shape)}, the served config "
                     f"says {list(shapes[name])}",
                 )
-            return mdl.shard_tensor(self.cfg, name, full, self.rank, self.tp)
+            return shard_part(self.cfg, name, shape, self.rank, self.tp)
 
         for f in files:
             where = f"rank {self.rank}: {self._rel(f)}"
             try:
-                # only this rank's slices, bf16/fp16 converted to the fp32 compute dtype
-                part = hf_files.read_slices(f, wanted - set(arrays), take)
+                # only this rank's slices' bytes, converted to the compute dtype
+                part, nread = hf_files.read_slices(
+                    f, wanted - set(arrays), plan, self.dtype, where
+                )
                 arrays.update(part)
-                nbytes += sum(a.nbytes for a in part.values())
+                nbytes += nread
             except (OSError, ValueError) as e:
                 raise ControlError(
                     UNPROCESSABLE, f"{where}: cannot read: {_no_paths(e, f)}"
@@ -237,20 +245,23 @@ class SnapshotSource:
         )
 
 
+def shard_part(
+    cfg: mdl.ModelConfig, name: str, shape: tuple[int, ...], rank: int, tp: int
+) -> tuple[int, int, int] | None:
+    """``(axis, start, size)`` of ``rank``'s part of tensor ``name`` (None: replicated),
+    the same part :func:`mdl.shard_tensor` takes."""
+    mdl.shard_shape(cfg, name, shape, rank, tp)  # validates
+    axis = mdl._split_axis(name)
+    if axis is None:
+        return None
+    start, size = mdl._part(cfg, name, shape[axis], rank, tp)
+    return axis, start, size
+
+
 def _no_paths(e: Exception, path: Path) -> str:
     """An exception's text with the file's absolute path taken out."""
     msg = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
     return msg.replace(str(path), path.name)
-
-
-def _read_safetensors(path: Path, where: str) -> dict[str, np.ndarray]:
-    try:
-        with safe_open(str(path), framework="numpy") as st:
-            return {k: st.get_tensor(k) for k in st.keys()}
-    except (SafetensorError, OSError, ValueError) as e:
-        raise ControlError(
-            UNPROCESSABLE, f"{where}: cannot read safetensors: {_no_paths(e, path)}"
-        ) from None
 
 
 def to_paddle(arrays: dict[str, np.ndarray]) -> dict[str, paddle.Tensor]:
