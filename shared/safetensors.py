@@ -107,7 +107,7 @@ def _fail(where: str, what: str) -> SafetensorsError:
     return SafetensorsError(f"{where}: not a valid safetensors file: {what}")
 
 
-def header_length(first8: bytes, size: int, where: str) -> int:
+def header_length(first8: bytes | memoryview, size: int, where: str) -> int:
     """The JSON header's length from a file's first 8 bytes; checked against the bound
     and against the file's ``size``."""
     if size < 8 or len(first8) < 8:
@@ -125,8 +125,8 @@ def parse_header(raw: bytes, size: int, where: str) -> Header:
     start = 8 + len(raw)
     try:
         obj = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise _fail(where, f"header is not JSON ({e})") from None
+    except (ValueError, UnicodeDecodeError) as err:
+        raise _fail(where, f"header is not JSON ({err})") from None
     if not isinstance(obj, dict):
         raise _fail(where, "header is not a JSON object")
     meta = obj.pop("__metadata__", None) or {}
