@@ -247,6 +247,43 @@ def convert(a: np.ndarray, target: str) -> np.ndarray:
     return a.astype(target, order="C")
 
 
+INDEX_FILE = "model.safetensors.index.json"
+MAX_INDEX_BYTES = 64 << 20
+
+
+def checkpoint_files(d: Path) -> list[Path]:
+    """The safetensors files of an HF checkpoint dir: those its
+    ``model.safetensors.index.json`` names (plain file names inside ``d``), else every
+    ``*.safetensors``. ``ValueError`` on a bad index."""
+    index = d / INDEX_FILE
+    if not index.is_file():
+        return sorted(d.glob("*.safetensors"))
+    if index.stat().st_size > MAX_INDEX_BYTES:
+        raise ValueError(f"{INDEX_FILE} is larger than {MAX_INDEX_BYTES} bytes")
+    try:
+        names = set(json.loads(index.read_text())["weight_map"].values())
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{INDEX_FILE}: no valid weight_map ({e})") from None
+    for n in names:
+        if not isinstance(n, str) or "/" in n or "\\" in n or n in ("", ".", ".."):
+            raise ValueError(f"{INDEX_FILE}: {str(n)[:80]!r} is not a file name inside the dir")
+    return sorted(d / n for n in names)
+
+
+def checkpoint_dtype(files: list[Path]) -> str:
+    """The float dtype holding most of the bytes of ``files`` (``float32`` if none)."""
+    count: dict[str, int] = {}
+    for f in files:
+        try:
+            header = read_header(f)
+        except (OSError, ValueError):
+            continue  # reported when the file is loaded
+        for e in header.tensors.values():
+            if e.dtype_name in FLOATS:
+                count[e.dtype_name] = count.get(e.dtype_name, 0) + e.nbytes
+    return max(count, key=lambda k: count[k]) if count else "float32"
+
+
 def encode_header(meta: dict[str, Any]) -> bytes:
     """The 8-byte length and JSON header (space-padded to 8 bytes) of a file whose
     tensors are ``meta`` (``{name: {"dtype", "shape", "data_offsets"}}``)."""

@@ -117,7 +117,10 @@ def read_model_dir(path: Path) -> tuple[mdl.ModelConfig, dict[str, np.ndarray]]:
     """Config and full state dict of an HF model dir; :class:`NotAModelDir` if it is not."""
     if not path.is_dir():
         raise FileNotFoundError(f"no such directory: {path}")
-    files = sorted(path.glob("*.safetensors"))
+    try:
+        files = st.checkpoint_files(path)
+    except ValueError as e:
+        raise NotAModelDir(f"{path}: {e}") from None
     if not (path / "config.json").is_file() or not files:
         raise NotAModelDir(f"{path} is not an HF model dir (needs config.json and *.safetensors)")
     try:

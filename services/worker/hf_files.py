@@ -17,10 +17,8 @@ its reply's ``bytes``.
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,8 +30,6 @@ from shared import safetensors as st
 from shared.errors import UNPROCESSABLE, ControlError
 
 COMPUTE_DTYPES = ("float32", "auto")  # ROLLBUS_DTYPE
-INDEX_FILE = "model.safetensors.index.json"
-MAX_INDEX_BYTES = 64 << 20
 
 # (name, full shape) -> (split axis, start, size) of this rank's part, or None: whole
 Plan = Callable[[str, tuple[int, ...]], tuple[int, int, int] | None]
@@ -49,37 +45,6 @@ def compute_dtype(setting: str, device: str = "cpu", stored: str = "float32") ->
     if setting == "auto" and device == "gpu" and stored in ("bfloat16", "float16"):
         return stored
     return "float32"
-
-
-def checkpoint_dtype(files: list[Path]) -> str:
-    """The float dtype holding most of the bytes of ``files`` (``float32`` if none)."""
-    count: Counter[str] = Counter()
-    for f in files:
-        try:
-            header = st.read_header(f)
-        except (OSError, ValueError):
-            continue  # reported when the file is loaded
-        for e in header.tensors.values():
-            if e.dtype_name in st.FLOATS:
-                count[e.dtype_name] += e.nbytes
-    return count.most_common(1)[0][0] if count else "float32"
-
-
-def model_files(d: Path) -> list[Path]:
-    """The safetensors files of an HF checkpoint dir: those its index names, else all."""
-    index = d / INDEX_FILE
-    if not index.is_file():
-        return sorted(d.glob("*.safetensors"))
-    if index.stat().st_size > MAX_INDEX_BYTES:
-        raise ValueError(f"{INDEX_FILE} is larger than {MAX_INDEX_BYTES} bytes")
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-        names = set(weight_map.values())
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"{INDEX_FILE}: no valid weight_map ({e})") from None
-    for n in names:
-        mf.check_file_name(str(n), INDEX_FILE)  # a plain file inside the dir
-    return sorted(d / n for n in names)
 
 
 def _pread_into(fd: int, dst: memoryview, offset: int) -> None:

@@ -389,7 +389,7 @@ class FallbackSource:
 
 
 def make_source(settings: Settings, cfg: mdl.ModelConfig, rank: int) -> Source:
-    stored = hf_files.checkpoint_dtype(sorted(settings.model_dir.glob("*.safetensors")))
+    stored = st.checkpoint_dtype(sorted(settings.model_dir.glob("*.safetensors")))
     device = str(getattr(settings, "device", "cpu"))  # ROLLBUS_DEVICE, where it exists
     dtype = hf_files.compute_dtype(settings.dtype, device, stored)  # for every version
     snap = SnapshotSource(cfg, settings.model_dir, rank, settings.tp, dtype)

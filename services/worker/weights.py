@@ -37,6 +37,7 @@ import paddle.utils.dlpack
 from services.worker import hf_files
 from services.worker import model as mdl
 from shared import manifest as mf
+from shared import safetensors as st
 from shared.errors import BAD_REQUEST, NOT_FOUND, UNPROCESSABLE, ControlError
 from shared.redact import public_path
 from shared.subjects import rank_shard_file
@@ -87,7 +88,7 @@ def snapshot_dir(model_dir: Path, version: str) -> Path:
 
 
 def _spec_of(arr: np.ndarray) -> mf.TensorSpec:
-    return mf.TensorSpec(shape=list(arr.shape), dtype=str(arr.dtype))
+    return mf.TensorSpec(shape=list(arr.shape), dtype=st.dtype_name(arr.dtype))
 
 
 def _sha256_file(path: Path) -> str:
@@ -195,7 +196,7 @@ class SnapshotSource:
 
     def _load_hf(self, version: str, d: Path, t0: float) -> LoadedShard:
         try:
-            files = hf_files.model_files(d)
+            files = st.checkpoint_files(d)
         except ValueError as e:
             raise ControlError(UNPROCESSABLE, f"rank {self.rank}: {self._rel(d)}/{e}") from None
         if not files:

@@ -149,3 +149,21 @@ def test_encode_header_round_trips() -> None:
     assert len(head) % 8 == 0
     h = st.parse(head + bytes(8), "f")
     assert h.tensors["w"] == st.Entry("BF16", (2, 2), len(head), len(head) + 8)
+
+
+def test_checkpoint_files_follow_the_index(tmp_path: Path) -> None:
+    for f in ("a.safetensors", "b.safetensors", "stray.safetensors"):
+        (tmp_path / f).write_bytes(save({"x": np.zeros(1, np.float16)}))
+    assert [p.name for p in st.checkpoint_files(tmp_path)] == [
+        "a.safetensors", "b.safetensors", "stray.safetensors"
+    ]
+    index = tmp_path / st.INDEX_FILE
+    index.write_text(json.dumps({"weight_map": {"x": "b.safetensors", "y": "a.safetensors"}}))
+    assert [p.name for p in st.checkpoint_files(tmp_path)] == ["a.safetensors", "b.safetensors"]
+    assert st.checkpoint_dtype(st.checkpoint_files(tmp_path)) == "float16"
+    index.write_text(json.dumps({"weight_map": {"x": "../../etc/passwd"}}))
+    with pytest.raises(ValueError, match="not a file name inside the dir"):
+        st.checkpoint_files(tmp_path)
+    index.write_text("[]")
+    with pytest.raises(ValueError, match="no valid weight_map"):
+        st.checkpoint_files(tmp_path)

@@ -115,7 +115,7 @@ def test_compute_dtype_on_gpu_keeps_the_checkpoint_dtype(tmp_path: Path, dtype: 
     write_safetensors(tmp_path / "model.safetensors", {n: (dtype, enc(a)) for n, a in full.items()})
     files = [tmp_path / "model.safetensors"]
     want = {"BF16": "bfloat16", "F16": "float16"}[dtype]
-    assert hf_files.checkpoint_dtype(files) == want
+    assert st.checkpoint_dtype(files) == want
     shard = SnapshotSource(CFG, tmp_path, 1, 2, hf_files.compute_dtype("auto", "gpu", want))(
         "v0", False
     )
