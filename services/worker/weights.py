@@ -271,12 +271,16 @@ def to_paddle(arrays: dict[str, np.ndarray]) -> dict[str, paddle.Tensor]:
     On CPU a writable, C-contiguous array is handed over through DLPack: the tensor
     uses the array's memory (which lives until the tensor is freed). ``paddle.to_tensor``
     would copy at about a third of memcpy speed. Read-only views (an mmap) get one
-    plain copy first. On an accelerator ``to_tensor`` does the host-to-device copy.
+    plain copy first. bf16 (raw 2-byte data) goes through ``to_tensor``, which makes it
+    a bfloat16 tensor. On an accelerator ``to_tensor`` does the host-to-device copy.
     """
     if paddle.device.get_device() != "cpu":
         return {k: paddle.to_tensor(v) for k, v in arrays.items()}
     out: dict[str, paddle.Tensor] = {}
     for k, v in arrays.items():
+        if st.dtype_name(v.dtype) == "bfloat16":  # DLPack would make it a uint16 tensor
+            out[k] = paddle.to_tensor(v)
+            continue
         if not (v.flags.writeable and v.flags.c_contiguous) or v.dtype.byteorder == ">":
             v = np.array(v, copy=True, order="C")
         out[k] = paddle.utils.dlpack.from_dlpack(v)
