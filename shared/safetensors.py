@@ -187,11 +187,17 @@ def parse(buf: Any, where: str) -> Header:
 
 def read_header(path: Path | str, where: str | None = None) -> Header:
     """The header of the file at ``path``, reading only the header's bytes."""
-    where = where or Path(path).name
     with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        n = header_length(f.read(8), size, where)
-        raw = f.read(n)
+        return read_header_fd(f.fileno(), where or Path(path).name)
+
+
+def read_header_fd(fd: int, where: str) -> Header:
+    """The header of the open file ``fd`` (``pread``: its position is not moved)."""
+    size = os.fstat(fd).st_size
+    n = header_length(os.pread(fd, 8, 0), size, where)
+    raw = os.pread(fd, n, 8)
+    if len(raw) != n:
+        raise _fail(where, f"header cut short ({len(raw)} of {n} bytes)")
     return parse_header(raw, size, where)
 
 

@@ -97,7 +97,7 @@ def read_slices(
     out: dict[str, np.ndarray] = {}
     nread = 0
     with open(path, "rb") as f:
-        header = st.read_header(path, where)
+        header = st.read_header_fd(f.fileno(), where)
         for name, e in header.tensors.items():
             if name not in wanted:
                 continue

@@ -9,9 +9,12 @@ and then only its own ``rank<r>-of-<tp>.safetensors`` from the bucket with
 :func:`shared.objstore.read_object`. The reader runs on a dedicated thread with its own
 asyncio loop and NATS connection (opened at the first pull, kept): the bulk transfer
 then never queues behind, or delays, the rank's control and step traffic, and the
-paddle thread simply blocks on the result. Tensors are parsed as zero-copy numpy views
-of the downloaded buffer, so the peak extra memory of a pull is **one shard** (the
-buffer) on top of the staged paddle copy; the buffer is freed once staged.
+paddle thread simply blocks on the result. Tensors are parsed
+(:mod:`shared.safetensors`) as zero-copy numpy views of the downloaded buffer, so the
+peak extra memory of a pull is **one shard** (the buffer) on top of the staged paddle
+copy; the buffer is freed once staged. A shard stored in another float dtype than the
+compute dtype (a bf16 / fp16 checkpoint on CPU) is converted tensor by tensor
+(:func:`services.worker.hf_files.load_buffer`).
 
 ``ipc``: a trainer on the same host wrote ``<ipc_dir>/<model>/<version>/`` (manifest and
 shards, see :mod:`services.trainer.publisher`); the rank maps its shard file
@@ -25,7 +28,8 @@ strategies always have a manifest. The manifest is validated first
 them), so no buffer is ever sized by an unchecked number.
 
 Errors: unknown version → 404 naming it; size or SHA-256 mismatch, unreadable
-safetensors, wrong names/shapes/dtypes → 422 naming the rank and file; a transfer
+safetensors (the header parser names the tensor), wrong names/shapes/dtypes → 422
+naming the rank and file; a transfer
 that fails (lost chunk, stall, NATS restarted) → 503. A failed pull never stages.
 """
 
