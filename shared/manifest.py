@@ -97,8 +97,20 @@ def sha256_of(chunks: Iterable[bytes | memoryview]) -> str:
     return h.hexdigest()
 
 
-def check_tensors(expected: dict[str, TensorSpec], got: dict[str, TensorSpec], where: str) -> None:
-    """Raise a 422 naming the first missing, extra or mis-shaped tensor."""
+FLOAT_DTYPES = ("float64", "float32", "float16", "bfloat16")
+
+
+def check_tensors(
+    expected: dict[str, TensorSpec],
+    got: dict[str, TensorSpec],
+    where: str,
+    stored: bool = False,
+) -> None:
+    """Raise a 422 naming the first missing, extra or mis-shaped tensor.
+
+    ``stored``: ``got`` is how a checkpoint stores the tensors and ``expected`` the served
+    (compute) dtypes, so any float dtype stands for any other (a bf16 or fp16 checkpoint
+    is converted to the compute dtype when loaded)."""
     missing = sorted(set(expected) - set(got))
     if missing:
         raise ControlError(UNPROCESSABLE, f"{where}: missing tensors {missing[:5]}")
@@ -111,7 +123,9 @@ def check_tensors(expected: dict[str, TensorSpec], got: dict[str, TensorSpec], w
             raise ControlError(
                 UNPROCESSABLE, f"{where}: {name} has shape {g.shape}, expected {spec.shape}"
             )
-        if g.dtype != spec.dtype:
+        if g.dtype != spec.dtype and not (
+            stored and g.dtype in FLOAT_DTYPES and spec.dtype in FLOAT_DTYPES
+        ):
             raise ControlError(
                 UNPROCESSABLE, f"{where}: {name} has dtype {g.dtype}, expected {spec.dtype}"
             )
@@ -177,7 +191,7 @@ def validate(
     if not _SHA256.fullmatch(spec.sha256):
         raise ControlError(UNPROCESSABLE, f"{where}: manifest sha256 is not 64 hex digits")
     if expected is not None:
-        check_tensors(expected, spec.tensors, f"{where}: manifest")
+        check_tensors(expected, spec.tensors, f"{where}: manifest", stored=True)
     data = tensor_bytes(spec.tensors, where)
     limit = data + header_allowance(len(spec.tensors))
     if not data + 8 < spec.size <= limit:
@@ -190,11 +204,19 @@ def validate(
 
 
 def check_file_size(size: int, expected: dict[str, TensorSpec] | None, where: str) -> None:
-    """A shard with no manifest: its size must fit the served model's tensors."""
+    """A shard with no manifest: its size must fit the served model's tensors (float
+    tensors stored in any float dtype, 2 to 8 bytes an element)."""
     if expected is None:
         return
-    data = tensor_bytes(expected, where)
-    limit = data + header_allowance(len(expected))
+
+    def stored_as(dtype: str) -> dict[str, TensorSpec]:
+        return {
+            n: TensorSpec(t.shape, dtype if t.dtype in FLOAT_DTYPES else t.dtype)
+            for n, t in expected.items()
+        }
+
+    data = tensor_bytes(stored_as("float16"), where)
+    limit = tensor_bytes(stored_as("float64"), where) + header_allowance(len(expected))
     if not data + 8 < size <= limit:
         raise ControlError(
             UNPROCESSABLE,

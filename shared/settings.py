@@ -64,7 +64,7 @@ class Settings(BaseSettings):
         "cpu", description="where ranks compute: cpu (gloo) or gpu (rank r on gpu:r, NCCL)"
     )
     dtype: Literal["float32", "auto"] = Field(
-        "float32", description="compute dtype; auto = the checkpoint's on GPU, float32 on CPU"
+        "auto", description="compute dtype; auto = the checkpoint's on GPU, float32 on CPU"
     )
 
     # limits and backpressure (README "Limits")

@@ -106,6 +106,19 @@ def shard_shape(
     return tuple(shape)
 
 
+def shard_part(
+    cfg: ModelConfig, name: str, shape: tuple[int, ...], rank: int, tp: int
+) -> tuple[int, int, int] | None:
+    """``(axis, start, size)`` of `rank`'s part of tensor `name` of full `shape` (None:
+    replicated): the part :func:`shard_view` takes, for readers that fetch only it."""
+    shard_shape(cfg, name, shape, rank, tp)  # validates
+    axis = split_axis(name)
+    if axis is None:
+        return None
+    start, size = _part(cfg, name, shape[axis], rank, tp)
+    return axis, start, size
+
+
 def shard_view(cfg: ModelConfig, name: str, full: np.ndarray, rank: int, tp: int) -> np.ndarray:
     """`rank`'s part of the full tensor `full`, as a view (no copy)."""
     shard_shape(cfg, name, full.shape, rank, tp)  # validates

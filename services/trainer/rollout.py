@@ -14,7 +14,7 @@ operator roles may use them; ``worker.ctl`` stays the engine's): ``rollbus.<i>.w
 makes every rank snapshot its shard and describe it, then each rank's buffer comes in
 chunks from ``rollbus.<i>.weights.<r>`` (``WINDOW`` requests in flight per rank, each
 reply within the server's ``max_payload``), checked against the rank's SHA-256. The
-shards are joined by the model's own sharding rules (``services.worker.model``: column
+shards are joined by the model's own sharding rules (``shared.sharding``: column
 splits on axis 0, row splits on axis 1, replicated tensors — which must be equal on every
 rank, as must the copies of a kv head held by several ranks). Every rank must serve the
 same version, else the read fails (409: an update in progress) and nothing is returned.
@@ -29,12 +29,13 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from services.worker import model as mdl
 from shared import readout as ro
+from shared import sharding
 from shared.bus import Bus
 from shared.creds import default_dir, role_url
 from shared.errors import CONFLICT, UNAVAILABLE, UNPROCESSABLE, ControlError
 from shared.messages import ControlReply, WorkerReply, json_decode, unpack
+from shared.model_config import ModelConfig
 from shared.subjects import Subjects
 
 WINDOW = 8  # chunk requests in flight per rank
@@ -101,12 +102,12 @@ def _arrays(opened: ro.ReadOpen, buf: bytearray) -> dict[str, np.ndarray]:
     return out
 
 
-def gather_shards(cfg: mdl.ModelConfig, shards: list[dict[str, np.ndarray]]) -> dict[str, Any]:
+def gather_shards(cfg: ModelConfig, shards: list[dict[str, np.ndarray]]) -> dict[str, Any]:
     """Full tensors from every rank's shard (rank order), by the model's sharding rules:
-    the inverse of :func:`services.worker.model.shard_tensor`. Raises ``ValueError`` on
+    the inverse of :func:`shared.sharding.shard_tensor`. Raises ``ValueError`` on
     missing or extra tensors, wrong shapes, or copies that differ between ranks."""
     tp = len(shards)
-    full = mdl.full_shapes(cfg)
+    full = sharding.full_shapes(cfg)
     for r, shard in enumerate(shards):
         if set(shard) != set(full):
             extra, missing = sorted(set(shard) - set(full)), sorted(set(full) - set(shard))
@@ -114,9 +115,9 @@ def gather_shards(cfg: mdl.ModelConfig, shards: list[dict[str, np.ndarray]]) -> 
                              f"-{missing[:3]}")
     out: dict[str, np.ndarray] = {}
     for name, shape in full.items():
-        axis = mdl._split_axis(name)
+        axis = sharding.split_axis(name)
         for r, shard in enumerate(shards):
-            want = mdl.shard_shape(cfg, name, shape, r, tp)
+            want = sharding.shard_shape(cfg, name, shape, r, tp)
             if tuple(shard[name].shape) != want:
                 raise ValueError(f"rank {r}: {name} has shape {shard[name].shape}, want {want}")
         if axis is None:
@@ -129,7 +130,9 @@ def gather_shards(cfg: mdl.ModelConfig, shards: list[dict[str, np.ndarray]]) -> 
         t = np.empty(shape, shards[0][name].dtype)
         filled: dict[int, int] = {}  # start -> rank that wrote it
         for r, shard in enumerate(shards):
-            start, size = mdl._part(cfg, name, shape[axis], r, tp)
+            part = sharding.shard_part(cfg, name, shape, r, tp)
+            assert part is not None  # a split tensor
+            _, start, size = part
             index = [slice(None)] * len(shape)
             index[axis] = slice(start, start + size)
             if start in filled:  # a kv head several ranks hold a copy of
@@ -156,7 +159,7 @@ async def arollout_state_dict(
     try:
         served = await _served(bus, subjects, timeout)
         tp = int(served["tp"])
-        cfg = mdl.ModelConfig.from_hf(dict(served["config"]))
+        cfg = ModelConfig.from_hf(dict(served["config"]))
         body = msgspec.json.encode(ro.ReadArgs(chunk_bytes))
         try:
             reps = await bus.scatter(subjects.weights_get, body, expected=tp, timeout=timeout)

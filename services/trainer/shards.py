@@ -7,8 +7,6 @@ Used by the publisher (object store) and to write pre-sharded snapshot versions
 from __future__ import annotations
 
 import hashlib
-import json
-import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,6 +17,7 @@ import numpy as np
 from safetensors.numpy import save
 
 from shared import manifest as mf
+from shared import safetensors as st
 from shared import sharding
 from shared.model_config import ModelConfig
 from shared.subjects import rank_shard_file
@@ -28,30 +27,13 @@ def shard_state(
     cfg: ModelConfig, state: dict[str, np.ndarray], tp: int
 ) -> list[dict[str, np.ndarray]]:
     """One dict per rank; raises ``ValueError`` naming a missing or mis-shaped tensor."""
-    cfg.validate_tp(tp)
-    shapes = sharding.full_shapes(cfg)
-    missing = [n for n in shapes if n not in state]
-    if missing:
-        raise ValueError(f"state dict lacks {missing[:5]}")
-    for name, shape in shapes.items():
-        if tuple(state[name].shape) != tuple(shape):
-            raise ValueError(f"{name}: shape {tuple(state[name].shape)}, config says {shape}")
+    shapes = _check(cfg, state, tp)
     return [
         {n: sharding.shard_tensor(cfg, n, np.asarray(state[n]), r, tp) for n in shapes}
         for r in range(tp)
     ]
 
 
-# safetensors dtype names, and the order safetensors writes tensors in (by dtype,
-# larger first, then by name); other dtypes go through safetensors itself
-_ST_DTYPE = {
-    "bool": "BOOL", "uint8": "U8", "int8": "I8", "int16": "I16", "uint16": "U16",
-    "float16": "F16", "int32": "I32", "uint32": "U32", "float32": "F32",
-    "float64": "F64", "int64": "I64", "uint64": "U64",
-}
-_ST_ORDER = {d: i for i, d in enumerate(
-    ["BOOL", "U8", "I8", "I16", "U16", "F16", "I32", "U32", "F32", "F64", "I64", "U64"]
-)}
 FILL_BLOCK = 4 << 20  # copy (and hash) in blocks this large, while they are in cache
 TILE = 256  # a transposed source is copied in TILE × TILE tiles
 
@@ -117,25 +99,25 @@ def plan_shards(
 ) -> list[ShardLayout] | None:
     """Each rank's file, planned without copying anything (None: a dtype only safetensors
     itself can write; then :func:`serialize` falls back to it). The bytes are exactly
-    what ``safetensors.numpy.save`` writes for the same shard."""
+    what ``safetensors`` writes for the same shard; bf16 sources (raw 2-byte views,
+    :data:`shared.safetensors.BFLOAT16`) are written as BF16, byte for byte."""
     out = []
     shapes = _check(cfg, state, tp)
     for r in range(tp):
         views = {n: _shard_view(cfg, n, np.asarray(state[n]), r, tp) for n in shapes}
-        if any(v.dtype.name not in _ST_DTYPE or v.dtype.byteorder == ">" for v in views.values()):
+        kinds = {n: st.st_dtype(v.dtype) for n, v in views.items()}
+        if None in kinds.values():
             return None
-        order = sorted(views, key=lambda n: (-_ST_ORDER[_ST_DTYPE[views[n].dtype.name]], n))
+        order = sorted(views, key=lambda n: (-st.WRITE_ORDER[str(kinds[n])], n))
         meta: dict[str, Any] = {}
         parts, off = [], 0
         for n in order:
             v = views[n]
-            meta[n] = {"dtype": _ST_DTYPE[v.dtype.name], "shape": list(v.shape),
+            meta[n] = {"dtype": kinds[n], "shape": list(v.shape),
                        "data_offsets": [off, off + v.nbytes]}
             parts.append((n, v, off))
             off += v.nbytes
-        head = json.dumps(meta, separators=(",", ":")).encode()
-        head += b" " * (-len(head) % 8)
-        header = struct.pack("<Q", len(head)) + head
+        header = st.encode_header(meta)
         out.append(
             ShardLayout(
                 rank=r,
@@ -144,7 +126,7 @@ def plan_shards(
                 size=len(header) + off,
                 parts=[(n, v, len(header) + o) for n, v, o in parts],
                 tensors={
-                    n: mf.TensorSpec(shape=list(v.shape), dtype=str(v.dtype))
+                    n: mf.TensorSpec(shape=list(v.shape), dtype=st.dtype_name(v.dtype))
                     for n, v in views.items()
                 },
             )

@@ -1,95 +1,143 @@
-"""Read one rank's slices of a HF safetensors checkpoint, in the compute dtype.
+"""Read one rank's weights from safetensors files, in the compute dtype.
 
-``safetensors``' numpy reader knows no bfloat16, and reading a tensor whole to slice
-it costs a full copy per rank. Here each file is memory-mapped, the header parsed, and
-only this rank's slice of every wanted tensor is copied out and converted: bfloat16
-(the upper half of a float32) and float16 become float32, so a bf16 or fp16 snapshot
-computes in fp32 on CPU (``ROLLBUS_DTYPE``). A sharded checkpoint
-(``model-0000x-of-0000y.safetensors`` + index) is just several files.
+The dtype rule lives here, in one place: :func:`compute_dtype`. On CPU the model
+computes in float32 (a bf16 or fp16 checkpoint is converted when loaded: bf16 → fp32 is
+``uint16 << 16``, exact); on GPU ``ROLLBUS_DTYPE=auto`` (the default) computes in the
+checkpoint's own float dtype. Every safetensors header is parsed by
+:mod:`shared.safetensors` (strict; bf16 as raw 2-byte data).
+
+HF checkpoints (one ``model.safetensors`` or a sharded ``model-0000x-of-0000y``
+set with its ``model.safetensors.index.json``): each rank reads **only the bytes of its
+own slice** of every tensor it needs, with ``pread`` into a fresh buffer — one read per
+tensor for a split along the first dim (column-parallel weights, stored ``[out, in]``),
+one read per row for a split along a later dim (row-parallel weights: each row's part is
+contiguous in the file). Nothing is read whole and then sliced; the bytes a rank read are
+its reply's ``bytes``.
 """
 
 from __future__ import annotations
 
-import json
 import mmap
-import struct
+import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-# safetensors dtype -> (raw numpy dtype, convert raw -> float32)
-_FLOAT: dict[str, tuple[type, Callable[[np.ndarray], np.ndarray]]] = {
-    "F32": (np.float32, lambda a: np.array(a, dtype=np.float32, order="C")),
-    "F16": (np.float16, lambda a: a.astype(np.float32, order="C")),
-    "F64": (np.float64, lambda a: a.astype(np.float32, order="C")),
-    "BF16": (np.uint16, lambda a: (a.astype(np.uint32) << 16).view(np.float32)),
-}
+from shared import manifest as mf
+from shared import safetensors as st
+from shared.errors import UNPROCESSABLE, ControlError
 
-COMPUTE_DTYPES = ("float32", "auto")
+COMPUTE_DTYPES = ("float32", "auto")  # ROLLBUS_DTYPE
+
+# (name, full shape) -> (split axis, start, size) of this rank's part, or None: whole
+Plan = Callable[[str, tuple[int, ...]], tuple[int, int, int] | None]
 
 
-def compute_dtype(setting: str, device: str = "cpu") -> str:
-    """The dtype the model computes in: ``float32``; ``auto`` (the checkpoint's dtype) is
-    meant for GPU and resolves to float32 on CPU, where the kernels are fp32."""
+def compute_dtype(setting: str, device: str = "cpu", stored: str = "float32") -> str:
+    """The dtype the model computes in — the one place this is decided.
+
+    ``float32``: always fp32. ``auto``: fp32 on CPU (the CPU kernels are fp32); on GPU
+    the checkpoint's float dtype ``stored`` (bf16 / fp16 / fp32; fp64 computes in fp32)."""
     if setting not in COMPUTE_DTYPES:
         raise ValueError(f"dtype {setting!r} is not supported ({', '.join(COMPUTE_DTYPES)})")
+    if setting == "auto" and device == "gpu" and stored in ("bfloat16", "float16"):
+        return stored
     return "float32"
 
 
-def read_header(path: Path) -> tuple[int, dict[str, dict[str, object]]]:
-    """(data offset, tensor entries) of a safetensors file, without reading the data."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            raise ValueError("not a safetensors file (too short)")
-        (n,) = struct.unpack("<Q", head)
-        if n > 100 << 20:
-            raise ValueError(f"not a safetensors file (header length {n})")
-        header = json.loads(f.read(n))
-    if not isinstance(header, dict):
-        raise ValueError("not a safetensors file (header is not an object)")
-    header.pop("__metadata__", None)
-    return 8 + n, header
+def _pread_into(fd: int, dst: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(dst):
+        n = os.preadv(fd, [dst[done:]], offset + done)
+        if n <= 0:
+            raise OSError(f"file ended at byte {offset + done}")
+        done += n
+
+
+def read_part(fd: int, e: st.Entry, part: tuple[int, int, int] | None) -> np.ndarray:
+    """The raw bytes of one tensor's part (``(axis, start, size)``, None: whole), read
+    with ``pread`` straight into a new array: exactly the part's bytes are read."""
+    shape = list(e.shape)
+    if part is None:
+        axis, start, size = 0, 0, shape[0] if shape else 1
+        if not shape:
+            out = np.empty((), dtype=e.raw)
+            _pread_into(fd, memoryview(out.reshape(1)).cast("B"), e.start)
+            return out
+    else:
+        axis, start, size = part
+    if not 0 <= axis < len(shape) or not 0 <= start <= start + size <= shape[axis]:
+        raise ValueError(f"part {part} does not fit shape {shape}")
+    outer = int(np.prod(shape[:axis], dtype=np.int64))
+    inner = int(np.prod(shape[axis + 1 :], dtype=np.int64)) * e.raw.itemsize
+    out_shape = [*shape[:axis], size, *shape[axis + 1 :]]
+    out = np.empty(out_shape, dtype=e.raw)
+    rows = memoryview(out.reshape(max(outer, 1), -1) if out.size else out).cast("B")
+    run = size * inner  # contiguous bytes of the part per outer index
+    stride = shape[axis] * inner
+    for i in range(outer if out.size else 0):
+        _pread_into(fd, rows[i * run : (i + 1) * run], e.start + i * stride + start * inner)
+    return out
 
 
 def read_slices(
     path: Path,
     wanted: set[str],
-    take: Callable[[str, np.ndarray], np.ndarray],
-) -> dict[str, np.ndarray]:
-    """``take(name, full_view)`` of every wanted tensor in ``path``, as float32 copies.
-
-    ``full_view`` is a zero-copy view of the mapped file in the stored (raw) dtype;
-    ``take`` returns the part this rank needs (e.g. a TP slice), and only that part is
-    copied and converted. Raises ``ValueError`` on a malformed file or a non-float tensor."""
-    start, header = read_header(path)
-    names = [k for k in header if k in wanted]
+    plan: Plan,
+    dtype: str = "float32",
+    where: str | None = None,
+) -> tuple[dict[str, np.ndarray], int]:
+    """This rank's part of every wanted tensor in ``path``, in ``dtype``, and the number
+    of bytes read from the file. ``plan(name, full_shape)`` checks the shape and says
+    which part; only those bytes are read. Raises ``ValueError`` on a malformed file or
+    a non-float tensor."""
+    where = where or path.name
     out: dict[str, np.ndarray] = {}
-    if not names:
-        return out
+    nread = 0
     with open(path, "rb") as f:
-        size = f.seek(0, 2)
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        header = st.read_header_fd(f.fileno(), where)
+        for name, e in header.tensors.items():
+            if name not in wanted:
+                continue
+            if e.dtype_name not in st.FLOATS:
+                raise ValueError(f"tensor {name!r} has dtype {e.dtype_name}, expected a float type")
+            raw = read_part(f.fileno(), e, plan(name, e.shape))
+            nread += raw.nbytes
+            out[name] = st.convert(raw, dtype)
+    return out, nread
+
+
+def load_buffer(
+    buf: Any, where: str, dtype: str, stored: dict[str, mf.TensorSpec] | None = None
+) -> dict[str, np.ndarray]:
+    """Every tensor of a safetensors buffer (a pulled shard, a mapped file) in the
+    compute ``dtype``: float tensors converted, others as zero-copy views; 422 naming
+    the file and tensor when malformed. ``stored``: the manifest's tensors (names,
+    shapes, stored dtypes) the header must equal before anything is converted."""
     try:
-        for name in names:
-            entry = header[name]
-            dtype = str(entry.get("dtype"))
-            if dtype not in _FLOAT:
-                raise ValueError(f"tensor {name!r} has dtype {dtype}, expected a float type")
-            raw, convert = _FLOAT[dtype]
-            shape = [int(x) for x in entry["shape"]]  # type: ignore[attr-defined]
-            a, b = (int(x) for x in entry["data_offsets"])  # type: ignore[attr-defined]
-            count = int(np.prod(shape)) if shape else 1
-            itemsize = np.dtype(raw).itemsize
-            if not 0 <= a <= b or start + b > size or b - a != count * itemsize:
-                raise ValueError(f"tensor {name!r}: bytes {a}..{b} do not match its shape")
-            view = np.frombuffer(mm, dtype=raw, count=count, offset=start + a).reshape(shape)
-            out[name] = convert(take(name, view))
-            del view
-    finally:
-        try:
-            mm.close()
-        except BufferError:  # a view escaped; the GC unmaps it with the last reference
-            pass
+        header = st.parse(buf, where)
+    except st.SafetensorsError as e:
+        raise ControlError(UNPROCESSABLE, str(e)) from None
+    if stored is not None:
+        got = {n: mf.TensorSpec(list(e.shape), e.dtype_name) for n, e in header.tensors.items()}
+        mf.check_tensors(stored, got, where)
+    out = {}
+    for name, e in header.tensors.items():
+        v = st.view(buf, e)
+        out[name] = st.convert(v, dtype) if e.dtype_name in st.FLOATS else v
     return out
+
+
+def load_file(
+    path: Path, where: str, dtype: str, stored: dict[str, mf.TensorSpec] | None = None
+) -> dict[str, np.ndarray]:
+    """:func:`load_buffer` of a mapped file (tensors already in ``dtype`` stay views of
+    the mapping, copied once into paddle tensors)."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            raise ControlError(UNPROCESSABLE, f"{where}: not a valid safetensors file: empty")
+        mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
+    return load_buffer(mm, where, dtype, stored)

@@ -9,9 +9,12 @@ and then only its own ``rank<r>-of-<tp>.safetensors`` from the bucket with
 :func:`shared.objstore.read_object`. The reader runs on a dedicated thread with its own
 asyncio loop and NATS connection (opened at the first pull, kept): the bulk transfer
 then never queues behind, or delays, the rank's control and step traffic, and the
-paddle thread simply blocks on the result. Tensors are parsed as zero-copy numpy views
-of the downloaded buffer, so the peak extra memory of a pull is **one shard** (the
-buffer) on top of the staged paddle copy; the buffer is freed once staged.
+paddle thread simply blocks on the result. Tensors are parsed
+(:mod:`shared.safetensors`) as zero-copy numpy views of the downloaded buffer, so the
+peak extra memory of a pull is **one shard** (the buffer) on top of the staged paddle
+copy; the buffer is freed once staged. A shard stored in another float dtype than the
+compute dtype (a bf16 / fp16 checkpoint on CPU) is converted tensor by tensor
+(:func:`services.worker.hf_files.load_buffer`).
 
 ``ipc``: a trainer on the same host wrote ``<ipc_dir>/<model>/<version>/`` (manifest and
 shards, see :mod:`services.trainer.publisher`); the rank maps its shard file
@@ -25,7 +28,8 @@ strategies always have a manifest. The manifest is validated first
 them), so no buffer is ever sized by an unchecked number.
 
 Errors: unknown version → 404 naming it; size or SHA-256 mismatch, unreadable
-safetensors, wrong names/shapes/dtypes → 422 naming the rank and file; a transfer
+safetensors (the header parser names the tensor), wrong names/shapes/dtypes → 422
+naming the rank and file; a transfer
 that fails (lost chunk, stall, NATS restarted) → 503. A failed pull never stages.
 """
 
@@ -34,11 +38,9 @@ from __future__ import annotations
 import asyncio
 import errno
 import hashlib
-import json
 import mmap
 import os
 import stat
-import struct
 import threading
 import time
 from collections.abc import Coroutine
@@ -47,6 +49,7 @@ from urllib.parse import quote
 
 import numpy as np
 
+from services.worker import hf_files
 from services.worker.weights import (
     Expected,
     LoadedShard,
@@ -55,6 +58,7 @@ from services.worker.weights import (
 )
 from shared import manifest as mf
 from shared import objstore
+from shared import safetensors as st
 from shared.bus import Bus
 from shared.errors import NOT_FOUND, UNAVAILABLE, UNPROCESSABLE, ControlError
 from shared.model_config import ModelConfig
@@ -64,66 +68,13 @@ from shared.versions import check_version_name, model_dir_version
 
 T = TypeVar("T")
 
-_DTYPES = {
-    "F64": np.float64,
-    "F32": np.float32,
-    "F16": np.float16,
-    "I64": np.int64,
-    "I32": np.int32,
-    "I16": np.int16,
-    "I8": np.int8,
-    "U64": np.uint64,
-    "U32": np.uint32,
-    "U16": np.uint16,
-    "U8": np.uint8,
-    "BOOL": np.bool_,
-}
-
-
 def parse_safetensors(buf: Any, where: str) -> dict[str, np.ndarray]:
-    """Tensors of a safetensors buffer as numpy views into it (no copy).
-
-    Validates what ``safetensors`` validates: header bounds, known dtypes, byte ranges
-    that match shape × dtype, lie inside the buffer and cover it without overlap.
-    """
-    view = memoryview(buf).cast("B")
-    bad = f"{where}: not a valid safetensors file"
-    if len(view) < 8:
-        raise ControlError(UNPROCESSABLE, f"{bad} ({len(view)} bytes)")
-    (n,) = struct.unpack("<Q", view[:8])
-    if n > len(view) - 8 or n > 100 << 20:
-        raise ControlError(UNPROCESSABLE, f"{bad} (header length {n})")
+    """Tensors of a safetensors buffer as raw zero-copy views (bf16 as 2-byte data);
+    a malformed buffer is a 422 naming the file and tensor (see :mod:`shared.safetensors`)."""
     try:
-        header = json.loads(bytes(view[8 : 8 + n]))
-        if not isinstance(header, dict):
-            raise ValueError("header is not an object")
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ControlError(UNPROCESSABLE, f"{bad} (header: {e})") from None
-    header.pop("__metadata__", None)
-    data = view[8 + n :]
-    out: dict[str, np.ndarray] = {}
-    spans = []
-    for name, t in header.items():
-        try:
-            dtype = np.dtype(_DTYPES[t["dtype"]])
-            shape = [int(x) for x in t["shape"]]
-            a, b = (int(x) for x in t["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise ControlError(UNPROCESSABLE, f"{bad} (tensor {name!r}: {t!r})") from None
-        count = int(np.prod(shape)) if shape else 1
-        if not 0 <= a <= b <= len(data) or b - a != count * dtype.itemsize:
-            raise ControlError(UNPROCESSABLE, f"{bad} (tensor {name!r} bytes {a}..{b})")
-        spans.append((a, b))
-        out[name] = np.frombuffer(data, dtype=dtype, count=count, offset=a).reshape(shape)
-    spans.sort()
-    end = 0
-    for a, b in spans:
-        if a != end:
-            raise ControlError(UNPROCESSABLE, f"{bad} (tensor bytes overlap or leave a gap)")
-        end = b
-    if end != len(data):
-        raise ControlError(UNPROCESSABLE, f"{bad} ({len(data) - end} trailing bytes)")
-    return out
+        return st.load(buf, where)
+    except st.SafetensorsError as e:
+        raise ControlError(UNPROCESSABLE, str(e)) from None
 
 
 class _LoopThread:
@@ -151,6 +102,7 @@ class ObjectStoreSource:
     def __init__(self, settings: Settings, fallback: SnapshotSource, rank: int, tp: int) -> None:
         self.settings, self.fallback, self.rank, self.tp = settings, fallback, rank, tp
         self.model = settings.served_model_name
+        self.dtype = getattr(fallback, "dtype", "float32")  # the compute dtype
         self.bucket = settings.ckpt_bucket
         self._io: _LoopThread | None = None
         self._bus: Bus | None = None
@@ -215,8 +167,7 @@ class ObjectStoreSource:
         except objstore.ObjectReadError as e:
             raise ControlError(UNAVAILABLE, f"{where}: pull failed: {_after(e, name)}") from None
         pull_s = time.perf_counter() - t1
-        arrays = parse_safetensors(buf, where)
-        mf.check_tensors(spec.tensors, {k: _spec(v) for k, v in arrays.items()}, where)
+        arrays = hf_files.load_buffer(buf, where, self.dtype, spec.tensors)
         return LoadedShard(
             version,
             arrays,
@@ -233,10 +184,6 @@ class ObjectStoreSource:
 
 def _after(e: Exception, name: str) -> str:
     return str(e).removeprefix(f"{name}: ")
-
-
-def _spec(a: np.ndarray) -> mf.TensorSpec:
-    return mf.TensorSpec(shape=list(a.shape), dtype=str(a.dtype))
 
 
 def _ipc_error(where: str, e: OSError, what: str) -> ControlError:
@@ -304,6 +251,7 @@ class IpcSource:
     def __init__(self, settings: Settings, fallback: SnapshotSource, rank: int, tp: int) -> None:
         self.settings, self.fallback, self.rank, self.tp = settings, fallback, rank, tp
         self.model = settings.served_model_name
+        self.dtype = getattr(fallback, "dtype", "float32")  # the compute dtype
         uids = {os.geteuid()}
         if settings.ipc_trainer_uid >= 0:
             uids.add(settings.ipc_trainer_uid)
@@ -321,34 +269,25 @@ class IpcSource:
         prefix = f"{qmodel}/{qversion}"
         fds: list[int] = []
         try:
-            try:
-                root = open_confined(
-                    str(self.settings.ipc_dir),
-                    None,
-                    self.uids,
-                    f"rank {self.rank}: ipc dir (ROLLBUS_IPC_DIR)",
-                    True,
-                )
-            except ControlError as e:
-                if e.code == NOT_FOUND:
-                    raise ControlError(
-                        NOT_FOUND, f"unknown version {version!r}: no ipc dir"
-                    ) from None
-                raise
+            unknown = f"unknown version {version!r}: no ipc"
+            root = self._open(
+                str(self.settings.ipc_dir),
+                None,
+                f"rank {self.rank}: ipc dir (ROLLBUS_IPC_DIR)",
+                True,
+                ControlError(NOT_FOUND, f"{unknown} dir"),
+            )
             fds.append(root)
             fds.append(
                 open_confined(qmodel, root, self.uids, f"rank {self.rank}: ipc {qmodel}", True)
             )
-            try:
-                vdir = open_confined(
-                    qversion, fds[-1], self.uids, f"rank {self.rank}: ipc {prefix}", True
-                )
-            except ControlError as e:
-                if e.code == NOT_FOUND:
-                    raise ControlError(
-                        NOT_FOUND, f"unknown version {version!r}: no ipc {prefix}"
-                    ) from None
-                raise
+            vdir = self._open(
+                qversion,
+                fds[-1],
+                f"rank {self.rank}: ipc {prefix}",
+                True,
+                ControlError(NOT_FOUND, f"{unknown} {prefix}"),
+            )
             fds.append(vdir)
             return self._load(version, verify, expected, vdir, prefix, t0)
         except OSError as e:  # its reason, never an absolute path
@@ -359,18 +298,28 @@ class IpcSource:
             for fd in fds:
                 os.close(fd)
 
+    def _open(
+        self, name: str, dir_fd: int | None, where: str, is_dir: bool, missing: ControlError
+    ) -> int:
+        """:func:`open_confined`, with ``missing`` raised when ``name`` does not exist."""
+        try:
+            return open_confined(name, dir_fd, self.uids, where, is_dir)
+        except ControlError as e:
+            if e.code == NOT_FOUND:
+                raise missing from None
+            raise
+
     def _load(
         self, version: str, verify: bool, expected: Expected, vdir: int, prefix: str, t0: float
     ) -> LoadedShard:
         mwhere = f"rank {self.rank}: ipc {prefix}/manifest.json"
-        try:
-            fd = open_confined("manifest.json", vdir, self.uids, mwhere, False)
-        except ControlError as e:
-            if e.code == NOT_FOUND:
-                raise ControlError(
-                    NOT_FOUND, f"unknown version {version!r}: {e.message}"
-                ) from None
-            raise
+        fd = self._open(
+            "manifest.json",
+            vdir,
+            mwhere,
+            False,
+            ControlError(NOT_FOUND, f"unknown version {version!r}: {mwhere}: no such file"),
+        )
         with os.fdopen(fd, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             if size > mf.MAX_MANIFEST_BYTES:
@@ -380,12 +329,9 @@ class IpcSource:
         spec = mf.validate(man, self.rank, self.tp, expected, f"ipc {prefix}")
         name = f"{prefix}/{spec.file}"
         where = f"rank {self.rank}: ipc {name}"
-        try:
-            fd = open_confined(spec.file, vdir, self.uids, where, False)
-        except ControlError as e:
-            if e.code == NOT_FOUND:  # the manifest names it: a broken version, not unknown
-                raise ControlError(UNPROCESSABLE, f"{where}: shard file is missing") from None
-            raise
+        # the manifest names it: missing is a broken version, not an unknown one
+        missing = ControlError(UNPROCESSABLE, f"{where}: shard file is missing")
+        fd = self._open(spec.file, vdir, where, False, missing)
         try:
             size = os.fstat(fd).st_size
             if size != spec.size:
@@ -402,8 +348,7 @@ class IpcSource:
             if hashlib.sha256(buf).hexdigest() != spec.sha256:
                 raise ControlError(UNPROCESSABLE, f"{where}: SHA-256 mismatch with manifest")
             timings["verify_s"] = time.perf_counter() - t1
-        arrays = parse_safetensors(buf, where)
-        mf.check_tensors(spec.tensors, {k: _spec(v) for k, v in arrays.items()}, where)
+        arrays = hf_files.load_buffer(buf, where, self.dtype, spec.tensors)
         timings["load_s"] = time.perf_counter() - t0
         return LoadedShard(version, arrays, [f"ipc {name}"], size, timings)
 
@@ -437,7 +382,10 @@ class FallbackSource:
 
 
 def make_source(settings: Settings, cfg: ModelConfig, rank: int) -> Source:
-    snap = SnapshotSource(cfg, settings.model_dir, rank, settings.tp, settings.dtype)
+    stored = st.checkpoint_dtype(sorted(settings.model_dir.glob("*.safetensors")))
+    device = str(getattr(settings, "device", "cpu"))  # ROLLBUS_DEVICE, where it exists
+    dtype = hf_files.compute_dtype(settings.dtype, device, stored)  # for every version
+    snap = SnapshotSource(cfg, settings.model_dir, rank, settings.tp, dtype)
     store = ObjectStoreSource(settings, snap, rank, settings.tp)  # connects on first use
     if settings.load_strategy == "object_store":
         return FallbackSource(store, snap)

@@ -11,8 +11,10 @@ Sources:
 * ``snapshot`` — version ``V`` is the directory ``<model>/versions/V/``; the model dir
   itself is the version named in its ``version.txt``. A directory holds either
   pre-sharded ``rank<r>-of-<tp>.safetensors`` files (with ``manifest.json``: SHA-256
-  verifiable) or HF ``*.safetensors`` files, from which each rank reads only its slice
-  (bf16 / fp16 converted to fp32, see :mod:`services.worker.hf_files`).
+  verifiable) or HF ``*.safetensors`` files (one, or a sharded set with
+  ``model.safetensors.index.json``), from which each rank reads only its slice's bytes.
+  bf16 / fp16 / fp32 load everywhere and are converted to the compute dtype (see
+  :func:`services.worker.hf_files.compute_dtype`).
 * ``object_store`` / ``ipc`` — see :mod:`services.worker.sources`.
 """
 
@@ -30,10 +32,10 @@ from typing import Any
 import numpy as np
 import paddle
 import paddle.utils.dlpack
-from safetensors import SafetensorError, safe_open
 
 from services.worker import hf_files
 from shared import manifest as mf
+from shared import safetensors as st
 from shared import sharding
 from shared.errors import BAD_REQUEST, UNPROCESSABLE, ControlError
 from shared.model_config import ModelConfig
@@ -60,7 +62,7 @@ Source = Callable[..., LoadedShard]
 
 
 def _spec_of(arr: np.ndarray) -> mf.TensorSpec:
-    return mf.TensorSpec(shape=list(arr.shape), dtype=str(arr.dtype))
+    return mf.TensorSpec(shape=list(arr.shape), dtype=st.dtype_name(arr.dtype))
 
 
 def _sha256_file(path: Path) -> str:
@@ -87,7 +89,9 @@ class SnapshotSource:
         self, cfg: ModelConfig, model_dir: Path, rank: int, tp: int, dtype: str = "float32"
     ) -> None:
         self.cfg, self.model_dir, self.rank, self.tp = cfg, model_dir, rank, tp
-        self.dtype = hf_files.compute_dtype(dtype)  # ROLLBUS_DTYPE; float32 on CPU
+        if dtype not in ("float32", "float16", "bfloat16"):
+            raise ValueError(f"compute dtype {dtype!r} (see hf_files.compute_dtype)")
+        self.dtype = dtype  # the compute dtype: every version is converted to it
 
     def _rel(self, p: Path) -> str:
         return public_path(p, self.model_dir) or "."
@@ -158,14 +162,17 @@ class SnapshotSource:
             timings["verify_s"] = time.perf_counter() - t1
             if digest != spec.sha256:
                 raise ControlError(UNPROCESSABLE, f"{where}: SHA-256 mismatch with manifest")
-        arrays = _read_safetensors(shard_file, where)
-        if spec is not None:
-            mf.check_tensors(spec.tensors, {k: _spec_of(v) for k, v in arrays.items()}, where)
+        arrays = hf_files.load_file(
+            shard_file, where, self.dtype, spec.tensors if spec is not None else None
+        )
         timings["load_s"] = time.perf_counter() - t0
         return LoadedShard(version, arrays, [self._rel(shard_file)], size, timings)
 
     def _load_hf(self, version: str, d: Path, t0: float) -> LoadedShard:
-        files = sorted(d.glob("*.safetensors"))
+        try:
+            files = st.checkpoint_files(d)
+        except ValueError as e:
+            raise ControlError(UNPROCESSABLE, f"rank {self.rank}: {self._rel(d)}/{e}") from None
         if not files:
             raise ControlError(
                 UNPROCESSABLE, f"rank {self.rank}: no *.safetensors in {self._rel(d)}"
@@ -176,23 +183,25 @@ class SnapshotSource:
         nbytes = 0
         where = ""
 
-        def take(name: str, full: np.ndarray) -> np.ndarray:
-            # the header's shape is checked before this rank's slice is copied out
-            if tuple(full.shape) != tuple(shapes[name]):
+        def plan(name: str, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
+            # the header's shape is checked before a byte of the tensor is read
+            if tuple(shape) != tuple(shapes[name]):
                 raise ControlError(
                     UNPROCESSABLE,
-                    f"{where}: {name} has shape {list(full.shape)}, the served config "
+                    f"{where}: {name} has shape {list(shape)}, the served config "
                     f"says {list(shapes[name])}",
                 )
-            return sharding.shard_tensor(self.cfg, name, full, self.rank, self.tp)
+            return sharding.shard_part(self.cfg, name, shape, self.rank, self.tp)
 
         for f in files:
             where = f"rank {self.rank}: {self._rel(f)}"
             try:
-                # only this rank's slices, bf16/fp16 converted to the fp32 compute dtype
-                part = hf_files.read_slices(f, wanted - set(arrays), take)
+                # only this rank's slices' bytes, converted to the compute dtype
+                part, nread = hf_files.read_slices(
+                    f, wanted - set(arrays), plan, self.dtype, where
+                )
                 arrays.update(part)
-                nbytes += sum(a.nbytes for a in part.values())
+                nbytes += nread
             except (OSError, ValueError) as e:
                 raise ControlError(
                     UNPROCESSABLE, f"{where}: cannot read: {_no_paths(e, f)}"
@@ -217,28 +226,22 @@ def _no_paths(e: Exception, path: Path) -> str:
     return msg.replace(str(path), path.name)
 
 
-def _read_safetensors(path: Path, where: str) -> dict[str, np.ndarray]:
-    try:
-        with safe_open(str(path), framework="numpy") as st:
-            return {k: st.get_tensor(k) for k in st.keys()}
-    except (SafetensorError, OSError, ValueError) as e:
-        raise ControlError(
-            UNPROCESSABLE, f"{where}: cannot read safetensors: {_no_paths(e, path)}"
-        ) from None
-
-
 def to_paddle(arrays: dict[str, np.ndarray]) -> dict[str, paddle.Tensor]:
     """Host arrays -> paddle tensors, without a copy where the memory allows it.
 
     On CPU a writable, C-contiguous array is handed over through DLPack: the tensor
     uses the array's memory (which lives until the tensor is freed). ``paddle.to_tensor``
     would copy at about a third of memcpy speed. Read-only views (an mmap) get one
-    plain copy first. On an accelerator ``to_tensor`` does the host-to-device copy.
+    plain copy first. bf16 (raw 2-byte data) goes through ``to_tensor``, which makes it
+    a bfloat16 tensor. On an accelerator ``to_tensor`` does the host-to-device copy.
     """
     if paddle.device.get_device() != "cpu":
         return {k: paddle.to_tensor(v) for k, v in arrays.items()}
     out: dict[str, paddle.Tensor] = {}
     for k, v in arrays.items():
+        if st.dtype_name(v.dtype) == "bfloat16":  # DLPack would make it a uint16 tensor
+            out[k] = paddle.to_tensor(v)
+            continue
         if not (v.flags.writeable and v.flags.c_contiguous) or v.dtype.byteorder == ">":
             v = np.array(v, copy=True, order="C")
         out[k] = paddle.utils.dlpack.from_dlpack(v)

@@ -13,8 +13,8 @@ import pytest
 import rollbus_side
 from cases import BY_NAME, CASES, NEW_TOKENS, PROMPTS
 
-from services.worker.hf_files import read_header
 from shared.model_config import ModelConfig
+from shared.safetensors import read_header
 
 IDS = [c.name for c in CASES]
 
@@ -68,7 +68,7 @@ def test_configs_are_in_the_layout_they_claim(model_dirs: dict[str, Path]) -> No
         if case.max_shard_size:
             assert len(files) > 1
             assert (model_dirs[case.name] / "model.safetensors.index.json").is_file()
-        stored = {t["dtype"] for f in files for t in read_header(f)[1].values()}
+        stored = {e.dtype for f in files for e in read_header(f).tensors.values()}
         assert stored == {{"float32": "F32", "bfloat16": "BF16", "float16": "F16"}[case.dtype]}
         cfg = ModelConfig.from_hf(raw)
         assert cfg.rope_theta == case.theta

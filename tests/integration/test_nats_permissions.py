@@ -710,16 +710,16 @@ async def test_trainer_and_operator_read_the_served_weights(server: Server) -> N
     import numpy as np
 
     from services.trainer.rollout import arollout_state_dict
-    from services.worker import model as mdl
     from services.worker import readout
     from shared import readout as ro
+    from shared import sharding
     from shared.model_config import ModelConfig
     from shared.subjects import Subjects
 
     hf = {"model_type": "llama", "vocab_size": 40, "hidden_size": 32, "intermediate_size": 64,
           "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 1}
     cfg = ModelConfig.from_hf(hf)
-    full = mdl.init_weights(cfg, seed=3)
+    full = sharding.init_weights(cfg, seed=3)
     subjects = Subjects(I)
     engine = await Bus.connect(server.url("engine"), "engine")
     workers = [await Bus.connect(server.url("worker"), f"worker-{r}") for r in range(2)]
@@ -733,7 +733,7 @@ async def test_trainer_and_operator_read_the_served_weights(server: Server) -> N
         await engine.serve(svc, "model_config", subjects.ctl("model_config"), model_config,
                            queue="engine")
         for r, w in enumerate(workers):
-            shard = {n: mdl.shard_tensor(cfg, n, a, r, 2) for n, a in full.items()}
+            shard = {n: sharding.shard_tensor(cfg, n, a, r, 2) for n, a in full.items()}
             reads = readout.Reads(r, 2, w.nc.max_payload)
 
             async def open_read(args: ro.ReadArgs, reads=reads, shard=shard) -> dict:  # type: ignore[no-untyped-def]

@@ -118,3 +118,18 @@ def test_file_size_without_manifest_is_bounded_by_the_served_tensors() -> None:
     mf.check_file_size(1 << 40, None, "rank 0: f")  # nothing known yet: not checked
     with pytest.raises(ControlError, match="rank 0: f: size"):
         mf.check_file_size(50_000_000_000, EXPECTED, "rank 0: f")
+
+
+def test_stored_float_dtype_may_differ_from_the_served_one() -> None:
+    """A bf16 / fp16 manifest fits an fp32-serving rank (converted on load); sizes are
+    checked with the stored dtype; a non-float dtype still has to match."""
+    served = {"w": mf.TensorSpec([4, 8], "float32")}
+    for stored in ("bfloat16", "float16", "float32"):
+        mf.check_tensors(served, {"w": mf.TensorSpec([4, 8], stored)}, "x", stored=True)
+    with pytest.raises(ControlError, match="w has dtype bfloat16, expected float32"):
+        mf.check_tensors(served, {"w": mf.TensorSpec([4, 8], "bfloat16")}, "x")
+    with pytest.raises(ControlError, match="w has dtype int32"):
+        mf.check_tensors(served, {"w": mf.TensorSpec([4, 8], "int32")}, "x", stored=True)
+    mf.check_file_size(8 + 64 + 32 * 2, served, "x")  # a bf16 shard without manifest fits
+    with pytest.raises(ControlError, match="does not fit"):
+        mf.check_file_size(8 + 32, served, "x")

@@ -11,6 +11,7 @@ import pytest
 
 from services.worker import hf_files
 from services.worker.weights import SnapshotSource
+from shared import safetensors as st
 from shared import sharding
 from shared.model_config import ModelConfig
 
@@ -77,23 +78,64 @@ def test_snapshot_loads_any_float_dtype_as_fp32_slices(tmp_path: Path, dtype: st
 
 def test_bf16_conversion_is_exact_upper_half() -> None:
     x = np.array([1.0, -2.5, 3.140625, 0.0, -0.0, 65280.0], np.float32)
-    out = hf_files._FLOAT["BF16"][1](bf16_bits(x))
+    out = st.convert(bf16_bits(x).view(st.BFLOAT16), "float32")
+    assert out.dtype == np.float32
     np.testing.assert_array_equal(out, x)
+    np.testing.assert_array_equal(st.convert(x, "bfloat16"), bf16_bits(x))
 
 
 def test_non_float_tensor_and_bad_offsets_are_refused(tmp_path: Path) -> None:
     p = tmp_path / "a.safetensors"
     write_safetensors(p, {"w": ("I32", np.arange(4, dtype=np.int32))})
-    with pytest.raises(ValueError, match="I32"):
-        hf_files.read_slices(p, {"w"}, lambda n, a: a)
+    with pytest.raises(ValueError, match="int32"):
+        hf_files.read_slices(p, {"w"}, lambda n, s: None)
     write_safetensors(p, {"w": ("F32", np.arange(4, dtype=np.float32))})
     raw = bytearray(p.read_bytes())
     p.write_bytes(bytes(raw[:-4]))  # truncated data
-    with pytest.raises(ValueError, match="bytes"):
-        hf_files.read_slices(p, {"w"}, lambda n, a: a)
+    with pytest.raises(ValueError, match="a.safetensors.*tensor 'w': bytes 0..16 lie outside"):
+        hf_files.read_slices(p, {"w"}, lambda n, s: None)
 
 
-def test_compute_dtype() -> None:
-    assert hf_files.compute_dtype("float32") == hf_files.compute_dtype("auto") == "float32"
+def test_compute_dtype_is_fp32_on_cpu_and_the_checkpoints_on_gpu() -> None:
+    for stored in ("float32", "bfloat16", "float16"):
+        assert hf_files.compute_dtype("float32", "cpu", stored) == "float32"
+        assert hf_files.compute_dtype("auto", "cpu", stored) == "float32"
+        assert hf_files.compute_dtype("float32", "gpu", stored) == "float32"
+        assert hf_files.compute_dtype("auto", "gpu", stored) == stored
+    assert hf_files.compute_dtype("auto", "gpu", "float64") == "float32"
     with pytest.raises(ValueError):
         hf_files.compute_dtype("int8")
+
+
+@pytest.mark.parametrize("dtype", ["BF16", "F16"])
+def test_compute_dtype_on_gpu_keeps_the_checkpoint_dtype(tmp_path: Path, dtype: str) -> None:
+    """SnapshotSource in bf16 / fp16 (what ``auto`` picks on a GPU): the rank holds the
+    checkpoint's own bytes, bf16 as raw 2-byte data (paddle reads uint16 as bfloat16)."""
+    full = exact_weights(1)
+    enc = bf16_bits if dtype == "BF16" else (lambda a: a.astype(np.float16))
+    write_safetensors(tmp_path / "model.safetensors", {n: (dtype, enc(a)) for n, a in full.items()})
+    files = [tmp_path / "model.safetensors"]
+    want = {"BF16": "bfloat16", "F16": "float16"}[dtype]
+    assert st.checkpoint_dtype(files) == want
+    shard = SnapshotSource(CFG, tmp_path, 1, 2, hf_files.compute_dtype("auto", "gpu", want))(
+        "v0", False
+    )
+    for n, a in full.items():
+        got = shard.arrays[n]
+        assert st.dtype_name(got.dtype) == want
+        np.testing.assert_array_equal(got, enc(sharding.shard_tensor(CFG, n, a, 1, 2)))
+
+
+def test_rank_reads_only_its_slice_bytes(tmp_path: Path) -> None:
+    """Column-parallel tensors (split on dim 0) and row-parallel ones (dim 1): the bytes
+    read are exactly the rank's parts plus the replicated tensors, half the file's
+    split tensors at tp=2."""
+    full = exact_weights(2)
+    write_safetensors(
+        tmp_path / "model.safetensors", {n: ("BF16", bf16_bits(a)) for n, a in full.items()}
+    )
+    split = sum(a.size * 2 for n, a in full.items() if sharding.split_axis(n) is not None)
+    whole = sum(a.size * 2 for n, a in full.items() if sharding.split_axis(n) is None)
+    for rank in range(2):
+        shard = SnapshotSource(CFG, tmp_path, rank, 2)("v0", False)
+        assert shard.nbytes == whole + split // 2

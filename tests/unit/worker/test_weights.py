@@ -93,3 +93,19 @@ def test_free_releases_everything(store: WeightStore) -> None:
     assert store.current is None and store._staged is None and store._previous is None
     store.reload()
     assert value(store) == 1.0  # the current version (v1) comes back
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_half_precision_arrays_become_paddle_tensors_of_that_dtype(dtype: str) -> None:
+    """What a rank holds when the compute dtype is the checkpoint's (GPU, ``auto``): bf16
+    raw 2-byte data becomes a paddle bfloat16 tensor with the same values."""
+    import paddle
+
+    from services.worker.weights import to_paddle
+    from shared import safetensors as st
+
+    x = np.array([[1.0, -2.5], [3.140625, 65280.0]], np.float32)
+    arr = st.convert(x, dtype)
+    t = to_paddle({"w": arr})["w"]
+    assert str(t.dtype).removeprefix("paddle.") == dtype
+    np.testing.assert_array_equal(t.astype(paddle.float32).numpy(), x)
