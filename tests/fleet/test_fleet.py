@@ -29,7 +29,7 @@ from shared import creds
 from shared import fleet as f
 from tests import natsconf
 from tests.e2e.stack import Stack, start_stack
-from tests.faults.common import log_count, signal_quietly, status, wait_log, wait_recovered
+from tests.faults.common import log_count, signal_quietly, wait_log
 
 CT = 8.0  # ROLLBUS_CONTROL_TIMEOUT_S of every instance (start_stack's)
 DELAY = 1.5
@@ -118,6 +118,36 @@ def fleet_update(stack: Stack, body: dict[str, Any], headers: dict[str, str] = A
                  ) -> httpx.Response:
     with httpx.Client(base_url=stack.base_url, timeout=BOUND) as cl:
         return cl.post("/v1/fleet/update_weights", json=body, headers=headers)
+
+
+def status(s: Stack) -> dict[str, Any]:
+    with httpx.Client(base_url=s.base_url, timeout=30, headers=AUTH) as cl:
+        r = cl.get("/v1/status")
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def wait_recovered(s: Stack, timeout: float) -> dict[str, Any]:
+    """/health 200 and every rank alive on the engine's version."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        assert s.proc.poll() is None, f"the stack stopped:\n{s.log_tail()}"
+        try:
+            h = httpx.get(s.base_url + "/health", timeout=10)
+            if h.status_code == 200:
+                st = status(s)
+                if all(r.get("alive") for r in st["ranks"]) and {
+                    r.get("version") for r in st["ranks"]
+                } == {st["weight_version"]}:
+                    return st
+                last = st
+            else:
+                last = h.text
+        except httpx.HTTPError as e:
+            last = repr(e)
+        time.sleep(0.3)
+    raise AssertionError(f"{s.instance} not recovered in {timeout:.0f}s: {last}\n{s.log_tail()}")
 
 
 class InThread:
