@@ -67,7 +67,13 @@ class Fleet:
         txn.task = asyncio.create_task(_watch(self.eng, txn), name=f"fleet-{txn.txn}")
 
     def touch(self, txn: Txn) -> None:
-        txn.deadline = time.monotonic() + self.eng.settings.control_timeout_s
+        """The watchdog's window from now: ``CONTROL_TIMEOUT_S`` while staged; past that
+        (committed, commit failed, restarted) longer than the coordinator waits for every
+        commit (``CONTROL_TIMEOUT_S`` + 5 s), so a live coordinator that saw a commit fail
+        decides (abort) before an instance would finish the transaction itself."""
+        ct = self.eng.settings.control_timeout_s
+        window = ct if txn.phase == "staged" else 2 * ct + 5.0
+        txn.deadline = time.monotonic() + window
 
     def clear(self, txn: Txn) -> None:
         if self.txn is txn:
@@ -170,6 +176,13 @@ async def fleet_commit(eng: Engine, args: f.TxnArgs) -> dict[str, Any]:
 
 
 async def fleet_finalize(eng: Engine, args: f.TxnArgs, actor: str = "") -> dict[str, Any]:
+    """Waits for the control lock (the watchdog may hold it, resolving the same
+    transaction) instead of answering 409: the outcome is the record's either way."""
+    async with eng.lock:
+        return await _finalize(eng, args, actor)
+
+
+async def _finalize(eng: Engine, args: f.TxnArgs, actor: str) -> dict[str, Any]:
     fl = eng.fleet
     txn = fl.txn
     if txn is None or txn.txn != args.txn:  # already resolved (e.g. by the watchdog)
@@ -186,6 +199,12 @@ async def fleet_finalize(eng: Engine, args: f.TxnArgs, actor: str = "") -> dict[
 
 
 async def fleet_abort(eng: Engine, args: f.TxnArgs) -> dict[str, Any]:
+    """Waits for the control lock, as :func:`fleet_finalize`."""
+    async with eng.lock:
+        return await _abort(eng, args)
+
+
+async def _abort(eng: Engine, args: f.TxnArgs) -> dict[str, Any]:
     fl = eng.fleet
     txn = fl.txn
     if txn is None or txn.txn != args.txn:

@@ -60,8 +60,9 @@ METHODS: dict[str, tuple[Method, type, bool]] = {
     # a fleet transaction, one step per call (services.engine.fleet)
     "fleet_stage": (fleet_ctl.fleet_stage, fleet_msgs.StageTxnArgs, True),
     "fleet_commit": (fleet_ctl.fleet_commit, fleet_msgs.TxnArgs, True),
-    "fleet_finalize": (fleet_ctl.fleet_finalize, fleet_msgs.TxnArgs, True),
-    "fleet_abort": (fleet_ctl.fleet_abort, fleet_msgs.TxnArgs, True),
+    # these two wait for the control lock themselves (the watchdog may hold it)
+    "fleet_finalize": (fleet_ctl.fleet_finalize, fleet_msgs.TxnArgs, False),
+    "fleet_abort": (fleet_ctl.fleet_abort, fleet_msgs.TxnArgs, False),
 }
 
 
