@@ -55,7 +55,8 @@ async def _measure(url: str, stacks: list, runs: int, ct: float) -> Table:  # ty
         t.add(f"fleet transaction over {k} instance{'s' if k > 1 else ''}", baseline=base)
     t.notes.append(
         "fleet: pause + stage on every instance at once, decision written to the KV "
-        "bucket, commit, decision done, finalize + resume (shared/fleet.py)"
+        "bucket, commit, decision done, finalize + resume (shared/fleet.py); instances "
+        "given, so no discovery window (`rollbus fleet update` adds 0.5 s of `$SRV.PING`)"
     )
     bus = await Bus.connect(url, "bench-fleet")
     coord = f.Coordinator(bus, ct, name="bench")

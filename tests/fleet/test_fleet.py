@@ -257,6 +257,27 @@ def test_all_instances_switch(fleet: Fleet) -> None:
         assert generate(s) == v
 
 
+def test_cli_update_exit_codes(fleet: Fleet) -> None:
+    """`rollbus fleet update` as the operator: exit 0 when all switched, 1 when not."""
+    v = fleet.new_version()
+    r = subprocess.run(
+        [sys.executable, "-m", "services.cli", "fleet", "update", "--version", v,
+         "--pause-mode", "abort", "--json"],
+        env=fleet.env(), capture_output=True, text=True, timeout=BOUND,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads(r.stdout)
+    assert res["error_code"] == 200 and {o["outcome"] for o in res["instances"]} == {"switched"}
+    wait_all_running(fleet, v, MARGIN)
+    r = subprocess.run(
+        [sys.executable, "-m", "services.cli", "fleet", "update", "--version", "nowhere"],
+        env=fleet.env(), capture_output=True, text=True, timeout=BOUND,
+    )
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "NOT switched (404)" in r.stdout and "rollbus fleet update:" in r.stderr
+    wait_all_running(fleet, v, MARGIN)
+
+
 def _all_on(fleet: Fleet, version: str, bound: float = CT + MARGIN) -> None:
     wait_all_running(fleet, version, bound)
     for s in fleet.stacks:
