@@ -12,11 +12,15 @@ run *ARGS:
 
 # the full test suite (unit, integration, e2e) against a real nats-server
 test *ARGS:
-    python -m pytest -q -m "not bench and not faults" --ignore=tests/compat --ignore=tests/faults {{ARGS}}
+    python -m pytest -q -m "not bench and not faults" --ignore=tests/compat --ignore=tests/faults --ignore=tests/fleet {{ARGS}}
 
 # fault injection with real signals: ranks, engine and nats-server killed / stopped
 faults *ARGS:
     python -m pytest -q tests/faults {{ARGS}}
+
+# a fleet of three instances on one external nats-server, updated as one transaction
+fleet *ARGS:
+    python -m pytest -q tests/fleet -p no:randomly {{ARGS}}
 
 # equality with transformers (needs torch): installs a CPU torch and transformers, runs
 # tests/compat. The plain pin resolves from a local wheel on our machines; elsewhere the

@@ -1,4 +1,4 @@
-"""The ``rollbus`` command: ``serve``, ``publish``, ``versions``, ``creds``.
+"""The ``rollbus`` command: ``serve``, ``publish``, ``versions``, ``creds``, ``fleet``.
 
 Every setting is also a flag of ``serve`` (``--tp 4`` = ``ROLLBUS_TP=4``); flags win over
 the environment. A bad setting is one line on stderr and exit code 2.
@@ -78,8 +78,14 @@ def main(argv: list[str] | None = None) -> int:
     cr.add_argument("role", help="api, engine, worker, trainer or operator")
     _settings_flags(cr)
 
+    from services import fleetcli
+
+    fleetcli.add_parser(sub)
+
     args = ap.parse_args(argv)
     try:
+        if args.cmd == "fleet":
+            return fleetcli.run(args, Settings())
         if args.cmd == "creds":
             return creds_cmd(args.role, settings_from(args))
         if args.cmd == "serve":

@@ -70,6 +70,7 @@ def port_is_free(host: str, port: int) -> bool:
 # ------------------------------------------------------------------ roles and permissions
 
 KV_BUCKET = "rollbus_state"
+FLEET_BUCKET = "rollbus_fleet"  # shared.fleet: fleet transaction records
 ANY = "rollbus.*"  # every instance: a second instance can join the same server later
 # a responder (engine, worker) may answer each request it receives once, within this long;
 # the engine's streamed replies to the API go to the API's inbox prefix instead
@@ -133,6 +134,9 @@ def permissions(
     """
     responses = {"max": 1, "expires": response_window}
     obj, kv = f"OBJ_{bucket}", f"KV_{kv_bucket}"
+    # fleet records: read and compare-and-set (a KV put with an expected revision), no
+    # purge, no delete; only the engine creates the bucket
+    fleet_rw = [f"$KV.{FLEET_BUCKET}.>", *_stream_get(f"KV_{FLEET_BUCKET}")]
     ckpt_events = "rollbus.ckpt.*.published"
     # `rollbus.*.ctl.>`, `.events.>`, `.worker.>` also match `rollbus.ckpt.{ctl,events,
     # worker}.published` (the version events of a model named ctl/events/worker): only
@@ -141,7 +145,9 @@ def permissions(
     return {
         "api": {
             "publish": {
-                "allow": [f"{ANY}.ctl.>", f"{ANY}.gen", f"{ANY}.gen.cancel", "$SRV.>"],
+                "allow": [
+                    f"{ANY}.ctl.>", f"{ANY}.gen", f"{ANY}.gen.cancel", "$SRV.>", *fleet_rw
+                ],
                 "deny": not_ckpt,
             },
             "subscribe": [_inbox("api")],
@@ -169,6 +175,8 @@ def permissions(
                 *_stream_read(kv),
                 *_stream_admin(kv),
                 *_stream_write(kv),
+                *fleet_rw,
+                *_stream_admin(f"KV_{FLEET_BUCKET}"),
             ]},
             "subscribe": [
                 _inbox("engine"),
@@ -215,6 +223,7 @@ def permissions(
                     "$SRV.>",
                     "$JS.API.INFO",
                     *_stream_get(EVENTS_STREAM),
+                    *fleet_rw,
                 ],
                 "deny": not_ckpt,
             },

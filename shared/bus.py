@@ -423,8 +423,16 @@ class Bus:
 
     # ------------------------------------------------------------------ serving
 
-    async def add_service(self, name: str, version: str, description: str = "") -> Service:
-        svc = await add_service(self.nc, name=name, version=version, description=description)
+    async def add_service(
+        self,
+        name: str,
+        version: str,
+        description: str = "",
+        metadata: dict[str, str] | None = None,
+    ) -> Service:
+        svc = await add_service(
+            self.nc, name=name, version=version, description=description, metadata=metadata
+        )
         self._services.append(svc)
         return svc
 

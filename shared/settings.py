@@ -113,6 +113,9 @@ class Settings(BaseSettings):
     # received, so a fault test can signal it inside that window. Never set in production.
     test_stage_delay_s: float = Field(0.0, ge=0, le=600, description="test only")
     test_commit_delay_s: float = Field(0.0, ge=0, le=600, description="test only")
+    # test-only (tests/fleet): a fleet coordinator waits this long between "all staged"
+    # and writing the commit decision, so a test can kill it there.
+    test_fleet_commit_delay_s: float = Field(0.0, ge=0, le=600, description="test only")
 
     @field_validator("load_strategy", mode="before")
     @classmethod

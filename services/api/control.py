@@ -195,8 +195,14 @@ def routes(deps: Deps) -> list[Route]:
 
         return route
 
+    async def fleet_update_weights(request: Request) -> Response:
+        from services.api import fleet
+
+        return await fleet.update_weights(deps, request)
+
     return [
         Route("/v1/pause", pause, methods=["POST"]),
+        Route("/v1/fleet/update_weights", fleet_update_weights, methods=["POST"]),
         Route("/v1/resume", resume, methods=["POST"]),
         Route("/v1/is_paused", is_paused, methods=["GET"]),
         Route("/v1/sleep", sleep, methods=["POST"]),

@@ -131,42 +131,18 @@ async def _update_weights(eng: Engine, args: m.UpdateWeightsArgs, actor: str) ->
     host memory, checks it, frees it) and records it as current: wakeup loads it."""
     eng.state.check_update()  # the 409 comes before anything else is looked at
     version = args.version or default_version(eng)
-    eng.state.begin_update()
-    previous = eng.state.weight_version
+    uid, previous = await begin_update(eng, version)
     t0 = time.perf_counter()
-    uid = new_request_id()  # in the state record: a restarted engine rolls it back by id
-    await eng.state_changed("updating", {"version": version, "from": previous, "update_id": uid})
     committed: str | None = None
     try:
-        try:
-            staged = await eng.ranks.call(
-                "stage",
-                m.StageArgs(version, args.verify_checksum, eng.settings.load_strategy, uid),
-            )
-        except RankError:
-            # no rank got a commit; those that staged drop it now (fire and forget: a
-            # rank that misses this drops it at its next stage anyway)
-            await eng.ranks.broadcast("abort")
-            raise
+        staged = await stage_ranks(eng, version, args.verify_checksum, uid)
         t_staged = time.perf_counter()
-        try:
-            await eng.ranks.call("commit", m.CommitArgs(version, uid))
-        except RankError as e:
-            # some ranks may have switched: every one of them swaps back, and a late
-            # commit for this update is refused, so no rank serves the new version alone
-            await eng.ranks.broadcast("rollback", m.UpdateIdArgs(uid))
-            raise RankError(
-                e.code,
-                f"{e.message}; ranks that had committed were rolled back to {previous!r}",
-                e.replies,
-            ) from None
+        await commit_ranks(eng, version, uid, previous)
         committed = version
         await eng.ranks.broadcast("finalize", m.UpdateIdArgs(uid))
     finally:
-        eng.state.end_update(committed)  # back to paused, or to sleeping
-        await eng.state_changed(eng.state.state.value, {"version": eng.state.weight_version})
-    eng.scheduler.weights_changed(version)
-    await eng.event("version", {"version": version, "previous": previous, "actor": actor})
+        await end_update(eng, committed)
+    await switched(eng, version, previous, actor)
     ranks = [staged[r].result for r in sorted(staged)]
     return {
         "version": version,
@@ -177,6 +153,65 @@ async def _update_weights(eng: Engine, args: m.UpdateWeightsArgs, actor: str) ->
         "seconds": time.perf_counter() - t0,
         "ranks": ranks,
     }
+
+
+# The steps of an update, shared by ``update_weights`` (all in one call) and the fleet
+# transaction (``services.engine.fleet``: one control call per step). The caller holds
+# the control lock and the step lock (``eng.scheduler.quiet()``).
+
+
+async def begin_update(
+    eng: Engine, version: str, extra: dict[str, Any] | None = None
+) -> tuple[str, str]:
+    """State ``updating``, persisted with a new update id before any rank is touched (a
+    restarted engine rolls it back by id). Returns (update id, previous version)."""
+    eng.state.begin_update()
+    previous = eng.state.weight_version
+    uid = new_request_id()
+    await eng.state_changed(
+        "updating", {"version": version, "from": previous, "update_id": uid, **(extra or {})}
+    )
+    return uid, previous
+
+
+async def stage_ranks(
+    eng: Engine, version: str, verify: bool | None, uid: str
+) -> dict[int, m.WorkerReply]:
+    try:
+        return await eng.ranks.call(
+            "stage", m.StageArgs(version, verify, eng.settings.load_strategy, uid)
+        )
+    except RankError:
+        # no rank got a commit; those that staged drop it now (fire and forget: a
+        # rank that misses this drops it at its next stage anyway)
+        await eng.ranks.broadcast("abort")
+        raise
+
+
+async def commit_ranks(eng: Engine, version: str, uid: str, previous: str) -> None:
+    try:
+        await eng.ranks.call("commit", m.CommitArgs(version, uid))
+    except RankError as e:
+        # some ranks may have switched: every one of them swaps back, and a late
+        # commit for this update is refused, so no rank serves the new version alone
+        await eng.ranks.broadcast("rollback", m.UpdateIdArgs(uid))
+        raise RankError(
+            e.code,
+            f"{e.message}; ranks that had committed were rolled back to {previous!r}",
+            e.replies,
+        ) from None
+
+
+async def end_update(eng: Engine, committed: str | None) -> None:
+    """Back to paused (or sleeping); ``committed`` is the new version, None if none."""
+    eng.state.end_update(committed)
+    await eng.state_changed(eng.state.state.value, {"version": eng.state.weight_version})
+
+
+async def switched(eng: Engine, version: str, previous: str, actor: str) -> None:
+    """After a committed update: requests kept across it are recomputed; audit event."""
+    eng.scheduler.weights_changed(version)
+    await eng.event("version", {"version": version, "previous": previous, "actor": actor})
 
 
 async def status(eng: Engine, _: object = None) -> dict[str, Any]:
@@ -195,6 +230,7 @@ async def status(eng: Engine, _: object = None) -> dict[str, Any]:
         "weight_version": eng.state.weight_version,
         "model": eng.settings.served_model_name,
         "instance": eng.settings.instance,
+        "fleet": eng.fleet.describe(),  # the fleet transaction in progress, if any
         "engine_pid": os.getpid(),
         "tp": eng.settings.tp,
         "load_strategy": eng.settings.load_strategy,

@@ -19,9 +19,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from services.engine import autoupdate, control, persist
+from services.engine import fleet as fleet_ctl
 from services.engine.generation import Generation
 from services.engine.ranks import RankError, Ranks
 from services.engine.state import EngineState, State
+from shared import fleet as fleet_msgs
 from shared import messages as m
 from shared import objstore
 from shared.bus import REQUEST_ID, Bus, new_request_id
@@ -55,6 +57,12 @@ METHODS: dict[str, tuple[Method, type, bool]] = {
     "status": (control.status, m.NoArgs, False),
     "health": (control.health, m.NoArgs, False),
     "model_config": (control.model_config, m.NoArgs, False),
+    # a fleet transaction, one step per call (services.engine.fleet)
+    "fleet_stage": (fleet_ctl.fleet_stage, fleet_msgs.StageTxnArgs, True),
+    "fleet_commit": (fleet_ctl.fleet_commit, fleet_msgs.TxnArgs, True),
+    # these two wait for the control lock themselves (the watchdog may hold it)
+    "fleet_finalize": (fleet_ctl.fleet_finalize, fleet_msgs.TxnArgs, False),
+    "fleet_abort": (fleet_ctl.fleet_abort, fleet_msgs.TxnArgs, False),
 }
 
 
@@ -78,6 +86,7 @@ class Engine:
         self._mismatch_seen: dict[int, str] = {}
         self.scheduler = Generation(self)
         self.persist = persist.Persister(self)
+        self.fleet = fleet_ctl.Fleet(self)
         self.rank_pids: dict[int, int] = {}  # the ranks last brought to the engine's state
 
     # ------------------------------------------------------------------ events
@@ -158,8 +167,13 @@ class Engine:
         # trainer may write into them but not create or reconfigure a stream (README Security)
         await objstore.ensure_ckpt_stream(self.bus.nc, self.settings.model_name or "")
         await objstore.ensure_bucket(self.bus.nc, self.settings.ckpt_bucket)
+        # fleet transaction records (shared.fleet): API and operator may not create it
+        await fleet_msgs.ensure_bucket(self.bus.nc, objstore.replicas_for(self.bus.nc))
         svc = await self.bus.add_service(
-            "rollbus-engine", "0.1.0", f"rollbus engine ({self.settings.instance})"
+            fleet_msgs.SERVICE,
+            "0.1.0",
+            f"rollbus engine ({self.settings.instance})",
+            metadata={"instance": self.settings.instance},  # fleet discovery ($SRV.PING)
         )
         for method in METHODS:
             await self.bus.serve(
@@ -182,6 +196,7 @@ class Engine:
         fresh = os.environ.get(FRESH_START_ENV) == "1"
         record = None if fresh else await self.persist.load()
         update = persist.apply(self, record) if record is not None else None
+        restored = update
         while True:
             try:
                 replies = await self.ranks.call("ping", timeout=1.0)
@@ -200,6 +215,8 @@ class Engine:
                 break
             update = None  # rolled back (or tried): the ranks' versions decide from here
             await asyncio.sleep(1.0)
+        if restored is not None and restored.fleet_txn:
+            await fleet_ctl.restored(self, restored)  # follows the transaction's record
         await self.persist.save()
         self.ready = self.ranks_alive = True
         await self.event("ready", {"version": self.state.weight_version, "tp": self.settings.tp})

@@ -48,6 +48,8 @@ class Update(msgspec.Struct):
     update_id: str
     version: str
     previous: str
+    fleet_txn: str = ""  # a fleet transaction's update (services.engine.fleet)
+    resume: bool = False  # the fleet transaction paused a running engine: resume after
 
 
 class Record(msgspec.Struct):
@@ -131,7 +133,8 @@ class Persister:
         """Learn the update in progress from the ``updating`` state event."""
         if to == State.UPDATING.value:
             uid, ver, prev = (str(data.get(k, "")) for k in ("update_id", "version", "from"))
-            self.update = Update(uid, ver, prev)
+            fleet = str(data.get("fleet_txn", ""))
+            self.update = Update(uid, ver, prev, fleet, bool(data.get("resume", False)))
         elif self.eng.state.state is not State.UPDATING:
             self.update = None
 

@@ -146,6 +146,10 @@ FORBIDDEN_PUBLISH = {
         "_INBOX_engine.x.y",
         "$KV.rollbus_state.x",
         f"rollbus.{I}.weights.get.x",  # only the two read-only weights subjects
+        # the fleet bucket: read and CAS only, never create, purge or delete
+        "$JS.API.STREAM.CREATE.KV_rollbus_fleet",
+        "$JS.API.STREAM.PURGE.KV_rollbus_fleet",
+        "$JS.API.STREAM.DELETE.KV_rollbus_fleet",
     ],
     "trainer": [
         f"rollbus.{I}.ctl.pause",
@@ -160,6 +164,8 @@ FORBIDDEN_PUBLISH = {
         "$JS.API.STREAM.INFO.ROLLBUS_EVENTS",
         "$KV.rollbus_state.x",
         f"rollbus.{I}.weights.0.x",
+        "$KV.rollbus_fleet.x",
+        "$JS.API.STREAM.INFO.KV_rollbus_fleet",
     ],
     "api": [
         f"rollbus.{I}.worker.ctl.commit",
@@ -173,6 +179,10 @@ FORBIDDEN_PUBLISH = {
         "$JS.API.STREAM.INFO.ROLLBUS_EVENTS",
         f"rollbus.{I}.weights.get",
         f"rollbus.{I}.weights.0",
+        "$KV.rollbus_state.x",
+        "$JS.API.STREAM.CREATE.KV_rollbus_fleet",
+        "$JS.API.STREAM.PURGE.KV_rollbus_fleet",
+        "$JS.API.STREAM.DELETE.KV_rollbus_fleet",
     ],
     "engine": [
         f"$O.{BUCKET}.C.forged",
@@ -181,6 +191,7 @@ FORBIDDEN_PUBLISH = {
         "rollbus.ckpt.events.published",
         "$JS.API.STREAM.PURGE.OBJ_rollbus_ckpt",
         "$JS.API.STREAM.DELETE.ROLLBUS_EVENTS",
+        "$JS.API.STREAM.DELETE.KV_rollbus_fleet",
         "_INBOX_worker.x.y",
         f"rollbus.{I}.weights.get",
     ],
@@ -200,6 +211,8 @@ FORBIDDEN_PUBLISH = {
         "_INBOX_engine.x.y",  # unasked: a reply only to a request it received
         f"rollbus.{I}.weights.get",
         f"rollbus.{I}.weights.1",
+        "$KV.rollbus_fleet.x",
+        "$JS.API.STREAM.INFO.KV_rollbus_fleet",
     ],
 }
 
@@ -469,6 +482,63 @@ async def test_a_second_instance_joins_with_the_same_credentials(server: Server)
         await engine.flush()
         await routed(api, "rollbus.b.ctl.ping")
         assert (await api.request("rollbus.b.ctl.ping", b"{}", timeout=5)).data == b"b"
+    finally:
+        await api.close()
+        await engine.close()
+
+
+async def test_fleet_discovery_and_record_paths(server: Server) -> None:
+    """The engine creates the fleet bucket and is discovered by its service metadata; api
+    and operator create and compare-and-set transaction records; the engine reads and
+    CAS-writes them too (the instance's side of the protocol)."""
+    from shared import fleet
+
+    engine = await Bus.connect(server.url("engine"), "engine-f")
+    api = await Bus.connect(server.url("api"), "api-f")
+    op = await Bus.connect(server.url("operator"), "operator-f")
+    try:
+        await fleet.ensure_bucket(engine.nc, 1)
+        await engine.add_service(fleet.SERVICE, "0.1.0", metadata={"instance": "fa"})
+        await engine.flush()
+        for bus in (api, op):
+            found = await fleet.discover(bus.nc, 1.0)
+            assert "fa" in [i.instance for i in found]
+        rec = fleet.Record(fleet.new_txn_id(), "v1", ["fa"], "staged")
+        await fleet.FleetBucket(api.nc).create(rec)
+        got = await fleet.FleetBucket(op.nc).get(rec.txn)
+        assert got is not None and got[0].decision == "staged"
+        # an instance's abort is first; the coordinator's late commit loses
+        by_engine = await fleet.FleetBucket(engine.nc).decide(rec.txn, "abort", "instance", "t")
+        assert by_engine is not None and by_engine.decision == "abort"
+        late = await fleet.FleetBucket(api.nc).decide(rec.txn, "commit", "coordinator", "t")
+        assert late is not None and late.decision == "abort"
+        rec2 = fleet.Record(fleet.new_txn_id(), "v1", ["fa"], "staged")
+        await fleet.FleetBucket(op.nc).create(rec2)
+        assert (await fleet.FleetBucket(op.nc).decide(rec2.txn, "commit", "coordinator", "t")
+                ).decision == "commit"  # type: ignore[union-attr]
+    finally:
+        for b in (op, api, engine):
+            await b.close()
+
+
+async def test_fleet_cas_race_has_one_winner(server: Server) -> None:
+    """Two writers at once on a ``staged`` record: exactly one decision lands."""
+    from shared import fleet
+
+    engine = await Bus.connect(server.url("engine"), "engine-r")
+    api = await Bus.connect(server.url("api"), "api-r")
+    try:
+        await fleet.ensure_bucket(engine.nc, 1)
+        for _ in range(5):
+            rec = fleet.Record(fleet.new_txn_id(), "v1", ["a"], "staged")
+            await fleet.FleetBucket(api.nc).create(rec)
+            a, b = await asyncio.gather(
+                fleet.FleetBucket(api.nc).decide(rec.txn, "commit", "coordinator", "c"),
+                fleet.FleetBucket(engine.nc).decide(rec.txn, "abort", "instance", "i"),
+            )
+            assert a is not None and b is not None and a.decision == b.decision
+            final = await fleet.FleetBucket(api.nc).get(rec.txn)
+            assert final is not None and final[0].decision == a.decision
     finally:
         await api.close()
         await engine.close()

@@ -1,0 +1,36 @@
+"""``POST /v1/fleet/update_weights``: this API runs the fleet coordinator (``shared.fleet``)
+over every instance sharing its NATS. Admin token and body checks as every control route;
+the reply is the control reply shape with the fleet result; HTTP status = ``error_code``
+(200 only if every instance switched)."""
+
+from __future__ import annotations
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from services.api import control
+from services.api.deps import Deps
+from shared import fleet as f
+from shared import messages as m
+from shared.bus import new_request_id
+from shared.errors import ControlError
+
+
+async def update_weights(deps: Deps, request: Request) -> Response:
+    rid = request.headers.get("x-request-id") or new_request_id()
+    try:
+        body = await control._body(deps, request)  # token first, then size / JSON
+        args = m.decode_args(body, f.FleetUpdateArgs)  # unknown or wrong field: 400
+    except ControlError as e:
+        deps.metrics.control("fleet_update_weights", e.code)
+        return control._refused(request, e)
+    assert deps.bus is not None
+    coord = f.Coordinator(
+        deps.bus, deps.settings.control_timeout_s, name=f"api:{deps.settings.instance}",
+        test_commit_delay_s=deps.settings.test_fleet_commit_delay_s,
+    )
+    res = await coord.update(args.version, args.pause_mode, args.verify_checksum)
+    reply = m.ControlReply(rid, res.error_code, res.error_message, msgspec.to_builtins(res))
+    deps.metrics.control("fleet_update_weights", reply.error_code)
+    return control._echo(request, control.reply_response(reply))
