@@ -249,6 +249,7 @@ class OpenAIRoutes:
             seed=req.seed,
             logprobs=logprobs,
             stop_token_ids=stop_ids,
+            max_staleness=req.max_staleness,
         )
         return Job(
             gen,
