@@ -204,9 +204,10 @@ class EmbeddedOwner:
 def running_embedded(data_dir: Path) -> EmbeddedOwner | None:
     """The embedded nats-server another ``rollbus serve`` of this ``DATA_DIR`` runs."""
     owner = EmbeddedOwner.read(data_dir)
-    if owner is None or owner.launcher_pid == os.getpid() or not owner.serving:
+    if owner is None or owner.launcher_pid == os.getpid():
         return None
-    return owner
+    # both alive: a server whose launcher is gone is on its way out (it dies with it)
+    return owner if owner.serving and owner.owned else None
 
 
 def start_embedded(s: Settings) -> tuple[natsd.NatsServer, dict[str, str]]:
