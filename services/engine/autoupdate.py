@@ -156,6 +156,7 @@ async def track(engine: Engine) -> None:
 
     async def on_event(seq: int, ev: VersionPublished) -> None:
         _learn(engine, seq, ev.version)
+        engine.scheduler.work.set()  # what may start under the staleness bound may change
 
     async def setup() -> Any:
         await objstore.ensure_ckpt_stream(nc, model)
