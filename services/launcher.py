@@ -12,6 +12,7 @@ reported by name and the rest are stopped the same way. Children also get
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import signal
@@ -30,9 +31,11 @@ from services import _signals, natsd
 from services.tiny_model import ensure_tiny_model
 from shared import creds
 from shared.bus import Bus
-from shared.errors import BusUnreachable
+from shared.errors import BusUnreachable, NoResponders, Timeout
 from shared.model_config import ConfigError, ModelConfig, read_hf_config
+from shared.redact import public_url
 from shared.settings import Settings
+from shared.subjects import Subjects
 
 RANK = "worker rank"
 ENGINE_FRESH_START = "ROLLBUS_ENGINE_FRESH_START"  # services.engine.main.FRESH_START_ENV
@@ -43,6 +46,8 @@ RANK_CONFIG_ERROR = 2  # services.worker.main.CONFIG_ERROR: never retried
 STOP_BUDGET_S = 9.0
 STOP_ORDER = (("api", 3.0), ("engine", 2.0), (RANK, 2.0))
 NATS_RESTART_S = 90.0  # how long a dead embedded nats-server is tried again on its port
+OWNER_FILE = "owner.json"  # DATA_DIR/nats/owner.json: which launcher runs the embedded server
+INSTANCE_PROBE_S = 2.0  # how long a running engine of the same instance name may take to answer
 
 # paddle's import-time chatter (glog INFO lines, the ccache warning) is not the user's
 # business; an explicit setting in the environment still wins
@@ -111,15 +116,98 @@ def _say(msg: str) -> None:
     print(f"rollbus: {msg}", file=sys.stderr, flush=True)
 
 
-def check_nats(url: str, tls: ssl.SSLContext | None = None) -> None:
-    async def probe() -> None:
+def check_nats(url: str, tls: ssl.SSLContext | None = None, instance: str = "") -> None:
+    """Connect once (``url`` carries a role's credentials, so this also checks them); with
+    ``instance``, refuse a name an engine already serves on this NATS: its
+    ``rollbus.<instance>.ctl.health`` answers. ``url`` must be a role that may call
+    ``ctl`` (api)."""
+
+    async def probe() -> bool:
         bus = await Bus.connect(url, "rollbus-launcher", timeout=5.0, tls=tls)
-        await bus.close()
+        try:
+            if not instance:
+                return False
+            try:
+                await bus.request(
+                    Subjects(instance).ctl("health"), b"{}", timeout=INSTANCE_PROBE_S
+                )
+            except (NoResponders, Timeout):
+                return False
+            return True
+        finally:
+            await bus.close()
 
     try:
-        asyncio.run(probe())
+        taken = asyncio.run(probe())
     except BusUnreachable as e:
         raise LaunchError(e.message) from None
+    if taken:
+        raise LaunchError(
+            f"instance {instance!r} is already running on NATS {public_url(url)}: "
+            "set ROLLBUS_INSTANCE to another name"
+        )
+
+
+def _alive(pid: int) -> bool:
+    """A live process (not a zombie waiting to be reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@dataclass
+class EmbeddedOwner:
+    """The embedded nats-server of a ``DATA_DIR`` and the launcher that runs it."""
+
+    url: str
+    port: int
+    nats_pid: int
+    launcher_pid: int
+    instance: str
+
+    @staticmethod
+    def path(data_dir: Path) -> Path:
+        return data_dir / "nats" / OWNER_FILE
+
+    @classmethod
+    def read(cls, data_dir: Path) -> EmbeddedOwner | None:
+        try:
+            d = json.loads(cls.path(data_dir).read_text())
+            return cls(
+                str(d["url"]),
+                int(d["port"]),
+                int(d["nats_pid"]),
+                int(d["launcher_pid"]),
+                str(d.get("instance", "")),
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def write(self, data_dir: Path) -> None:
+        f = self.path(data_dir)
+        tmp = f.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.__dict__))
+        os.replace(tmp, f)  # readers never see half a file
+
+    @property
+    def serving(self) -> bool:
+        """Its nats-server runs."""
+        return _alive(self.nats_pid)
+
+    @property
+    def owned(self) -> bool:
+        """Its launcher runs (and may be restarting the server)."""
+        return _alive(self.launcher_pid)
+
+
+def running_embedded(data_dir: Path) -> EmbeddedOwner | None:
+    """The embedded nats-server another ``rollbus serve`` of this ``DATA_DIR`` runs."""
+    owner = EmbeddedOwner.read(data_dir)
+    if owner is None or owner.launcher_pid == os.getpid():
+        return None
+    # both alive: a server whose launcher is gone is on its way out (it dies with it)
+    return owner if owner.serving and owner.owned else None
 
 
 def start_embedded(s: Settings) -> tuple[natsd.NatsServer, dict[str, str]]:
@@ -150,6 +238,8 @@ class Launcher:
         self.settings = settings
         self.children: list[Child] = []
         self.nats: natsd.NatsServer | None = None
+        # the embedded nats-server of our DATA_DIR run by another launcher, which we joined
+        self.joined: EmbeddedOwner | None = None
         self.role_urls: dict[str, str] = {}
         self._stopping = False
         self.rank_retries = 0
@@ -166,14 +256,32 @@ class Launcher:
             raise LaunchError(
                 f"API port {s.api_host}:{s.api_port} is busy: set ROLLBUS_API_PORT to a free port"
             )
-        if s.embedded_nats:
+        tls = creds.client_tls(s.nats_tls_ca, s.nats_tls_client_cert, s.nats_tls_client_key)
+        if s.embedded_nats and (owner := running_embedded(s.data_dir)) is not None:
+            # another `rollbus serve` of this DATA_DIR runs the embedded server: join it
+            # with the generated credentials, start only our engine, ranks and api
+            try:
+                users = {r: creds.load(s.creds_dir, r) for r in creds.ROLES}
+            except creds.CredsError as e:
+                raise LaunchError(
+                    f"cannot join the embedded nats-server at {owner.url}: {e}"
+                ) from None
+            self.role_urls = {r: creds.with_creds(owner.url, *users[r]) for r in creds.ROLES}
+            check_nats(self.role_urls["api"], tls, s.instance)
+            self.joined = owner
+            s = s.model_copy(update={"nats_url": owner.url})
+            _say(
+                f"joined the embedded nats-server at {owner.url} of {s.data_dir} (run by "
+                f"instance {owner.instance!r}, launcher pid {owner.launcher_pid})"
+            )
+        elif s.embedded_nats:
             self.nats, self.role_urls = start_embedded(s)
+            self._claim()
             s = s.model_copy(update={"nats_url": self.nats.url})
             _say(f"embedded nats-server at {self.nats.url} (store {s.data_dir / 'nats'})")
         else:
             self.role_urls = {r: creds.role_url(s.nats_url, r, s.creds_dir) for r in creds.ROLES}
-            tls = creds.client_tls(s.nats_tls_ca, s.nats_tls_client_cert, s.nats_tls_client_key)
-            check_nats(self.role_urls["engine"], tls)
+            check_nats(self.role_urls["api"], tls, s.instance)
         if not s.model:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # paddle's import-time chatter
@@ -184,6 +292,47 @@ class Launcher:
         )
         self.settings = s
         return s
+
+    def _claim(self) -> None:
+        """Record that this launcher runs the embedded server of its DATA_DIR (another
+        ``rollbus serve`` of the same DATA_DIR joins it instead of starting one)."""
+        assert self.nats is not None
+        EmbeddedOwner(
+            self.nats.url, self.nats.port, self.nats.proc.pid, os.getpid(), self.settings.instance
+        ).write(self.settings.data_dir)
+
+    def _release(self) -> None:
+        owner = EmbeddedOwner.read(self.settings.data_dir)
+        if owner is not None and owner.launcher_pid == os.getpid():
+            EmbeddedOwner.path(self.settings.data_dir).unlink(missing_ok=True)
+
+    def _take_over(self) -> None:
+        """A joined instance whose embedded server is gone with its launcher (that stack
+        stopped) starts the server again itself, on the same port, store and credentials:
+        our processes reconnect by themselves, as after a restart of the server. Several
+        joined instances may race for the port: one wins, the others join it."""
+        joined = self.joined
+        assert joined is not None
+        current = EmbeddedOwner.read(self.settings.data_dir)
+        if current is not None and (current.serving or current.owned):
+            if current.launcher_pid != joined.launcher_pid and current.serving:
+                self.joined = current  # another joined instance took it over first
+                _say(
+                    f"the embedded nats-server at {current.url} is now run by instance "
+                    f"{current.instance!r}"
+                )
+            return  # running, or its launcher is restarting it
+        s = self.settings.model_copy(update={"nats_port": joined.port})
+        try:
+            self.nats, _ = start_embedded(s)
+        except LaunchError:
+            return  # e.g. another instance took the port first: looked at again next round
+        self.joined = None
+        self._claim()
+        _say(
+            f"the embedded nats-server of instance {joined.instance!r} stopped with it: "
+            f"this instance runs it now at {self.nats.url}"
+        )
 
     def spawn(self, name: str, args: list[str], extra_env: dict[str, str] | None = None) -> None:
         env = {**QUIET_ENV, **os.environ, **self.settings.to_env(), **(extra_env or {})}
@@ -255,6 +404,7 @@ class Launcher:
         while not self._stopping:
             try:
                 self.nats, _ = start_embedded(s)
+                self._claim()
                 return True
             except LaunchError as e:
                 if time.monotonic() > deadline:
@@ -310,7 +460,7 @@ class Launcher:
         process within ``ROLLBUS_RESTART_WINDOW_S`` stop the stack, naming the process.
         """
         ready = ready_once = False
-        next_probe = 0.0
+        next_probe = next_owner_check = 0.0
         while not self._stopping:
             for c in list(self.children):
                 code = c.proc.poll()
@@ -335,6 +485,9 @@ class Launcher:
                 if not self._restart_nats():
                     return 1
                 ready = False
+            if self.joined is not None and time.monotonic() >= next_owner_check:
+                next_owner_check = time.monotonic() + 0.5
+                self._take_over()
             if not ready and time.monotonic() >= next_probe:
                 ready = self._health()
                 next_probe = time.monotonic() + 0.5
@@ -376,6 +529,7 @@ class Launcher:
             self.nats.stop(max(0.5, deadline - time.monotonic()))
             stopped.append("nats-server")
             self.nats = None
+            self._release()  # a joined instance may take the server over now
         if self._stopping and stopped:
             _say(f"stopped {', '.join(stopped)} in {time.monotonic() - t0:.1f}s")
         self.children = []

@@ -221,6 +221,9 @@ class GenRequest(msgspec.Struct):
     stop_token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS + 16)] = (
         msgspec.field(default_factory=list)
     )
+    # the request's own staleness bound (versions behind the newest announced); the
+    # stricter of it and ROLLBUS_MAX_STALENESS applies; None = the setting's
+    max_staleness: Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)] | None = None
 
 
 class VersionSpan(msgspec.Struct, array_like=True):

@@ -89,6 +89,12 @@ class Settings(BaseSettings):
         30.0, gt=0, description="no step progress (or a rank stuck in a step) this long: 503"
     )
     auto_update: bool = False
+    max_staleness: int | None = Field(
+        None,
+        ge=0,
+        description="versions behind the newest announced before new requests wait; "
+        "empty = no bound, 0 = strictly on-policy",
+    )
     auto_update_pause_mode: Literal["abort", "wait", "keep"] = "keep"
     auto_update_verify_checksum: bool = Field(
         True, description="auto-update verifies SHA-256 against the version's manifest"
@@ -122,6 +128,14 @@ class Settings(BaseSettings):
     def _alias_strategy(cls, v: object) -> object:
         if isinstance(v, str):
             return LOAD_STRATEGY_ALIASES.get(v.strip().lower(), v.strip().lower())
+        return v
+
+    @field_validator("max_staleness", mode="before")
+    @classmethod
+    def _no_bound(cls, v: object) -> object:
+        # unset, empty or "none": no staleness bound (what to_env writes for None)
+        if v is None or (isinstance(v, str) and v.strip().lower() in ("", "none")):
+            return None
         return v
 
     @field_validator("instance")
@@ -165,6 +179,8 @@ class Settings(BaseSettings):
         for name, value in self.model_dump().items():
             if isinstance(value, bool):
                 value = "true" if value else "false"
+            elif value is None:
+                value = ""  # an optional setting left unset (read back as None)
             env[f"ROLLBUS_{name.upper()}"] = str(value)
         return env
 

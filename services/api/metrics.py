@@ -77,6 +77,21 @@ class Metrics:
             "Reasons /health answers 503 now (stall, stuck rank, mismatch, ...)",
             registry=r,
         )
+        self.staleness = Gauge(
+            "rollbus_staleness_versions",
+            "Versions the serving version is behind the newest announced for the model",
+            registry=r,
+        )
+        self.staleness_bound = Gauge(
+            "rollbus_staleness_bound",
+            "ROLLBUS_MAX_STALENESS (-1 = no bound)",
+            registry=r,
+        )
+        self.staleness_waiting = Gauge(
+            "rollbus_staleness_waiting",
+            "New requests waiting because the serving version is over their staleness bound",
+            registry=r,
+        )
         self._seen: dict[tuple[int, str, str], float] = {}
 
     def control(self, method: str, code: int) -> None:
@@ -115,6 +130,11 @@ class Metrics:
         self.health_problems.set(len(health.get("problems") or []))
         self.is_paused.set(0 if health.get("state") == "running" else 1)
         self.ranks_alive.set(1 if health.get("ranks_alive") else 0)
+        stale = health.get("staleness") or {}
+        self.staleness.set(int(stale.get("behind", 0)))
+        bound = stale.get("max_staleness")
+        self.staleness_bound.set(-1 if bound is None else int(bound))
+        self.staleness_waiting.set(int(stale.get("waiting", 0)))
         self.weight_version.clear()
         self.weight_version.labels(str(health.get("weight_version", ""))).set(1)
 

@@ -362,6 +362,7 @@ class OpenAIRoutes:
                 logprobs=logprobs,
                 top_logprobs=top,
                 stop_token_ids=stop_ids,
+                max_staleness=req.max_staleness,
             )
             for ids, budget in zip(prompts, budgets, strict=True)
         ]

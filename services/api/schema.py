@@ -64,6 +64,9 @@ class Sampling(msgspec.Struct, kw_only=True):
     logit_bias: Annotated[dict[str, Bias], Meta(max_length=MAX_LOGIT_BIAS)] | None = None
     min_tokens: Annotated[int, Meta(ge=0, le=TOKEN_LIMIT)] | None = None
     user: Annotated[str, Meta(max_length=1024)] | None = None
+    # rollbus: this request's staleness bound (README "Staleness"); the stricter of it and
+    # ROLLBUS_MAX_STALENESS applies
+    max_staleness: Annotated[int, Meta(ge=0, le=INT64_MAX)] | None = None
 
 
 class CompletionRequest(Sampling, kw_only=True):

@@ -4,7 +4,8 @@ Two long-running tasks per engine (:func:`tasks`):
 
 * :func:`track` — always on: an ordered consumer over every event of the served model
   keeps ``engine.latest_published`` (the default of ``update_weights`` when the model
-  dir has no ``version.txt``) and a version → stream-sequence index.
+  dir has no ``version.txt``) and a version → stream-sequence index, which also gives
+  the serving version's staleness (:func:`staleness_of`, ``ROLLBUS_MAX_STALENESS``).
 * :func:`follow` — with ``ROLLBUS_AUTO_UPDATE=true``: a durable pull consumer (one
   durable per instance and model, so a restarted engine resumes where it acked) takes
   every waiting event at once and acts on the newest only: under the engine's control
@@ -41,7 +42,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from services.engine import control
+from services.engine import control, staleness
 from services.engine.state import State
 from shared import messages as m
 from shared import objstore
@@ -69,12 +70,14 @@ class VersionIndex:
     latest_seq: int = 0
     latest: str = ""
     served_seq: int = 0  # the highest sequence of any version this engine has served
+    changes: int = 0  # bumped whenever ``seqs`` changes (staleness is cached on it)
 
     def add(self, version: str, seq: int) -> None:
         old = self.seqs.get(version)
         if old is not None and old <= seq:
             return  # a re-announcement keeps the version's first place
         self.seqs[version] = seq
+        self.changes += 1
         if old is not None:  # learned out of order: recompute
             self.latest, self.latest_seq = max(self.seqs.items(), key=lambda kv: kv[1])
         elif seq > self.latest_seq:
@@ -127,6 +130,13 @@ def _learn(engine: Engine, seq: int, version: str) -> None:
     engine.latest_published = idx.latest
 
 
+def staleness_of(engine: Engine) -> tuple[int, str]:
+    """``(versions behind, newest announced)`` for the serving version, from the index
+    :func:`track` keeps current (auto-update on or off)."""
+    idx = index_of(engine)
+    return staleness.versions_behind(idx.seqs, engine.state.weight_version), idx.latest
+
+
 async def _until_ok(what: str, fn: Callable[[], Awaitable[T]]) -> T:
     """``fn()`` until it succeeds: JetStream may come up after the engine."""
     while True:
@@ -146,6 +156,7 @@ async def track(engine: Engine) -> None:
 
     async def on_event(seq: int, ev: VersionPublished) -> None:
         _learn(engine, seq, ev.version)
+        engine.scheduler.work.set()  # what may start under the staleness bound may change
 
     async def setup() -> Any:
         await objstore.ensure_ckpt_stream(nc, model)

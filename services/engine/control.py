@@ -242,6 +242,8 @@ async def status(eng: Engine, _: object = None) -> dict[str, Any]:
         "pid": os.getpid(),
         # requests waiting for replies (0 when idle) and late replies dropped
         "bus": {"pending": eng.bus.pending, "dropped": eng.bus.dropped_replies},
+        # versions behind the newest announced, the bound, requests it holds
+        "staleness": eng.scheduler.staleness_report().to_dict(),
         **eng.scheduler.counts(),
     }
 
@@ -270,4 +272,5 @@ def health(eng: Engine, _: object = None) -> dict[str, Any]:
         "weight_version": eng.state.weight_version,
         "model": eng.settings.served_model_name,
         "max_model_len": eng.max_model_len,
+        "staleness": eng.scheduler.staleness_report().to_dict(),
     }

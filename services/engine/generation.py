@@ -36,6 +36,7 @@ import msgspec
 from nats.aio.msg import Msg
 from nats.micro.service import Service
 
+from services.engine import autoupdate, staleness
 from services.engine.scheduler import Output, Scheduler, Seq
 from shared import messages as m
 from shared.bus import REQUEST_ID
@@ -87,6 +88,8 @@ class Generation:
         self.last_progress = time.monotonic()
         self.in_step = 0  # number of the step in flight, 0 when none
         self.supervisor: Supervisor | None = None
+        self._behind_key: tuple[int, str] | None = None
+        self._behind = 0
 
     # ------------------------------------------------------------------ bus side
 
@@ -210,7 +213,10 @@ class Generation:
         for rid in self._cancels:
             await self._end(self.sched.abort(rid, "abort"))
         self._cancels.clear()
-        plan = self.sched.schedule(admit=self.admit, run=self.run)
+        bound, behind = self._staleness_gate()
+        plan = self.sched.schedule(
+            admit=self.admit, run=self.run, behind=behind, max_staleness=bound
+        )
         if plan is None:
             self.work.clear()
             if not self.sched.running:
@@ -224,6 +230,38 @@ class Generation:
             return
         self.last_progress = time.monotonic()
         await self._publish(outputs)
+
+    def _staleness_gate(self) -> tuple[int | None, int]:
+        """``(ROLLBUS_MAX_STALENESS, versions behind)`` for this step's admissions; the
+        count is only taken when some bound exists (setting or a waiting request's)."""
+        bound = getattr(self.engine.settings, "max_staleness", None)
+        if bound is None and not any(
+            r.gen.max_staleness is not None for r in self.sched.requests.values() if not r.started
+        ):
+            return None, 0
+        return bound, self.behind()
+
+    def behind(self) -> int:
+        """Versions the serving one is behind the newest announced (cached per change of
+        the version index or of the serving version)."""
+        idx = autoupdate.index_of(self.engine)
+        key = (idx.changes, self.engine.state.weight_version)
+        if key != self._behind_key:
+            self._behind_key = key
+            self._behind = staleness.versions_behind(idx.seqs, key[1])
+        return self._behind
+
+    def staleness_report(self) -> staleness.Staleness:
+        """``/v1/status`` ``staleness`` and the metrics' gauges."""
+        bound = self.engine.settings.max_staleness
+        behind = self.behind()
+        return staleness.Staleness(
+            behind=behind,
+            max_staleness=bound,
+            newest=autoupdate.index_of(self.engine).latest,
+            serving=self.engine.state.weight_version,
+            waiting=self.sched.held(behind, bound),
+        )
 
     async def _step(self, plan: Any) -> list[Output]:
         """Send one step; a rank's error or no reply within CONTROL_TIMEOUT_S raises 503."""
@@ -263,11 +301,11 @@ class Generation:
         if age < self.engine.settings.stall_s:
             return None
         if not self.active:
-            if self.admit and self.run and self.sched.requests:
-                return (
-                    f"step loop stalled: idle for {age:.0f}s while "
-                    f"{len(self.sched.requests)} requests wait"
-                )
+            # requests held by the staleness bound wait by design, like those of a pause
+            bound, behind = self._staleness_gate()
+            waiting = len(self.sched.requests) - self.sched.held(behind, bound)
+            if self.admit and self.run and waiting > 0:
+                return f"step loop stalled: idle for {age:.0f}s while {waiting} requests wait"
             return None
         where = f" (step {self.in_step} in flight)" if self.in_step else ""
         return (

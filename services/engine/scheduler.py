@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from services.engine import staleness
 from shared import messages as m
 
 
@@ -233,18 +234,44 @@ class Scheduler:
             order += [q[i] for q in queues if i < len(q)]
         return order
 
-    def schedule(self, *, admit: bool = True, run: bool = True) -> Plan | None:
+    def held(self, behind: int, max_staleness: int | None) -> int:
+        """Requests that may not start now: ``behind`` versions is over their staleness
+        bound (``max_staleness``, the setting, or their own, whichever is stricter)."""
+        return sum(
+            1
+            for r in self.requests.values()
+            if not r.started and staleness.holds(behind, max_staleness, r.gen.max_staleness)
+        )
+
+    @staticmethod
+    def _may_start(seq: Seq, behind: int, max_staleness: int | None) -> bool:
+        """A waiting sequence may be admitted: a started one (preempted, forked) always,
+        a new one while within its staleness bound."""
+        req = seq.req
+        return req.started or not staleness.holds(behind, max_staleness, req.gen.max_staleness)
+
+    def schedule(
+        self,
+        *,
+        admit: bool = True,
+        run: bool = True,
+        behind: int = 0,
+        max_staleness: int | None = None,
+    ) -> Plan | None:
         """The next step, or None when there is nothing to do.
 
         Nothing at all is sent while ``run`` is off (paused or asleep): pending block
         copies and finished ids wait for the next real step, since the ranks may have
-        freed their KV cache meanwhile."""
+        freed their KV cache meanwhile. ``behind`` (versions the serving one is behind the
+        newest announced) and ``max_staleness``: a request that has not started yet and is
+        over its bound stays in the queue (see :mod:`services.engine.staleness`)."""
         if not run:
             return None
         rows: list[m.StepRow] = []
         seqs: list[Seq] = []
         budget = self.max_step_tokens
-        for seq in self._fair_order(admit and bool(self.waiting)):
+        admitting = admit and any(self._may_start(s, behind, max_staleness) for s in self.waiting)
+        for seq in self._fair_order(admitting):
             if seq not in self.running or len(rows) >= self.max_batch or budget <= 0:
                 continue
             upto = min(len(seq.tokens), seq.num_computed + budget)
@@ -259,19 +286,20 @@ class Scheduler:
             budget -= len(row.token_ids)
             rows.append(row)
             seqs.append(seq)
-        if admit:
-            while self.waiting and len(rows) < self.max_batch and budget > 0:
-                seq = self.waiting[0]
-                upto = min(len(seq.tokens), seq.num_computed + budget)
-                if not self._ensure_blocks(seq, upto):
-                    break
-                self.waiting.popleft()
-                self.running.append(seq)
-                seq.req.started = True
-                row = self._row(seq, budget)
-                budget -= len(row.token_ids)
-                rows.append(row)
-                seqs.append(seq)
+        ready = [s for s in self.waiting if self._may_start(s, behind, max_staleness)]
+        for seq in ready if admit else []:
+            if len(rows) >= self.max_batch or budget <= 0:
+                break
+            upto = min(len(seq.tokens), seq.num_computed + budget)
+            if not self._ensure_blocks(seq, upto):
+                break
+            self.waiting.remove(seq)
+            self.running.append(seq)
+            seq.req.started = True
+            row = self._row(seq, budget)
+            budget -= len(row.token_ids)
+            rows.append(row)
+            seqs.append(seq)
         if not rows and not self._copies and not self._finished_ids:
             return None
         self._step += 1
