@@ -1,0 +1,44 @@
+"""shared.sharding: views and copies agree for every rule, including fewer kv heads than
+ranks (each rank holds the kv head its query heads read), and a published shard holds
+exactly what the rank would cut from the full tensor."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from safetensors.numpy import load
+
+from services.trainer.shards import serialize
+from shared.model_config import ModelConfig
+from shared.sharding import full_shapes, init_weights, shard_shape, shard_tensor, shard_view
+
+
+def cfg(kv: int) -> ModelConfig:
+    return ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                       num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=kv,
+                       attention_bias=True)  # fmt: skip
+
+
+@pytest.mark.parametrize(("kv", "tp"), [(4, 2), (2, 4), (1, 2), (1, 4)])
+def test_view_equals_copy_and_is_a_view(kv: int, tp: int) -> None:
+    c = cfg(kv)
+    full = init_weights(c, 0)
+    for name, w in full.items():
+        parts = [shard_view(c, name, w, r, tp) for r in range(tp)]
+        for r, part in enumerate(parts):
+            assert part.shape == shard_shape(c, name, w.shape, r, tp)
+            np.testing.assert_array_equal(part, shard_tensor(c, name, w, r, tp))
+            assert np.shares_memory(part, w)
+
+
+@pytest.mark.parametrize(("kv", "tp"), [(1, 2), (2, 4)])
+def test_published_shards_replicate_kv_heads(kv: int, tp: int) -> None:
+    c = cfg(kv)
+    full = init_weights(c, 1)
+    blobs, man = serialize(c, full, tp, "m", "v1")
+    for r, blob in enumerate(blobs):
+        got = load(bytes(blob))
+        assert set(got) == set(full_shapes(c))
+        for name, w in full.items():
+            np.testing.assert_array_equal(got[name], shard_tensor(c, name, w, r, tp))
+        assert man.shards[r].tensors["model.layers.0.self_attn.k_proj.weight"].shape == [8, 32]
