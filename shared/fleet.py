@@ -432,6 +432,8 @@ class Coordinator:
         for n, (code, msg, res) in zip(names, ends, strict=True):
             o = outcomes[n]
             o.version = str(res.get("weight_version", ""))
+            if code == 200 and not o.previous_version:  # its stage failed: it never moved
+                o.previous_version = o.version
             if code != 200:
                 o.outcome = "unknown"
                 if o.error_code == 200:

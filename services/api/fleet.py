@@ -5,6 +5,8 @@ the reply is the control reply shape with the fleet result; HTTP status = ``erro
 
 from __future__ import annotations
 
+import logging
+
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
@@ -14,7 +16,9 @@ from services.api.deps import Deps
 from shared import fleet as f
 from shared import messages as m
 from shared.bus import new_request_id
-from shared.errors import ControlError
+from shared.errors import INTERNAL, ControlError
+
+log = logging.getLogger("rollbus.api.fleet")
 
 
 async def update_weights(deps: Deps, request: Request) -> Response:
@@ -30,7 +34,11 @@ async def update_weights(deps: Deps, request: Request) -> Response:
         deps.bus, deps.settings.control_timeout_s, name=f"api:{deps.settings.instance}",
         test_commit_delay_s=deps.settings.test_fleet_commit_delay_s,
     )
-    res = await coord.update(args.version, args.pause_mode, args.verify_checksum)
-    reply = m.ControlReply(rid, res.error_code, res.error_message, msgspec.to_builtins(res))
+    try:
+        res = await coord.update(args.version, args.pause_mode, args.verify_checksum)
+        reply = m.ControlReply(rid, res.error_code, res.error_message, msgspec.to_builtins(res))
+    except Exception as e:  # a bug answers; the instances follow the record by themselves
+        log.exception("fleet update failed")
+        reply = m.ControlReply(rid, INTERNAL, f"fleet coordinator failed: {e!r}")
     deps.metrics.control("fleet_update_weights", reply.error_code)
     return control._echo(request, control.reply_response(reply))

@@ -336,6 +336,24 @@ def test_coordinator_killed_between_stage_and_commit(fleet: Fleet) -> None:
         assert generate(s) == old
 
 
+def test_a_late_coordinator_cannot_commit(fleet: Fleet) -> None:
+    """A coordinator slower than CONTROL_TIMEOUT_S between stage and commit: the instances
+    abort first (CAS), so its commit decision fails and it reports the abort."""
+    old = fleet.versions()[fleet.a.instance][0]
+    v = fleet.new_version()
+    r = subprocess.run(
+        [sys.executable, "-m", "services.cli", "fleet", "update", "--version", v, "--json"],
+        env=fleet.env(ROLLBUS_TEST_FLEET_COMMIT_DELAY_S=str(CT + 4)),
+        capture_output=True, text=True, timeout=BOUND,
+    )
+    assert r.returncode == 1, r.stdout + r.stderr
+    res = json.loads(r.stdout[r.stdout.index("{"):])
+    assert res["decision"] == "abort" and res["error_code"] == 503, res
+    assert "did not hear from the coordinator" in res["error_message"]
+    assert record(fleet, res["txn"]).decision == "abort"  # type: ignore[union-attr]
+    _all_on(fleet, old)
+
+
 def _kill_during(fleet: Fleet, phase: str, what: str) -> tuple[httpx.Response, str, str]:
     """Fleet update from A; SIGKILL C's rank or engine inside C's rank's ``phase`` delay."""
     old = fleet.versions()[fleet.a.instance][0]
