@@ -7,6 +7,13 @@ SIGTERM (SIGKILL past its share of :data:`STOP_BUDGET_S`). Once the stack has be
 a child that dies is restarted (see :meth:`Launcher.monitor`); before that, a death is
 reported by name and the rest are stopped the same way. Children also get
 ``PR_SET_PDEATHSIG``, so even a ``kill -9`` of the launcher leaves no orphans.
+
+Several instances on one ``DATA_DIR``: the launcher that starts the embedded nats-server
+records it in ``DATA_DIR/nats/owner.json``; another ``rollbus serve`` of that ``DATA_DIR``
+(another ``ROLLBUS_INSTANCE`` and API port) joins that server with the generated
+credentials instead of starting one, never stops it, and takes it over (same port, store
+and credentials) once the owner's stack has stopped. An instance name an engine already
+serves on the NATS is refused (exit 2).
 """
 
 from __future__ import annotations
