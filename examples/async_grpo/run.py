@@ -41,8 +41,8 @@ import numpy as np
 
 from examples.async_grpo import grpo, task
 
-FIELDS = ["t_s", "step", "mode", "version", "reward", "staleness_mean", "staleness_max",
-          "rollout_tokens", "rows", "loss", "clipped"]
+FIELDS = ["t_s", "step", "mode", "version", "behaviour_version", "reward", "staleness_mean",
+          "staleness_max", "rollout_tokens", "rows", "loss", "clipped"]
 
 
 def free_port() -> int:
@@ -344,6 +344,8 @@ def train(served: Served, model: Any, opts: Options, versions: Versions, tp: int
                                             zip(picks, seeds, strict=True)))
             stats = learner.step(groups)
             st_mean, st_max = _staleness(groups, versions, current)
+            behaviour = float(np.mean([min(versions.index(v) for v in s.versions)
+                                       for g in groups for s in g.samples]))
             if step % opts.publish_every == 0:
                 name = versions.name(step)
                 fut = publisher.submit(name, snapshot(model))
@@ -353,7 +355,7 @@ def train(served: Served, model: Any, opts: Options, versions: Versions, tp: int
                     wait_served(rollouts, name)
             row = {
                 "t_s": round(time.perf_counter() - t0, 3), "step": step, "mode": opts.mode,
-                "version": current,
+                "version": current, "behaviour_version": behaviour,
                 "reward": float(np.mean([s.reward for g in groups for s in g.samples])),
                 "staleness_mean": st_mean, "staleness_max": st_max,
                 "rollout_tokens": rollouts.tokens, "rows": stats["rows"],
