@@ -1,4 +1,4 @@
-"""``just bench`` / ``python -m tests.bench [control|generation|checkpoint|soak ...]``.
+"""``just bench`` / ``python -m tests.bench [control|generation|checkpoint|soak|grpo ...]``.
 
 Every benchmark measures its baseline in the same run and prints the ratio. The tables
 go to stdout and, machine-readable, to ``bench.json`` (``--json``); the README's
@@ -25,7 +25,7 @@ from tests.bench.common import Table, missed
 def main() -> None:
     ap = argparse.ArgumentParser(prog="bench")
     ap.add_argument(
-        "parts", nargs="*", default=["control", "generation", "checkpoint", "soak"]
+        "parts", nargs="*", default=["control", "generation", "checkpoint", "soak", "grpo"]
     )
     ap.add_argument("--calls", type=int, default=0, help="control calls per run and path")
     ap.add_argument("--runs", type=int, default=5, help="runs per cell (>= 5 for the README)")
@@ -57,6 +57,10 @@ def main() -> None:
             from tests.bench import checkpoint
 
             tables += checkpoint.run(tmp, server.url, runs=runs, quick=quick)
+        if "grpo" in args.parts:  # starts its own stacks (embedded nats-server each)
+            from tests.bench import grpo
+
+            tables += grpo.run(tmp, runs=runs, quick=quick)
         if "soak" in args.parts:
             from tests.bench import soak
 
