@@ -387,7 +387,7 @@ def wait_served(rollouts: Rollouts, version: str, timeout: float = 120) -> None:
     while rollouts.version() != version:
         if time.monotonic() > deadline:
             raise TimeoutError(f"the instance did not switch to {version} in {timeout:g}s")
-        time.sleep(0.02)
+        time.sleep(0.05)
 
 
 # --------------------------------------------------------------------------- outputs
@@ -466,14 +466,16 @@ def run(opts: Options, out: Path, *, tp: int = 1, api_url: str = "", nats_url: s
 def policy_from_instance(served: Served) -> Any:
     """A policy equal to what a running instance serves: its config, and its weights read
     back with ``rollout_state_dict`` (mapped to the training names)."""
+    import asyncio
+
     import paddle
 
     from examples.async_grpo.policy import LlamaForCausalLM
     from services.trainer import CheckpointPublisher, names, rollout_state_dict
     from shared.model_config import ModelConfig
 
-    cfg = CheckpointPublisher(served.nats_url, instance=served.instance)
-    hf = __import__("asyncio").run(cfg.served_config())
+    pub = CheckpointPublisher(served.nats_url, instance=served.instance)
+    hf = asyncio.run(pub.served_config())
     m = LlamaForCausalLM(hf)
     state = rollout_state_dict(served.nats_url, served.instance)
     m.set_state_dict({k: paddle.to_tensor(v) for k, v in
