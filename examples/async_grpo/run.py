@@ -192,7 +192,12 @@ class Rollouts:
         return grpo.Group(a, b, samples)
 
     def version(self) -> str:
-        return str(self._http.get("/v1/status").json()["weight_version"])
+        """The served version ("" while ``/v1/status`` cannot answer, e.g. mid-update)."""
+        try:
+            r = self._http.get("/v1/status")
+        except httpx.HTTPError:
+            return ""
+        return str(r.json().get("weight_version", "")) if r.status_code == 200 else ""
 
     def close(self) -> None:
         self._http.close()
