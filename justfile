@@ -29,6 +29,11 @@ compat *ARGS:
     python -m pip install -q 'torch==2.13.0+cpu' transformers 2>/dev/null || { python -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu && python -m pip install -q transformers; }
     python -m pytest -q tests/compat {{ARGS}}
 
+# asynchronous GRPO on rollbus (examples/async_grpo): starts `rollbus serve` itself (free
+# ports, own DATA_DIR) and writes metrics.csv + reward.png to .data/examples/async_grpo
+example *ARGS:
+    python -m examples.async_grpo {{ARGS}}
+
 # benchmarks with their baselines, same run; prints tables with ratios
 bench *ARGS:
     python -m tests.bench {{ARGS}}

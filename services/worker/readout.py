@@ -108,7 +108,8 @@ class Reads:
             msg = f"offset {args.offset} out of range"
             return ro.Chunk(error_code=BAD_REQUEST, error_message=msg)
         r.used = time.monotonic()
-        return ro.Chunk(offset=args.offset, data=bytes(r.buf[args.offset : args.offset + r.chunk]))
+        end = args.offset + r.chunk
+        return ro.Chunk(offset=args.offset, data=bytes(memoryview(r.buf)[args.offset : end]))
 
 
 def _host(t: Any) -> np.ndarray:

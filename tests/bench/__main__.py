@@ -1,4 +1,4 @@
-"""``just bench`` / ``python -m tests.bench [control|generation|checkpoint|soak|fleet ...]``.
+"""``just bench`` / ``python -m tests.bench [control|generation|checkpoint|soak|fleet|grpo ...]``.
 
 Every benchmark measures its baseline in the same run and prints the ratio. The tables
 go to stdout and, machine-readable, to ``bench.json`` (``--json``); the README's
@@ -25,7 +25,9 @@ from tests.bench.common import Table, missed
 def main() -> None:
     ap = argparse.ArgumentParser(prog="bench")
     ap.add_argument(
-        "parts", nargs="*", default=["control", "generation", "checkpoint", "soak", "fleet"],
+        "parts",
+        nargs="*",
+        default=["control", "generation", "checkpoint", "soak", "fleet", "grpo"],
         help="which benchmarks (default: all); e.g. `python -m tests.bench fleet` runs only that",
     )
     ap.add_argument("--calls", type=int, default=0, help="control calls per run and path")
@@ -62,6 +64,10 @@ def main() -> None:
             from tests.bench import fleet
 
             tables += fleet.run(tmp, server.url, runs=runs, quick=quick)
+        if "grpo" in args.parts:  # starts its own stacks (embedded nats-server each)
+            from tests.bench import grpo
+
+            tables += grpo.run(tmp, runs=runs, quick=quick)
         if "soak" in args.parts:
             from tests.bench import soak
 

@@ -1,0 +1,5 @@
+import sys
+
+from examples.async_grpo.run import main
+
+sys.exit(main())
