@@ -363,6 +363,8 @@ class TPModel:
 
     def _all_reduce(self, t: paddle.Tensor) -> paddle.Tensor:
         if self.tp > 1:
+            if not t.is_contiguous():  # _linear's output is a transposed view
+                t = t.contiguous()
             dist.all_reduce(t, group=self.group)
         return t
 
