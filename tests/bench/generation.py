@@ -1,11 +1,18 @@
-"""Generation throughput through the bus and HTTP vs the same model stepping on the ranks
-with no bus (same run, same weights), and time-to-abort with 16 running requests."""
+"""Generation throughput: rollbus over HTTP (and the bus) against transformers' ``generate``
+on the same weights and batch, and against the same ranks stepping with no bus
+(``selfbench``), at TP=2 and TP=1 in the same run; time-to-abort with 16 running requests.
+
+The model is built with transformers' own classes (:mod:`tests.bench.hf_generate`) and
+both stacks serve that directory, so every row computes the same thing."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import os
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -21,10 +28,11 @@ from tests.e2e.stack import Stack
 
 log = logging.getLogger("bench")
 
-MODEL = {
+MODEL = {  # the 8-layer hidden-1024 fp32 model (≈ 390 MiB)
     "vocab_size": 4096, "hidden_size": 1024, "intermediate_size": 2816,
     "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 8,
 }
+TPS = (2, 1)  # both stacks in the same run: 2 ranks x 1 thread, 1 rank x 2 threads
 PROMPT_LEN = 16
 STEPS = 64
 
@@ -44,8 +52,10 @@ def _gen(i: int) -> m.GenRequest:
 
 async def via_bus(bus: Bus, s: Subjects, batch: int) -> float:
     async def one(i: int) -> int:
-        n = 0
-        async for rep in bus.stream(s.gen, m.pack(_gen(i)), idle_timeout=120):
+        n, gen = 0, _gen(i)
+        # the engine echoes the request's id in each chunk's header: correlate on it
+        stream = bus.stream(s.gen, m.pack(gen), idle_timeout=120, request_id=gen.request_id)
+        async for rep in stream:
             c = m.unpack(rep.data, type=m.GenChunk)
             n += len(c.token_ids)
             if c.finish_reason:
@@ -107,55 +117,138 @@ async def time_to_abort(base: str, rounds: int) -> list[float]:
     return out
 
 
+class HFBaseline:
+    """transformers' ``generate`` in its own process (see :mod:`tests.bench.hf_generate`)."""
+
+    def __init__(self, model_dir: Path, batch: int, log_path: Path) -> None:
+        self.log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.bench.hf_generate", "serve", str(model_dir),
+             str(batch), str(PROMPT_LEN), str(STEPS)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline().strip()
+        if line != "ready":
+            self.stop()
+            tail = log_path.read_text()[-2000:]
+            raise RuntimeError(f"transformers baseline did not start: {tail}")
+
+    def run(self) -> float:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        return float(json.loads(self.proc.stdout.readline())["tokens_per_s"])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
 def run(tmp: Path, nats_url: str, runs: int = 5, quick: bool = False,
         model: dict[str, Any] | None = None) -> list[Table]:
     global STEPS
-    STEPS = 8 if quick else 32  # 32 output tokens per request keeps 5 runs near 3 minutes
-    stack: Stack = start_stack_retry(
-        tmp / "gen", nats_url, tp=2, model_config=model or MODEL, model_name="bench",
-        env={"ROLLBUS_KV_CACHE_BLOCKS": "1024", "ROLLBUS_CONTROL_TIMEOUT_S": "120"},
+    STEPS = 8 if quick else 64
+    model_dir = tmp / "gen" / "models" / "bench"
+    model_dir.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run(
+        [sys.executable, "-m", "tests.bench.hf_generate", "build", str(model_dir),
+         json.dumps(model or MODEL)],
+        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
+    stacks: dict[int, Stack] = {}
+    hf: HFBaseline | None = None
     try:
-        cfg = json.loads((stack.model_dir / "config.json").read_text())
-        return asyncio.run(_run(stack, cfg, runs))
+        for tp in TPS:
+            stacks[tp] = start_stack_retry(
+                tmp / f"gen-tp{tp}", nats_url, tp=tp, model_dir=model_dir, model_name="bench",
+                env={"ROLLBUS_KV_CACHE_BLOCKS": "1024" if tp == 2 else "256",
+                     "ROLLBUS_CONTROL_TIMEOUT_S": "120"},
+            )
+        hf = HFBaseline(model_dir, 16, tmp / "gen" / "hf.log")
+        cfg = json.loads((model_dir / "config.json").read_text())
+        return asyncio.run(_run(stacks, hf, cfg, runs))
     finally:
-        stack.stop()
+        if hf is not None:
+            hf.stop()
+        for stack in stacks.values():
+            stack.stop()
 
 
-async def _run(stack: Stack, cfg: dict[str, Any], runs: int) -> list[Table]:
-    bus = await Bus.connect(stack.nats_url, "bench-gen")
-    s = Subjects(stack.instance)
+HF = "transformers generate (torch CPU fp32, threads = cores)"
+
+
+def _inproc(tp: int) -> str:
+    return f"in-process tp={tp} (ranks step with no bus, `selfbench`)"
+
+
+async def _run(stacks: dict[int, Stack], hf: HFBaseline, cfg: dict[str, Any],
+               runs: int) -> list[Table]:
+    buses = {tp: await Bus.connect(st.nats_url, f"bench-gen-tp{tp}") for tp, st in stacks.items()}
+    subj = {tp: Subjects(st.instance) for tp, st in stacks.items()}
     size = (
         f"hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} layers, "
-        f"vocab {cfg['vocab_size']}"
+        f"vocab {cfg['vocab_size']}, fp32"
     )
+    cores = os.cpu_count()
     out = []
     try:
         for batch in (1, 16):
-            await via_bus(bus, s, batch)  # warm up
+            for tp in TPS:
+                await via_bus(buses[tp], subj[tp], batch)  # warm up
             t = Table(
                 f"generation_b{batch}",
-                f"Generation, tp=2, batch {batch}, model {size}; {PROMPT_LEN}-token prompts, "
-                f"{STEPS} output tokens each: output tokens/s",
+                f"Generation, batch {batch}, model {size}; {PROMPT_LEN}-token prompts, "
+                f"{STEPS} output tokens each (greedy, ignore_eos); {cores} CPUs: output tokens/s",
                 "tokens/s",
             )
-            base = "in-process (ranks step with no bus, same weights, `selfbench`)"
-            rows = {base: [], "engine over NATS": [], "HTTP": [], "HTTP stream": []}
+            rows: dict[str, list[float]] = {}
             for _ in range(runs):
-                rows[base].append(await baseline(bus, s, batch, 2))
-                rows["engine over NATS"].append(await via_bus(bus, s, batch))
-                rows["HTTP"].append(await via_http(stack.base_url, batch, stream=False))
-                rows["HTTP stream"].append(await via_http(stack.base_url, batch, stream=True))
+                if batch == 16:
+                    rows.setdefault(HF, []).append(hf.run())
+                for tp in TPS:
+                    bus, s, st = buses[tp], subj[tp], stacks[tp]
+                    rows.setdefault(_inproc(tp), []).append(await baseline(bus, s, batch, tp))
+                    rows.setdefault(f"engine over NATS tp={tp}", []).append(
+                        await via_bus(bus, s, batch))
+                    http = await via_http(st.base_url, batch, stream=False)
+                    rows.setdefault(f"HTTP tp={tp}", []).append(http)
+                    if batch == 16:
+                        rows.setdefault(f"HTTP tp={tp}, against transformers", []).append(http)
+                    rows.setdefault(f"HTTP stream tp={tp}", []).append(
+                        await via_http(st.base_url, batch, stream=True))
             for name, vals in rows.items():
-                t.add(name, values=vals, baseline=None if name == base else base,
-                      target=(">=", 0.85) if batch == 16 and name != base else None)
+                base: str | None
+                target: tuple[str, float] | None = None
+                if name == HF:
+                    base = None
+                elif name.startswith("in-process"):
+                    base = HF if batch == 16 else None
+                elif name.endswith("against transformers"):
+                    base, target = HF, (">=", 1.0)
+                else:
+                    tp = int(name.split("tp=")[1][0])
+                    base = _inproc(tp)
+                    if batch == 16 and name.startswith("HTTP tp="):
+                        target = (">=", 0.9)
+                t.add(name, values=vals, baseline=base, target=target)
+            if batch == 16:
+                t.notes.append(
+                    "transformers: `LlamaForCausalLM.generate` on the same safetensors "
+                    "(built by transformers' own classes; rollbus serves that dir), in its own "
+                    "process, prefill included. in-process: `selfbench`, decode steps only. "
+                    "HTTP: 16 concurrent `/v1/completions` requests, prefill included."
+                )
             out.append(t)
             log.info("generation batch %d done", batch)
-        abort = await time_to_abort(stack.base_url, max(5, runs))
+        abort = await time_to_abort(stacks[2].base_url, max(5, runs))
     finally:
-        await bus.close()
-    t = Table("abort", "Time to abort: `POST /v1/pause` → last of 16 running streams ended",
-              "ms")
+        for bus in buses.values():
+            await bus.close()
+    t = Table("abort", "Time to abort (tp=2): `POST /v1/pause` → last of 16 running streams "
+              "ended", "ms")
     t.add(f"one value per round ({len(abort)} rounds)", values=abort)
     out.append(t)
     return out

@@ -199,7 +199,7 @@ def test_fewer_kv_heads_than_ranks_are_replicated() -> None:
             part = shard_tensor(cfg, name, full[name], r, 4)
             head = r // 2
             np.testing.assert_array_equal(part, full[name][head * hd : (head + 1) * hd])
-    assert KVCache(cfg, 1, 1, 4).shape[2] == 1
+    assert KVCache(cfg, 1, 1, 4).shape[1] == 1
     assert TPModel(cfg, 3, 4).kv_heads == 1
 
 
@@ -317,7 +317,7 @@ def test_forward_rejects_bad_batches() -> None:
 def test_kv_cache_free_and_allocate() -> None:
     cfg = tiny()
     kv = KVCache(cfg, num_blocks=3, block_size=4, tp=2)
-    assert kv.allocated and kv.keys[0].shape == [3, 4, 1, 16]
+    assert kv.allocated and kv.keys[0].shape == [3, 1, 4, 16]
     assert kv.nbytes == 2 * 2 * 3 * 4 * 1 * 16 * 4
     kv.free()
     assert not kv.allocated
