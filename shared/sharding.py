@@ -75,7 +75,7 @@ def split_axis(name: str) -> int | None:
     raise ValueError(f"unknown parameter {name!r}")
 
 
-def _part(cfg: ModelConfig, name: str, length: int, rank: int, tp: int) -> tuple[int, int]:
+def axis_part(cfg: ModelConfig, name: str, length: int, rank: int, tp: int) -> tuple[int, int]:
     """(start, size) of `rank`'s part of a split axis of `length`. With fewer kv heads
     than ranks (tp a multiple of num_key_value_heads), k/v are replicated per kv head:
     rank r holds the kv head its query heads read, ``r // (tp / kv_heads)``."""
@@ -102,7 +102,7 @@ def shard_shape(
     if axis >= len(full_shape):
         raise ValueError(f"{name}: shape {tuple(full_shape)} cannot be split {tp} ways")
     shape = list(full_shape)
-    shape[axis] = _part(cfg, name, full_shape[axis], rank, tp)[1]
+    shape[axis] = axis_part(cfg, name, full_shape[axis], rank, tp)[1]
     return tuple(shape)
 
 
@@ -125,7 +125,7 @@ def shard_view(cfg: ModelConfig, name: str, full: np.ndarray, rank: int, tp: int
     axis = split_axis(name)
     if axis is None:
         return full
-    start, size = _part(cfg, name, full.shape[axis], rank, tp)
+    start, size = axis_part(cfg, name, full.shape[axis], rank, tp)
     index: list[slice] = [slice(None)] * full.ndim
     index[axis] = slice(start, start + size)
     return full[tuple(index)]
