@@ -34,8 +34,10 @@ compat *ARGS:
 example *ARGS:
     python -m examples.async_grpo {{ARGS}}
 
-# benchmarks with their baselines, same run; prints tables with ratios
+# benchmarks with their baselines, same run; prints tables with ratios (the generation
+# baseline is transformers on a CPU torch, installed as `just compat` does)
 bench *ARGS:
+    python -m pip install -q 'torch==2.13.0+cpu' transformers 2>/dev/null || { python -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu && python -m pip install -q transformers; }
     python -m tests.bench {{ARGS}}
 
 lint:

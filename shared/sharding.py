@@ -115,7 +115,7 @@ def shard_part(
     axis = split_axis(name)
     if axis is None:
         return None
-    start, size = _part(cfg, name, shape[axis], rank, tp)
+    start, size = axis_part(cfg, name, shape[axis], rank, tp)
     return axis, start, size
 
 

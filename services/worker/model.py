@@ -106,7 +106,7 @@ class _Group:
     seqs: int
     new_tokens: int
     num_blocks: int
-    mask: paddle.Tensor  # [S, nb, KV, n * g, block_size] additive: 0 visible, -inf not
+    mask: paddle.Tensor  # [S, nb, KV or 1, n * g, block_size] additive: 0 visible, -inf not
 
 
 @dataclass
@@ -320,7 +320,9 @@ def _attention_groups(
         visible = kpos[None, None] <= qpos[:, :, None, None]
         mask = np.where(visible, np.float32(0.0), np.float32(-np.inf)).transpose(0, 2, 1, 3)
         mask = np.repeat(mask, group_size, axis=2)[:, :, None]  # rows (query, head in group)
-        mask = np.broadcast_to(mask, (len(seqs), nb, kv_heads, n * group_size, bs))
+        if n == 1:  # decode: tiny, so spread over the kv heads here (paddle's CPU broadcast
+            # over a middle axis is slow); a prefill chunk's mask stays 1/KV of the scores
+            mask = np.broadcast_to(mask, (len(seqs), nb, kv_heads, group_size, bs))
         groups.append(
             _Group(
                 rows=None if len(grouping) == 1 else paddle.to_tensor(np.asarray(rows, np.int64)),

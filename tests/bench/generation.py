@@ -153,11 +153,14 @@ def run(tmp: Path, nats_url: str, runs: int = 5, quick: bool = False,
     STEPS = 8 if quick else 64
     model_dir = tmp / "gen" / "models" / "bench"
     model_dir.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run(
+    built = subprocess.run(
         [sys.executable, "-m", "tests.bench.hf_generate", "build", str(model_dir),
          json.dumps(model or MODEL)],
-        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
+    if built.returncode:  # e.g. no torch / transformers: `just compat` installs them
+        raise RuntimeError(f"building the bench model with transformers failed:\n"
+                           f"{built.stderr[-2000:]}")
     stacks: dict[int, Stack] = {}
     hf: HFBaseline | None = None
     try:
