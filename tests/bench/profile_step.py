@@ -47,7 +47,9 @@ def rank_main(model_dir: Path, tp: int, batch: int, prompt_len: int, steps: int)
     import paddle
 
     from services.worker import model as mdl
-    from services.worker.weights import SnapshotSource, load_config, model_dir_version, to_paddle
+    from services.worker.weights import SnapshotSource, to_paddle
+    from shared.model_config import load_config
+    from shared.versions import model_dir_version
 
     threads = max(1, (os.cpu_count() or 1) // tp)
     paddle.base.core.set_num_threads(threads)
