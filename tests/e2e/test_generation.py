@@ -555,7 +555,8 @@ def test_client_disconnect_frees_the_request(stack: Stack) -> None:
 def test_kept_request_survives_sleep_and_wakeup(stack: Stack, aclient: Any) -> None:
     """keep, then sleep (KV freed), then wakeup: the request is recomputed and its greedy
     tokens are exactly those of an uninterrupted run."""
-    n = 30
+    n = 150  # long enough that the stream is still running when the pause lands, even
+    # with a fast step loop on a quiet machine
 
     async def go() -> dict[str, Any]:
         seen = [0] * 4
@@ -579,7 +580,7 @@ def test_kept_request_survives_sleep_and_wakeup(stack: Stack, aclient: Any) -> N
 def test_kept_request_survives_a_cancel_while_asleep(stack: Stack, aclient: Any) -> None:
     """keep, sleep, then another client comes and goes while asleep: nothing is sent to
     the sleeping ranks, and the kept request still completes after wakeup."""
-    n = 20
+    n = 150  # still running when the pause lands (see above)
 
     async def go() -> dict[str, Any]:
         seen = [0] * 6
