@@ -23,7 +23,8 @@ from shared.subjects import Subjects
 from tests.e2e.stack import Stack, start_stack
 
 MAX_WAITING = 3
-STREAM_BUFFER = 32
+STREAM_BUFFER = 128  # small enough for the slow-reader test, big enough that a CPU-starved API
+# process (2 loaded cores) does not drop a stream that is being read
 
 
 @pytest.fixture(scope="module")
