@@ -1,4 +1,5 @@
-"""``rollbus fleet status [--json]`` and ``rollbus fleet update --version V``.
+"""``rollbus fleet status [--json]`` and ``rollbus fleet update --version V [--model M |
+--instances a,b]``.
 
 Runs the coordinator of ``shared.fleet`` with the operator's credentials, found the way
 ``rollbus publish`` finds the trainer's (``--nats-url``, else ``ROLLBUS_NATS_URL``, else
@@ -36,6 +37,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         "--verify", action="store_true", default=None,
         help="verify SHA-256 (default: wherever the version has a manifest)",
     )
+    up.add_argument(
+        "--model", default=None,
+        help="update the instances serving this model (default: the one model served)",
+    )
+    up.add_argument(
+        "--instances", default=None,
+        help="comma-separated instance names: exactly these (instead of --model)",
+    )
     up.add_argument("--json", action="store_true", help="print the whole result as JSON")
     up.add_argument("--nats-url", default=None)
 
@@ -61,7 +70,23 @@ async def _run(args: argparse.Namespace, settings: Settings) -> int:
             else:
                 print("no rollbus instance answered", file=sys.stderr)
             return 0 if rows and not any(r["error"] for r in rows) else 1
-        res = await coord.update(args.version, args.pause_mode, args.verify)
+        instances = model = None
+        if args.instances is not None:
+            instances = [n.strip() for n in args.instances.split(",") if n.strip()]
+            if not instances or args.model is not None:
+                print("rollbus fleet update: --instances takes a comma-separated list of "
+                      "names and excludes --model", file=sys.stderr)
+                return 2
+        elif args.model is not None:
+            model = args.model
+        else:
+            models = f.models_of(await coord.fleet())
+            if len(models) > 1:
+                print(f"rollbus fleet update: several models are served ({', '.join(models)}):"
+                      " choose one with --model", file=sys.stderr)
+                return 2
+            model = models[0] if models else None
+        res = await coord.update(args.version, args.pause_mode, args.verify, instances, model)
         if args.json:
             print(json.dumps(msgspec.to_builtins(res), indent=2))
         else:

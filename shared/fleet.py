@@ -46,6 +46,12 @@ FLEET_BUCKET = "rollbus_fleet"
 SERVICE = "rollbus-engine"
 RECORD_TTL_S = 7 * 24 * 3600.0  # records of finished transactions expire after a week
 DISCOVERY_S = 0.5
+# membership (README "Fleet"): each engine keeps ``members.<instance>`` in the bucket fresh
+# every CONTROL_TIMEOUT_S / MEMBER_REFRESH_DIV; a record counts for MEMBER_WINDOW_X x
+# CONTROL_TIMEOUT_S after its last refresh (then a crashed instance drops out)
+MEMBER_PREFIX = "members."
+MEMBER_REFRESH_DIV = 3.0
+MEMBER_WINDOW_X = 3.0
 
 Decision = Literal["staged", "commit", "done", "abort"]
 
@@ -164,6 +170,7 @@ def status_rows(statuses: list[dict[str, Any]]) -> list[dict[str, Any]]:
         rows.append(
             {
                 "instance": s.get("instance", ""),
+                "model": s.get("model", ""),
                 "state": s.get("state", "unreachable") if not s.get("error") else "unreachable",
                 "version": s.get("weight_version", ""),
                 "ranks": f"{sum(1 for r in ranks if r.get('alive'))}/{s.get('tp', len(ranks))}",
@@ -176,7 +183,7 @@ def status_rows(statuses: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    cols = ["instance", "state", "version", "ranks", "waiting", "running"]
+    cols = ["instance", "model", "state", "version", "ranks", "waiting", "running"]
     table = [cols] + [[str(r[c]) for c in cols] for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
     lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip()
@@ -189,6 +196,82 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 def new_txn_id() -> str:
     return "f" + uuid.uuid4().hex[:20]
+
+
+# ------------------------------------------------------------------ membership (pure)
+
+
+class Member(msgspec.Struct, forbid_unknown_fields=False):
+    """An engine's membership record, key :func:`member_key` in the bucket."""
+
+    instance: str
+    model: str = ""
+    pid: int = 0
+    since: float = 0.0  # when this engine process registered
+    last_seen: float = 0.0  # its last refresh (wall clock)
+
+
+def member_key(instance: str) -> str:
+    """``members.<instance>``, every character outside ``[A-Za-z0-9-]`` as ``_xx`` (hex;
+    ``_xxxx`` beyond latin-1) so that any instance name is one valid KV key token."""
+    out = []
+    for ch in instance:
+        if ch.isascii() and (ch.isalnum() or ch == "-"):
+            out.append(ch)
+        else:
+            out.append(f"_{ord(ch):02x}" if ord(ch) < 256 else f"__{ord(ch):06x}")
+    return MEMBER_PREFIX + "".join(out)
+
+
+def member_period(control_timeout_s: float) -> float:
+    """How often an engine refreshes its record."""
+    return max(0.5, control_timeout_s / MEMBER_REFRESH_DIV)
+
+
+def member_window(control_timeout_s: float) -> float:
+    """How long after its last refresh a record still makes its instance a member."""
+    return MEMBER_WINDOW_X * control_timeout_s
+
+
+def member_live(m: Member, now: float, window: float) -> bool:
+    return now - m.last_seen <= window
+
+
+def merge(
+    discovered: list[Instance], members: list[Member], now: float, window: float
+) -> list[Instance]:
+    """The fleet: every discovered instance, plus every member whose record is fresh
+    (``now - last_seen <= window``) but that did not answer discovery (``reachable``
+    False). The model is the discovered one's, else the record's. Sorted by name."""
+    out = {i.instance: i for i in discovered}
+    for m in members:
+        if m.instance and m.instance not in out and member_live(m, now, window):
+            out[m.instance] = Instance(m.instance, model=m.model, reachable=False)
+    return [out[k] for k in sorted(out)]
+
+
+def models_of(fleet: list[Instance]) -> list[str]:
+    return sorted({i.model for i in fleet})
+
+
+def select(fleet: list[Instance], model: str | None, instances: list[str] | None
+           ) -> list[Instance]:
+    """The instances a transaction covers: the named ones (``instances``; a name not in
+    ``fleet`` is kept, it will fail as unreachable), else those serving ``model``, else
+    all."""
+    if instances is not None:
+        by = {i.instance: i for i in fleet}
+        return [by.get(n, Instance(n, reachable=False)) for n in sorted(set(instances))]
+    if model is not None:
+        return [i for i in fleet if i.model == model]
+    return list(fleet)
+
+
+def mark_unreachable(outcomes: list[Outcome], silent: set[str]) -> None:
+    """An instance that answered neither discovery nor its calls (503) is ``unreachable``."""
+    for o in outcomes:
+        if o.instance in silent and o.error_code == 503:
+            o.outcome = "unreachable"
 
 
 # ------------------------------------------------------------------ the record's bucket
@@ -249,6 +332,43 @@ class FleetBucket:
                 continue  # someone wrote first: read again
         raise RuntimeError(f"fleet record {txn}: compare-and-set kept losing")
 
+    async def members(self) -> list[Member]:
+        """Every membership record (deleted ones left out). Listed by the stream's
+        per-subject info (no consumer: the API and operator roles may not create one)."""
+        from nats.js.errors import KeyNotFoundError
+
+        kv = await self._bucket()
+        info = await asyncio.wait_for(
+            self.nc.jetstream(timeout=self.timeout).stream_info(
+                f"KV_{FLEET_BUCKET}", subjects_filter=f"$KV.{FLEET_BUCKET}.{MEMBER_PREFIX}>"
+            ),
+            self.timeout,
+        )
+        subjects = (info.state.subjects or {}) if info.state else {}
+        out = []
+        for subject in sorted(subjects):
+            key = subject[len(f"$KV.{FLEET_BUCKET}."):]
+            try:
+                entry = await asyncio.wait_for(kv.get(key), self.timeout)
+            except KeyNotFoundError:  # deleted (a clean shutdown)
+                continue
+            if not entry.value:
+                continue
+            try:
+                out.append(msgspec.json.decode(entry.value, type=Member))
+            except msgspec.DecodeError:
+                log.warning("fleet: unreadable member record %s", key)
+        return out
+
+    async def put_member(self, m: Member) -> None:
+        kv = await self._bucket()
+        await asyncio.wait_for(kv.put(member_key(m.instance), msgspec.json.encode(m)),
+                               self.timeout)
+
+    async def delete_member(self, instance: str) -> None:
+        kv = await self._bucket()
+        await asyncio.wait_for(kv.delete(member_key(instance)), self.timeout)
+
 
 async def ensure_bucket(nc: Any, replicas: int) -> None:
     """Create the ``rollbus_fleet`` bucket if missing (the engine does, at start)."""
@@ -282,11 +402,15 @@ class Instance(msgspec.Struct):
     instance: str
     id: str = ""
     version: str = ""
+    model: str = ""  # the served model name (service metadata ``model``, or member record)
+    reachable: bool = True  # answered discovery (False: only its member record is fresh)
 
 
 async def discover(nc: Any, window: float = DISCOVERY_S) -> list[Instance]:
     """Every engine answering ``$SRV.PING.rollbus-engine`` within ``window`` seconds, by
-    the ``instance`` of its service metadata (one per name, sorted)."""
+    the ``instance`` of its service metadata (one per name, sorted), with its ``model``.
+    An instance too slow for ``window`` is missing here: :meth:`Coordinator.fleet` adds
+    the members that did not answer."""
     inbox = nc.new_inbox()
     found: dict[str, Instance] = {}
 
@@ -298,7 +422,8 @@ async def discover(nc: Any, window: float = DISCOVERY_S) -> list[Instance]:
         meta = doc.get("metadata") or {}
         name = meta.get("instance")
         if doc.get("name") == SERVICE and name:
-            found[name] = Instance(name, str(doc.get("id", "")), str(doc.get("version", "")))
+            found[name] = Instance(name, str(doc.get("id", "")), str(doc.get("version", "")),
+                                   str(meta.get("model", "")))
 
     sub = await nc.subscribe(inbox, cb=on_reply)
     try:
@@ -333,8 +458,19 @@ class Coordinator:
         self.discovery_s = discovery_s
         self.bucket = FleetBucket(bus.nc)
 
+    async def fleet(self) -> list[Instance]:
+        """Discovered instances plus fresh members that did not answer (:func:`merge`).
+        Without a readable bucket, the discovered ones (logged)."""
+        found = await discover(self.bus.nc, self.discovery_s)
+        try:
+            members = await self.bucket.members()
+        except Exception as e:  # noqa: BLE001 - discovery alone is still an answer
+            log.warning("fleet: cannot read the member records (%r)", e)
+            members = []
+        return merge(found, members, time.time(), member_window(self.ct))
+
     async def instances(self) -> list[str]:
-        return [i.instance for i in await discover(self.bus.nc, self.discovery_s)]
+        return [i.instance for i in await self.fleet()]
 
     async def call(
         self, instance: str, method: str, args: msgspec.Struct | None, timeout: float
@@ -358,12 +494,19 @@ class Coordinator:
         return reply.error_code, reply.error_message, dict(reply.result or {})
 
     async def status(self) -> list[dict[str, Any]]:
-        names = await self.instances()
+        insts = await self.fleet()
         t = min(10.0, self.ct + 2.0)
-        replies = await asyncio.gather(*(self.call(i, "status", None, t) for i in names))
+        replies = await asyncio.gather(
+            *(self.call(i.instance, "status", None, t if i.reachable else min(t, 3.0))
+              for i in insts)
+        )
         out = []
-        for name, (code, msg, res) in zip(names, replies, strict=True):
-            out.append(res if code == 200 else {"instance": name, "error": msg or str(code)})
+        for i, (code, msg, res) in zip(insts, replies, strict=True):
+            err = msg or str(code)
+            if not i.reachable:
+                err = f"did not answer discovery nor status ({err})"
+            out.append(res if code == 200 else
+                       {"instance": i.instance, "model": i.model, "error": err})
         return status_rows(out)
 
     async def update(
@@ -372,13 +515,19 @@ class Coordinator:
         pause_mode: str = "keep",
         verify_checksum: bool | None = None,
         instances: list[str] | None = None,
+        model: str | None = None,
     ) -> FleetResult:
+        """``instances``: exactly these; else the fleet's instances serving ``model``
+        (None: every instance, whatever it serves)."""
         t0 = time.perf_counter()
-        names = sorted(instances) if instances is not None else await self.instances()
+        chosen = select(await self.fleet(), model, instances)
+        names = [i.instance for i in chosen]
+        silent = {i.instance for i in chosen if not i.reachable}
         txn = new_txn_id()
         outcomes = {n: Outcome(n) for n in names}
         if not names:
-            return FleetResult(txn, version, "none", 503, "no rollbus instance answered "
+            what = f" serving model {model!r}" if model is not None and instances is None else ""
+            return FleetResult(txn, version, "none", 503, f"no rollbus instance{what} answered "
                                f"$SRV.PING.{SERVICE}", [], time.perf_counter() - t0)
         rec = Record(txn, version, names, "staged", pause_mode, verify_checksum, self.name)
         try:
@@ -448,6 +597,7 @@ class Coordinator:
             else:
                 o.outcome = "stayed"
         out = list(outcomes.values())
+        mark_unreachable(out, silent)
         code, msg = overall(out, decision, version)
         log.info("fleet %s: %s (%d) in %.2fs", txn, decision, code, time.perf_counter() - t0)
         return FleetResult(

@@ -35,7 +35,9 @@ async def update_weights(deps: Deps, request: Request) -> Response:
         test_commit_delay_s=deps.settings.test_fleet_commit_delay_s,
     )
     try:
-        res = await coord.update(args.version, args.pause_mode, args.verify_checksum)
+        # the instances serving this API's model (README "Fleet")
+        res = await coord.update(args.version, args.pause_mode, args.verify_checksum,
+                                 model=deps.settings.served_model_name)
         reply = m.ControlReply(rid, res.error_code, res.error_message, msgspec.to_builtins(res))
     except Exception as e:  # a bug answers; the instances follow the record by themselves
         log.exception("fleet update failed")

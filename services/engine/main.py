@@ -18,7 +18,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from services.engine import autoupdate, control, persist
+from services.engine import autoupdate, control, membership, persist
 from services.engine import fleet as fleet_ctl
 from services.engine.generation import Generation
 from services.engine.ranks import RankError, Ranks
@@ -173,7 +173,9 @@ class Engine:
             fleet_msgs.SERVICE,
             "0.1.0",
             f"rollbus engine ({self.settings.instance})",
-            metadata={"instance": self.settings.instance},  # fleet discovery ($SRV.PING)
+            # fleet discovery ($SRV.PING) and its model filter
+            metadata={"instance": self.settings.instance,
+                      "model": self.settings.served_model_name},
         )
         for method in METHODS:
             await self.bus.serve(
@@ -350,12 +352,16 @@ async def amain(settings: Settings) -> int:
     bus = await Bus.connect(settings.nats_url, "rollbus-engine")
     engine = Engine(settings, bus)
     await engine.start()
+    # fleet membership record (services.engine.membership), also while the ranks come up
+    engine.supervisor.start("fleet_member", lambda: membership.run(engine))
     # wait for the ranks, but a stop request must end the engine even if none ever comes
     ready = asyncio.ensure_future(engine.wait_ranks())
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait({ready, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if not ready.done():
         ready.cancel()
+        await engine.supervisor.stop()
+        await membership.leave(engine)
         await bus.close()
         return 0
     stopping.cancel()
@@ -370,6 +376,7 @@ async def amain(settings: Settings) -> int:
         sup.start("auto_update", lambda: autoupdate.follow(engine))
     await stop.wait()
     await sup.stop()
+    await membership.leave(engine)
     await bus.close()
     return 0
 

@@ -225,7 +225,8 @@ def test_discovery_and_fleet_status_json(fleet: Fleet) -> None:
         [sys.executable, "-m", "services.cli", "fleet", "status"],
         env=fleet.env(), capture_output=True, text=True, timeout=60,
     )
-    assert table.returncode == 0 and table.stdout.split()[:3] == ["instance", "state", "version"]
+    assert table.returncode == 0
+    assert table.stdout.split()[:4] == ["instance", "model", "state", "version"]
     assert all(s.instance in table.stdout for s in fleet.stacks)
 
 

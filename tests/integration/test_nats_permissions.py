@@ -521,6 +521,38 @@ async def test_fleet_discovery_and_record_paths(server: Server) -> None:
             await b.close()
 
 
+async def test_fleet_member_records_paths(server: Server) -> None:
+    """The engine writes and deletes its member record; api and operator list them (stream
+    info by subject, no consumer) and read them; the model travels in the metadata."""
+    import time
+
+    from shared import fleet
+
+    engine = await Bus.connect(server.url("engine"), "engine-m")
+    api = await Bus.connect(server.url("api"), "api-m")
+    op = await Bus.connect(server.url("operator"), "operator-m")
+    try:
+        await fleet.ensure_bucket(engine.nc, 1)
+        await engine.add_service(fleet.SERVICE, "0.1.0",
+                                 metadata={"instance": "fm", "model": "tiny"})
+        await engine.flush()
+        found = {i.instance: i for i in await fleet.discover(op.nc, 1.0)}
+        assert found["fm"].model == "tiny"
+        now = time.time()
+        for name in ("fm", "fm.silent/x"):
+            await fleet.FleetBucket(engine.nc).put_member(
+                fleet.Member(name, "tiny", 123, now, now))
+        for bus in (api, op):
+            got = {m.instance: m for m in await fleet.FleetBucket(bus.nc).members()}
+            assert {"fm", "fm.silent/x"} <= set(got) and got["fm"].pid == 123
+        await fleet.FleetBucket(engine.nc).delete_member("fm.silent/x")
+        got = {m.instance for m in await fleet.FleetBucket(op.nc).members()}
+        assert "fm" in got and "fm.silent/x" not in got
+    finally:
+        for b in (op, api, engine):
+            await b.close()
+
+
 async def test_fleet_cas_race_has_one_winner(server: Server) -> None:
     """Two writers at once on a ``staged`` record: exactly one decision lands."""
     from shared import fleet
