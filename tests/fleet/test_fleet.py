@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -220,6 +221,7 @@ def test_discovery_and_fleet_status_json(fleet: Fleet) -> None:
     assert [row["instance"] for row in rows] == sorted(s.instance for s in fleet.stacks)
     for row in rows:
         assert row["state"] == "running" and row["ranks"] == "1/1", row
+        assert row["model"] == "tiny", row  # the served model name (ROLLBUS_MODEL_NAME)
         assert {"version", "waiting", "running"} <= set(row)
     table = subprocess.run(
         [sys.executable, "-m", "services.cli", "fleet", "status"],
@@ -277,6 +279,98 @@ def test_cli_update_exit_codes(fleet: Fleet) -> None:
     assert r.returncode == 1, r.stdout + r.stderr
     assert "NOT switched (404)" in r.stdout and "rollbus fleet update:" in r.stderr
     wait_all_running(fleet, v, MARGIN)
+
+
+def cli(fleet: Fleet, *args: str, timeout: float = BOUND) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "services.cli", "fleet", *args],
+                          env=fleet.env(), capture_output=True, text=True, timeout=timeout)
+
+
+async def _member(fl: Fleet, m: f.Member | None, name: str = "") -> None:
+    """Write (``m``) or delete (``name``) a member record, as the engine role."""
+    user, pw = creds.load(fl.creds_dir, "engine")
+    nc = await nats.connect(creds.with_creds(fl.node.url, user, pw),
+                            inbox_prefix=creds.inbox_prefix("engine"))
+    try:
+        if m is not None:
+            await f.FleetBucket(nc).put_member(m)
+        else:
+            await f.FleetBucket(nc).delete_member(name)
+    finally:
+        await nc.close()
+
+
+def test_a_stopped_instance_is_unreachable_and_nothing_commits(fleet: Fleet) -> None:
+    """An engine that misses the discovery ping (SIGSTOP) is still a member (its record):
+    `fleet status` shows it unreachable (exit 1), an update is 503 naming it and switches
+    none; after SIGCONT it is back on its version."""
+    b = fleet.stacks[1]
+    old = fleet.versions()[fleet.a.instance][0]
+    v = fleet.new_version()
+    pid = int(status(b)["engine_pid"])
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        st = cli(fleet, "status", "--json", timeout=60)
+        assert st.returncode == 1, st.stdout + st.stderr
+        rows = {r["instance"]: r for r in json.loads(st.stdout)}
+        assert set(rows) == {s.instance for s in fleet.stacks}
+        assert rows[b.instance]["state"] == "unreachable" and rows[b.instance]["model"] == "tiny"
+        r = fleet_update(fleet.a, {"version": v})
+        assert r.status_code == 503, r.text
+        assert b.instance in r.json()["error_message"]
+        res = r.json()["result"]
+        assert res["decision"] == "abort"
+        out = {o["instance"]: o for o in res["instances"]}
+        assert out[b.instance]["outcome"] == "unreachable", out
+        assert out[b.instance]["error_code"] == 503
+        for s in fleet.stacks:
+            if s is not b:
+                assert out[s.instance]["outcome"] == "stayed" and out[s.instance]["version"] == old
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    _all_on(fleet, old, BOUND)
+
+
+def test_update_covers_the_model_and_a_stale_member_drops_out(fleet: Fleet) -> None:
+    """A (silent) member serving another model: `fleet update` without --model refuses
+    (exit 2), with --model tiny it leaves it out, the route uses its own model; a record
+    older than 3 x CONTROL_TIMEOUT_S counts for nothing."""
+    now = time.time()
+    ghost = f.Member("ghost", "other-model", 1, now, now)
+    stale = f.Member("stale", "tiny", 2, now - 10 * CT, now - 3 * CT - 5)
+    asyncio.run(_member(fleet, ghost))
+    asyncio.run(_member(fleet, stale))
+    try:
+        st = cli(fleet, "status", "--json", timeout=60)
+        rows = {r["instance"]: r for r in json.loads(st.stdout)}
+        assert rows["ghost"]["model"] == "other-model" and rows["ghost"]["state"] == "unreachable"
+        assert "stale" not in rows and st.returncode == 1
+        v = fleet.new_version()
+        r = cli(fleet, "update", "--version", v)
+        assert r.returncode == 2 and "--model" in r.stderr, r.stdout + r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1
+        r = cli(fleet, "update", "--version", v, "--model", "tiny", "--json")
+        assert r.returncode == 0, r.stdout + r.stderr
+        res = json.loads(r.stdout)
+        assert sorted(o["instance"] for o in res["instances"]) == sorted(
+            s.instance for s in fleet.stacks)
+        _all_on(fleet, v)
+        v2 = fleet.new_version()
+        resp = fleet_update(fleet.c, {"version": v2})
+        assert resp.status_code == 200, resp.text
+        assert "ghost" not in {o["instance"] for o in resp.json()["result"]["instances"]}
+        _all_on(fleet, v2)
+        # names pinned: exactly those (a name nobody serves is unreachable: nothing commits)
+        v3 = fleet.new_version()
+        r = cli(fleet, "update", "--version", v3, "--instances", f"{fleet.a.instance},ghost",
+                "--json")
+        assert r.returncode == 1, r.stdout + r.stderr
+        res = json.loads(r.stdout)
+        assert {o["instance"]: o["outcome"] for o in res["instances"]}["ghost"] == "unreachable"
+        _all_on(fleet, v2)
+    finally:
+        asyncio.run(_member(fleet, None, "ghost"))
+        asyncio.run(_member(fleet, None, "stale"))
 
 
 def _all_on(fleet: Fleet, version: str, bound: float = CT + MARGIN) -> None:
