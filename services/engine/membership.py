@@ -29,8 +29,18 @@ async def run(engine: Any) -> None:
     bucket = f.FleetBucket(engine.bus.nc)
     period = f.member_period(engine.settings.control_timeout_s)
     since = time.time()
+    failing = False
     while True:
-        await bucket.put_member(record(engine, since))  # a failure: the supervisor retries
+        try:
+            await bucket.put_member(record(engine, since))
+            if failing:
+                log.info("fleet member record written again")
+            failing = False
+        except Exception as e:  # noqa: BLE001 - NATS away: retry next period (not /health)
+            if not failing:
+                log.warning("cannot write the fleet member record (%r); retrying every %.1fs",
+                            e, period)
+            failing = True
         await asyncio.sleep(period)
 
 
