@@ -458,16 +458,21 @@ class Coordinator:
         self.discovery_s = discovery_s
         self.bucket = FleetBucket(bus.nc)
 
-    async def fleet(self) -> list[Instance]:
+    async def fleet(self, ping: bool = True) -> list[Instance]:
         """Discovered instances plus fresh members that did not answer (:func:`merge`).
-        Without a readable bucket, the discovered ones (logged)."""
-        found = await discover(self.bus.nc, self.discovery_s)
+        Without a readable bucket, the discovered ones (logged). ``ping=False``: the
+        fresh members only, no discovery window (each counted as reachable)."""
+        found = await discover(self.bus.nc, self.discovery_s) if ping else []
         try:
             members = await self.bucket.members()
         except Exception as e:  # noqa: BLE001 - discovery alone is still an answer
             log.warning("fleet: cannot read the member records (%r)", e)
             members = []
-        return merge(found, members, time.time(), member_window(self.ct))
+        out = merge(found, members, time.time(), member_window(self.ct))
+        if not ping:
+            for i in out:
+                i.reachable = True
+        return out
 
     async def instances(self) -> list[str]:
         return [i.instance for i in await self.fleet()]
@@ -517,10 +522,11 @@ class Coordinator:
         instances: list[str] | None = None,
         model: str | None = None,
     ) -> FleetResult:
-        """``instances``: exactly these; else the fleet's instances serving ``model``
-        (None: every instance, whatever it serves)."""
+        """``instances``: exactly these (no discovery ping: a name without a fresh member
+        record is the one counted unreachable); else the fleet's instances serving
+        ``model`` (None: every instance, whatever it serves)."""
         t0 = time.perf_counter()
-        chosen = select(await self.fleet(), model, instances)
+        chosen = select(await self.fleet(ping=instances is None), model, instances)
         names = [i.instance for i in chosen]
         silent = {i.instance for i in chosen if not i.reachable}
         txn = new_txn_id()

@@ -360,13 +360,15 @@ def test_update_covers_the_model_and_a_stale_member_drops_out(fleet: Fleet) -> N
         assert resp.status_code == 200, resp.text
         assert "ghost" not in {o["instance"] for o in resp.json()["result"]["instances"]}
         _all_on(fleet, v2)
-        # names pinned: exactly those (a name nobody serves is unreachable: nothing commits)
+        # names pinned: exactly those (a name without a member record is unreachable:
+        # nothing commits)
         v3 = fleet.new_version()
-        r = cli(fleet, "update", "--version", v3, "--instances", f"{fleet.a.instance},ghost",
+        r = cli(fleet, "update", "--version", v3, "--instances", f"{fleet.a.instance},nobody",
                 "--json")
         assert r.returncode == 1, r.stdout + r.stderr
         res = json.loads(r.stdout)
-        assert {o["instance"]: o["outcome"] for o in res["instances"]}["ghost"] == "unreachable"
+        assert {o["instance"]: o["outcome"] for o in res["instances"]} == {
+            fleet.a.instance: "stayed", "nobody": "unreachable"}
         _all_on(fleet, v2)
     finally:
         asyncio.run(_member(fleet, None, "ghost"))
