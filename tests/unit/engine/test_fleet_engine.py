@@ -53,10 +53,14 @@ class Bucket:
         r = self.recs.get(txn)
         return (msgspec.structs.replace(r), 1) if r else None
 
-    async def decide(self, txn: str, to: str, actor: str, reason: str) -> f.Record | None:
+    async def decide(
+        self, txn: str, to: str, actor: str, reason: str, check: Any = None
+    ) -> f.Record | None:
         r = self.recs.get(txn)
         if r is None:
             return None
+        if check is not None:
+            check(msgspec.structs.replace(r))
         if r.decision != to and f.allowed(r.decision, to, actor):
             r.decision, r.reason = to, reason  # type: ignore[assignment]
         return msgspec.structs.replace(r)
