@@ -55,6 +55,12 @@ def nats_url_of(args: argparse.Namespace, settings: Settings) -> str:
 
 
 async def _run(args: argparse.Namespace, settings: Settings) -> int:
+    if args.fleet_cmd == "update":
+        try:  # before anything is written or paused
+            f.check_update_args(args.version, args.pause_mode, args.verify)
+        except f.BadUpdateArg as e:
+            print(f"rollbus fleet update: {e.message}", file=sys.stderr)
+            return 2
     bus = await Bus.connect(nats_url_of(args, settings), "rollbus-fleet")
     try:
         coord = f.Coordinator(

@@ -34,11 +34,14 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 import msgspec
 
+from shared.errors import BAD_REQUEST, CONFLICT, ControlError
 from shared.messages import PauseMode
+from shared.versions import check_version_name
 
 log = logging.getLogger("rollbus.fleet")
 
@@ -54,6 +57,9 @@ MEMBER_REFRESH_DIV = 3.0
 MEMBER_WINDOW_X = 3.0
 
 Decision = Literal["staged", "commit", "done", "abort"]
+PAUSE_MODES = ("keep", "abort", "wait")
+# a transaction id is a KV key: the alphabet new_txn_id() uses (and "-", "_")
+TXN_PATTERN = "^[A-Za-z0-9_-]{1,64}$"
 
 # (from, to) -> who may write it: "coordinator" or "any" (instances too)
 TRANSITIONS: dict[tuple[str, str], str] = {
@@ -91,7 +97,7 @@ class FleetUpdateArgs(msgspec.Struct, forbid_unknown_fields=True):
 class StageTxnArgs(msgspec.Struct, forbid_unknown_fields=True):
     """``ctl.fleet_stage``: pause (if running) and stage ``version`` for ``txn``."""
 
-    txn: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+    txn: Annotated[str, msgspec.Meta(pattern=TXN_PATTERN)]
     version: Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
     pause_mode: PauseMode = "keep"
     verify_checksum: bool | None = None
@@ -100,7 +106,7 @@ class StageTxnArgs(msgspec.Struct, forbid_unknown_fields=True):
 class TxnArgs(msgspec.Struct, forbid_unknown_fields=True):
     """``ctl.fleet_commit`` / ``fleet_finalize`` / ``fleet_abort``."""
 
-    txn: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+    txn: Annotated[str, msgspec.Meta(pattern=TXN_PATTERN)]
 
 
 class Record(msgspec.Struct, forbid_unknown_fields=False):
@@ -143,9 +149,12 @@ class FleetResult(msgspec.Struct, omit_defaults=False):
 
 
 def overall(outcomes: list[Outcome], decision: str, version: str) -> tuple[int, str]:
-    """200 only if the transaction is done and every instance serves ``version``; else
-    the status of the first failure (stage failures before commit failures, then by
-    instance name), with every failing instance's message."""
+    """200 only if the transaction is done and every instance serves ``version`` (then
+    whatever a step answered on the way: the record and the instances are the truth);
+    else the status of the first failure (stage failures before commit failures, then
+    by instance name), with every failing instance's message."""
+    if decision == "done" and outcomes and all(o.version == version for o in outcomes):
+        return 200, ""
     order = {"stage": 0, "commit": 1, "finalize": 2, "abort": 3, "": 4}
     failed = sorted(
         (o for o in outcomes if o.error_code != 200),
@@ -274,6 +283,31 @@ def mark_unreachable(outcomes: list[Outcome], silent: set[str]) -> None:
             o.outcome = "unreachable"
 
 
+class BadUpdateArg(ControlError, ValueError):
+    """A bad fleet update argument (400 naming it), found before anything started."""
+
+    def __init__(self, param: str, why: str) -> None:
+        super().__init__(BAD_REQUEST, f"bad argument '{param}': {why}", {"param": param})
+
+
+def check_update_args(version: str, pause_mode: str, verify_checksum: bool | None) -> None:
+    """The arguments of a fleet update, checked before any record is written or any
+    instance paused: :class:`BadUpdateArg` (a ``ValueError``, and a 400) naming the bad
+    one."""
+    try:
+        check_version_name(version)
+    except ControlError as e:
+        raise BadUpdateArg("version", e.message) from None
+    if pause_mode not in PAUSE_MODES:
+        raise BadUpdateArg("pause_mode", f"{pause_mode!r} is not one of {', '.join(PAUSE_MODES)}")
+    if verify_checksum is not None and not isinstance(verify_checksum, bool):
+        raise BadUpdateArg("verify_checksum", "must be true, false or absent")
+
+
+class BadRecord(ValueError):
+    """A transaction record that exists but does not decode: it decides nothing."""
+
+
 # ------------------------------------------------------------------ the record's bucket
 
 
@@ -305,20 +339,48 @@ class FleetBucket:
             return None
         if not entry.value:
             return None
-        return msgspec.json.decode(entry.value, type=Record), int(entry.revision or 0)
+        rev = int(entry.revision or 0)
+        try:
+            return msgspec.json.decode(entry.value, type=Record), rev
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise BadRecord(f"fleet record {txn} does not decode ({e}); revision {rev}") from None
 
-    async def decide(self, txn: str, to: str, actor: str, reason: str) -> Record | None:
+    async def decide(
+        self,
+        txn: str,
+        to: str,
+        actor: str,
+        reason: str,
+        check: Callable[[Record], None] | None = None,
+    ) -> Record | None:
         """Compare-and-set the decision to ``to`` when :func:`allowed`; returns the record
         as it is afterwards (someone else's decision if they were first), ``None`` if there
-        is no record."""
+        is no record. ``check(record)`` may refuse (raise) before anything is written. A
+        record that does not decode decides nothing: it is overwritten with ``abort``
+        (compare-and-set, whatever ``to`` was) and that is returned."""
         from nats.js.errors import KeyWrongLastSequenceError
 
         kv = await self._bucket()
         for _ in range(20):
-            got = await self.get(txn)
+            try:
+                got = await self.get(txn)
+            except BadRecord as e:
+                entry = await asyncio.wait_for(kv.get(txn), self.timeout)
+                rec = Record(txn, "", [], "abort", reason=f"{reason}: {e}",
+                             created_at=time.time(), updated_at=time.time())
+                try:
+                    await asyncio.wait_for(
+                        kv.update(txn, msgspec.json.encode(rec), last=entry.revision),
+                        self.timeout,
+                    )
+                    return rec
+                except KeyWrongLastSequenceError:
+                    continue
             if got is None:
                 return None
             rec, rev = got
+            if check is not None:
+                check(rec)
             if rec.decision == to or not allowed(rec.decision, to, actor):
                 return rec
             rec.decision = to  # type: ignore[assignment]
@@ -522,9 +584,12 @@ class Coordinator:
         instances: list[str] | None = None,
         model: str | None = None,
     ) -> FleetResult:
-        """``instances``: exactly these (no discovery ping: a name without a fresh member
-        record is the one counted unreachable); else the fleet's instances serving
-        ``model`` (None: every instance, whatever it serves)."""
+        """One transaction. ``instances``: exactly these (no discovery ping: a name
+        without a fresh member record is the one counted unreachable); else the fleet's
+        instances serving ``model`` (None: every instance, whatever it serves). Bad
+        arguments raise :class:`BadUpdateArg` (a ``ValueError``) before any record is
+        written or instance paused."""
+        check_update_args(version, pause_mode, verify_checksum)
         t0 = time.perf_counter()
         chosen = select(await self.fleet(ping=instances is None), model, instances)
         names = [i.instance for i in chosen]
@@ -577,6 +642,8 @@ class Coordinator:
                     bad = True
                     o = outcomes[n]
                     o.error_code, o.error_message, o.phase = code, msg, "commit"
+            # a failed commit asks for abort; the record may already say ``done`` (an
+            # instance's own timeout finished it), then that is the outcome
             decision = await self._decide(
                 txn, "abort" if bad else "done", "commit failed" if bad else "all committed"
             )
@@ -589,6 +656,11 @@ class Coordinator:
             o.version = str(res.get("weight_version", ""))
             if code == 200 and not o.previous_version:  # its stage failed: it never moved
                 o.previous_version = o.version
+            if o.phase == "stage" and o.error_code == CONFLICT:
+                # busy (e.g. in another transaction): never in this one, and its version
+                # now is not this transaction's doing
+                o.outcome, o.previous_version, o.version = "not_started", "", ""
+                continue
             if code != 200:
                 o.outcome = "unknown"
                 if o.error_code == 200:
@@ -596,6 +668,8 @@ class Coordinator:
                 continue
             if o.version == version and decision == "done":
                 o.outcome = "switched"
+                if o.phase == "commit":  # e.g. its commit raced its own timeout: it is done
+                    o.error_code, o.error_message, o.phase = 200, "", ""
             elif o.phase == "stage":
                 o.outcome = "failed"
             elif res.get("rolled_back") or o.phase == "commit":

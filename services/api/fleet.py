@@ -26,6 +26,7 @@ async def update_weights(deps: Deps, request: Request) -> Response:
     try:
         body = await control._body(deps, request)  # token first, then size / JSON
         args = m.decode_args(body, f.FleetUpdateArgs)  # unknown or wrong field: 400
+        f.check_update_args(args.version, args.pause_mode, args.verify_checksum)  # 400
     except ControlError as e:
         deps.metrics.control("fleet_update_weights", e.code)
         return control._refused(request, e)

@@ -50,6 +50,33 @@ class Txn:
     phase: str  # staged | committed | failed (commit failed, ranks rolled back) | restored
     deadline: float  # monotonic: when the watchdog asks the record
     task: asyncio.Task[None] | None = None
+    asking_since: float = 0.0  # monotonic: the watchdog's first failed read of the record
+
+
+class RecordMismatch(ControlError):
+    """The record is not this instance's transaction (another txn, version or instance
+    list than it staged): a 409, and nothing changes."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(CONFLICT, message)
+
+
+def check_record(eng: Engine, txn: Txn, rec: f.Record) -> None:
+    """The record names what this instance staged: its txn, its version, this instance
+    among ``instances``. Else :class:`RecordMismatch` (a forged or foreign record)."""
+    me = eng.settings.instance
+    why = []
+    if rec.txn != txn.txn:
+        why.append(f"its txn is {rec.txn!r}")
+    if rec.version != txn.version:
+        why.append(f"its version is {rec.version!r}, staged here {txn.version!r}")
+    if me not in rec.instances:
+        why.append(f"instance {me!r} is not in its instances {rec.instances}")
+    if why:
+        raise RecordMismatch(
+            f"fleet transaction {txn.txn}: the record is not this transaction's ("
+            + "; ".join(why) + "): nothing changed"
+        )
 
 
 class Fleet:
@@ -88,13 +115,30 @@ class Fleet:
             raise ControlError(CONFLICT, f"fleet transaction {txn_id} is not staged here{held}")
         return t
 
-    async def decide(self, txn_id: str, to: str) -> f.Record | None:
+    def problem(self) -> str:
+        """For ``/health``: a transaction whose record the watchdog cannot read."""
+        t = self.txn
+        if t is None or not t.asking_since:
+            return ""
+        return (f"fleet transaction {t.txn} undecided for "
+                f"{time.monotonic() - t.asking_since:.0f}s (its record cannot be read)")
+
+    async def decide(self, txn: Txn, to: str) -> f.Record | None:
+        """CAS ``to`` on the record of ``txn`` after :func:`check_record` (only ``done``
+        needs it: an abort is always safe here). An invalid key decides nothing: abort."""
+        from nats.js.errors import InvalidKeyError
+
+        txn_id = txn.txn
+        check = (lambda rec: check_record(self.eng, txn, rec)) if to == "done" else None
         try:
             return await self.bucket.decide(
-                txn_id, to, "instance", f"instance {self.eng.settings.instance}"
+                txn_id, to, "instance", f"instance {self.eng.settings.instance}", check
             )
         except ControlError:
             raise
+        except InvalidKeyError:  # cannot have a record: it can only be abort
+            log.error("fleet %s: not a valid record key: aborting here", txn_id)
+            return f.Record(txn_id, txn.version, [], "abort", reason="invalid key")
         except Exception as e:  # noqa: BLE001 - the bucket is unreachable: nothing decided
             raise ControlError(
                 UNAVAILABLE, f"cannot read the fleet record {txn_id} ({f.FLEET_BUCKET}): {e!r}"
@@ -149,20 +193,40 @@ async def fleet_stage(eng: Engine, args: f.StageTxnArgs) -> dict[str, Any]:
     )
 
 
+async def _record(eng: Engine, txn_id: str) -> f.Record | None:
+    try:
+        got = await eng.fleet.bucket.get(txn_id)
+    except f.BadRecord as e:
+        raise ControlError(CONFLICT, f"{e}: no commit") from None
+    except Exception as e:  # noqa: BLE001 - cannot see the decision: no commit
+        raise ControlError(UNAVAILABLE, f"cannot read the fleet record {txn_id}: {e!r}") from None
+    return got[0] if got else None
+
+
 async def fleet_commit(eng: Engine, args: f.TxnArgs) -> dict[str, Any]:
     fl = eng.fleet
+    t = fl.txn
+    if (t is None or t.txn != args.txn) and eng.state.state is not State.UPDATING:
+        # already resolved here (its watchdog waited for no one): the record says how
+        rec = await _record(eng, args.txn)
+        if (rec is not None and rec.decision == "done" and rec.txn == args.txn
+                and eng.settings.instance in rec.instances
+                and eng.state.weight_version == rec.version):
+            return _result(eng, txn=args.txn, committed=rec.version, finalized=True)
     txn = fl.require(args.txn)
+    if txn.phase == "restored":
+        raise ControlError(UNAVAILABLE, f"fleet transaction {txn.txn}: instance "
+                           f"{eng.settings.instance} restarted during the transaction")
     if txn.phase != "staged":
         raise ControlError(CONFLICT, f"fleet transaction {txn.txn} is {txn.phase}, not staged")
-    try:
-        got = await fl.bucket.get(txn.txn)
-    except Exception as e:  # noqa: BLE001 - cannot see the decision: no commit
-        raise ControlError(UNAVAILABLE, f"cannot read the fleet record {txn.txn}: {e!r}") from None
-    decision = got[0].decision if got else "missing"
-    if decision != "commit":  # no commit without a written decision
+    rec = await _record(eng, txn.txn)
+    decision = rec.decision if rec is not None else "missing"
+    if decision not in ("commit", "done"):  # no commit without a written decision
         raise ControlError(
             CONFLICT, f"fleet transaction {txn.txn}: the record says {decision!r}, not 'commit'"
         )
+    assert rec is not None
+    check_record(eng, txn, rec)
     async with eng.scheduler.quiet():
         try:
             await control.commit_ranks(eng, txn.version, txn.uid, txn.previous)
@@ -187,7 +251,7 @@ async def _finalize(eng: Engine, args: f.TxnArgs, actor: str) -> dict[str, Any]:
     txn = fl.txn
     if txn is None or txn.txn != args.txn:  # already resolved (e.g. by the watchdog)
         return _result(eng, finalized=False)
-    rec = await fl.decide(txn.txn, "done")
+    rec = await fl.decide(txn, "done")  # checked first: a foreign record changes nothing
     if rec is None or rec.decision == "abort":
         rolled = await finish_abort(eng, txn)
         return _result(eng, finalized=False, rolled_back=rolled)
@@ -209,10 +273,16 @@ async def _abort(eng: Engine, args: f.TxnArgs) -> dict[str, Any]:
     txn = fl.txn
     if txn is None or txn.txn != args.txn:
         return _result(eng, aborted=False)
-    rec = await fl.decide(txn.txn, "abort")
+    rec = await fl.decide(txn, "abort")
     if rec is not None and rec.decision == "done":  # committed after all: follow the record
-        await finish_commit(eng, txn, "fleet")
-        return _result(eng, aborted=False)
+        try:
+            check_record(eng, txn, rec)
+        except RecordMismatch as e:  # a foreign record decides nothing: abort here
+            log.error("%s: aborting here", e.message)
+        else:
+            await finish_commit(eng, txn, "fleet")
+            return _result(eng, aborted=False)
+        rec = None
     if rec is not None and rec.decision != "abort":
         raise ControlError(CONFLICT, f"fleet transaction {txn.txn}: the record says "
                            f"{rec.decision!r}: only its coordinator may abort it")
@@ -284,11 +354,17 @@ async def _watch(eng: Engine, txn: Txn) -> None:
             if time.monotonic() < txn.deadline:
                 continue
             try:
-                rec = await fl.decide(txn.txn, "abort")  # allowed from staged only
+                rec = await fl.decide(txn, "abort")  # allowed from staged only
+                if rec is not None and rec.decision == "done":
+                    check_record(eng, txn, rec)
                 if rec is not None and rec.decision == "commit":
-                    rec = await fl.decide(txn.txn, "done")
+                    rec = await fl.decide(txn, "done")
+            except RecordMismatch as e:  # not our transaction's record: it decides nothing
+                log.error("%s: aborting here", e.message)
+                rec = f.Record(txn.txn, txn.version, [], "abort", reason="foreign record")
             except ControlError as e:
                 log.warning("fleet %s: %s; asking again", txn.txn, e.message)
+                txn.asking_since = txn.asking_since or time.monotonic()
                 txn.deadline = time.monotonic() + 1.0
                 continue
             decision = rec.decision if rec is not None else "missing"

@@ -59,11 +59,14 @@ METHODS: dict[str, tuple[Method, type, bool]] = {
     "model_config": (control.model_config, m.NoArgs, False),
     # a fleet transaction, one step per call (services.engine.fleet)
     "fleet_stage": (fleet_ctl.fleet_stage, fleet_msgs.StageTxnArgs, True),
-    "fleet_commit": (fleet_ctl.fleet_commit, fleet_msgs.TxnArgs, True),
+    "fleet_commit": (fleet_ctl.fleet_commit, fleet_msgs.TxnArgs, True),  # waits for the lock
     # these two wait for the control lock themselves (the watchdog may hold it)
     "fleet_finalize": (fleet_ctl.fleet_finalize, fleet_msgs.TxnArgs, False),
     "fleet_abort": (fleet_ctl.fleet_abort, fleet_msgs.TxnArgs, False),
 }
+# exclusive methods that wait (up to CONTROL_TIMEOUT_S) for the lock instead of a 409: the
+# instance's own fleet watchdog may hold it, resolving the same transaction
+WAITS_FOR_LOCK = {"fleet_commit"}
 
 
 class Engine:
@@ -122,12 +125,25 @@ class Engine:
         try:
             args = m.decode_args(data, argtype)
             if exclusive:
-                if self.lock.locked():
+                if method in WAITS_FOR_LOCK:
+                    wait = self.settings.control_timeout_s
+                    try:
+                        await asyncio.wait_for(self.lock.acquire(), wait)
+                    except TimeoutError:
+                        raise ControlError(
+                            CONFLICT, f"{method}: another control operation is in progress "
+                            f"(waited {wait:g}s)"
+                        ) from None
+                elif self.lock.locked():
                     raise ControlError(
                         CONFLICT, f"{method}: another control operation is in progress"
                     )
-                async with self.lock:
+                else:
+                    await self.lock.acquire()
+                try:
                     result = await self._call(fn, args, actor)
+                finally:
+                    self.lock.release()
             else:
                 result = await self._call(fn, args, actor)
             reply = m.ControlReply(rid, result=result)
@@ -328,6 +344,9 @@ class Engine:
             ranks = ", ".join(f"rank {r} serves {v!r}" for r, v in self.version_mismatch.items())
             ours = self.state.weight_version
             out.append(f"version mismatch: {ranks}; the engine serves {ours!r}")
+        fleet = self.fleet.problem()
+        if fleet:
+            out.append(fleet)
         for name in self.supervisor.report()["down"]:
             err = self.supervisor.last_error.get(name, "")
             out.append(f"task {name} failed ({err}); restarting")

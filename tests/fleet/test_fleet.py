@@ -238,6 +238,19 @@ def test_route_checks_token_and_body(fleet: Fleet) -> None:
     r = fleet_update(fleet.a, {"version": "x", "pausemode": "keep"})
     assert r.status_code == 400 and r.json()["result"]["param"] == "pausemode", r.text
     assert fleet_update(fleet.a, {"version": "x", "pause_mode": "now"}).status_code == 400
+    # a name no rank could load: 400 naming it, before any instance is paused or asked
+    staged = log_count(fleet.c, "test delay before stage")  # C's rank logs every stage
+    r = fleet_update(fleet.a, {"version": "../../etc", "pause_mode": "abort"})
+    assert r.status_code == 400 and r.json()["result"]["param"] == "version", r.text
+    assert log_count(fleet.c, "test delay before stage") == staged
+    for bad in ("", "a/b"):
+        c = subprocess.run(
+            [sys.executable, "-m", "services.cli", "fleet", "update", "--version", bad],
+            env=fleet.env(), capture_output=True, text=True, timeout=60,
+        )
+        assert c.returncode == 2 and c.stdout == "", c.stdout + c.stderr
+        assert c.stderr.startswith("rollbus fleet update: bad argument 'version'"), c.stderr
+        assert len(c.stderr.strip().splitlines()) == 1
     assert fleet.versions() == before
 
 

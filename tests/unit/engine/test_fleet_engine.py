@@ -53,10 +53,14 @@ class Bucket:
         r = self.recs.get(txn)
         return (msgspec.structs.replace(r), 1) if r else None
 
-    async def decide(self, txn: str, to: str, actor: str, reason: str) -> f.Record | None:
+    async def decide(
+        self, txn: str, to: str, actor: str, reason: str, check: Any = None
+    ) -> f.Record | None:
         r = self.recs.get(txn)
         if r is None:
             return None
+        if check is not None:
+            check(msgspec.structs.replace(r))
         if r.decision != to and f.allowed(r.decision, to, actor):
             r.decision, r.reason = to, reason  # type: ignore[assignment]
         return msgspec.structs.replace(r)
@@ -82,7 +86,7 @@ def engine(ranks: Ranks) -> Any:
     async def state_changed(to: str, data: dict[str, Any]) -> None:
         events.append((to, data))
 
-    async def event(kind: str, data: dict[str, Any]) -> None:
+    async def event(kind: str, data: dict[str, Any], *_: Any) -> None:
         events.append((kind, data))
 
     eng = SimpleNamespace(
@@ -182,3 +186,185 @@ async def test_an_instance_already_paused_stays_paused() -> None:
     eng.fleet.bucket.recs["t1"].decision = "abort"
     await ef.fleet_abort(eng, f.TxnArgs("t1"))
     assert eng.state.state is State.PAUSED
+
+
+class SlowCommitRanks(Ranks):
+    """Ranks whose commit takes a moment: the window in which the watchdog holds the
+    control lock while the coordinator's fleet_commit arrives."""
+
+    async def call(self, method: str, args: msgspec.Struct | None = None, **kw: Any) -> Any:
+        if method == "commit":
+            await asyncio.sleep(0.3)
+        return await super().call(method, args, **kw)
+
+
+def _dispatcher(eng: Any) -> Any:
+    """The real Engine.dispatch (lock handling, replies) on the scripted engine."""
+    from services.engine import main as em
+
+    async def save() -> None:
+        return None
+
+    eng.persist = SimpleNamespace(save=save)
+    eng._call = lambda fn, args, actor: em.Engine._call(eng, fn, args, actor)
+
+    async def dispatch(method: str, args: dict[str, Any]) -> m.ControlReply:
+        raw = await em.Engine.dispatch(eng, method, msgspec.json.encode(args), {})
+        return msgspec.json.decode(raw, type=m.ControlReply)
+
+    return dispatch
+
+
+async def test_commit_waits_for_the_lock_its_own_watchdog_holds() -> None:
+    """Review 11 #1: the watchdog commits the transaction itself (the record says
+    ``commit``) under the control lock just as the coordinator's fleet_commit arrives:
+    that commit waits for the lock and answers 200 (done, switched), not an instant 409."""
+    eng = engine(SlowCommitRanks())
+    dispatch = _dispatcher(eng)
+    await _staged(eng)
+    eng.fleet.bucket.recs["t1"].decision = "commit"
+    while not eng.lock.locked():  # the watchdog fired (CT) and commits under the lock
+        await asyncio.sleep(0.01)
+    rep = await dispatch("fleet_commit", {"txn": "t1"})
+    assert rep.error_code == 200, rep.error_message
+    assert rep.result["finalized"] is True and rep.result["weight_version"] == "v1"
+    assert eng.fleet.bucket.recs["t1"].decision == "done"
+    assert eng.state.state is State.RUNNING
+    # a plain exclusive call still gets its instant 409 while the lock is held
+    async with eng.lock:
+        rep = await dispatch("pause", {"mode": "keep"})
+    assert rep.error_code == 409
+
+
+async def test_record_done_by_another_instance_still_commits() -> None:
+    eng = engine(Ranks())
+    await _staged(eng)
+    eng.fleet.bucket.recs["t1"].decision = "done"  # another instance's watchdog finished it
+    res = await ef.fleet_commit(eng, f.TxnArgs("t1"))
+    assert res["committed"] == "v1" and eng.ranks.version == "v1"
+    assert (await ef.fleet_finalize(eng, f.TxnArgs("t1")))["finalized"] is True
+
+
+@pytest.mark.parametrize(
+    "forged",
+    [
+        {"version": "v9"},  # not what it staged
+        {"instances": ["other"]},  # not in the transaction
+        {"txn": "t9"},  # another transaction's record under this key
+    ],
+)
+async def test_a_foreign_record_commits_nothing(forged: dict[str, Any]) -> None:
+    """Review 11 #4: a record written over raw NATS that does not name this instance's
+    transaction (txn, version, instance) is a 409 on commit and finalize; the watchdog
+    treats it as abort."""
+    eng = engine(Ranks())
+    await _staged(eng)
+    recs = eng.fleet.bucket.recs
+    recs["t1"] = msgspec.structs.replace(recs["t1"], decision="commit", **forged)
+    with pytest.raises(ControlError) as e:
+        await ef.fleet_commit(eng, f.TxnArgs("t1"))
+    assert e.value.code == 409 and "not this transaction's" in e.value.message
+    assert "commit" not in eng.ranks.calls
+    recs["t1"].decision = "done"
+    with pytest.raises(ControlError) as e:
+        await ef.fleet_finalize(eng, f.TxnArgs("t1"))
+    assert e.value.code == 409
+    assert eng.state.state is State.UPDATING and eng.state.weight_version == "v0"
+    await asyncio.sleep(CT + 0.3)  # the watchdog: a foreign record decides nothing
+    assert eng.fleet.txn is None and eng.state.state is State.RUNNING
+    assert eng.state.weight_version == "v0" and "commit" not in eng.ranks.calls
+
+
+async def test_commit_of_a_restarted_instance_is_503() -> None:
+    eng = engine(Ranks())
+    eng.state.pause("keep")
+    eng.state.begin_update()
+    txn = ef.Txn("t1", "u1", "v1", "v0", True, "restored", 0.0)
+    eng.fleet.touch(txn)
+    eng.fleet.start(txn)
+    eng.fleet.bucket.recs["t1"] = f.Record("t1", "v1", ["i"], "commit")
+    with pytest.raises(ControlError) as e:
+        await ef.fleet_commit(eng, f.TxnArgs("t1"))
+    assert e.value.code == 503 and "restarted during the transaction" in e.value.message
+    eng.fleet.clear(txn)
+
+
+class DeadBucket(Bucket):
+    async def decide(self, *a: Any, **kw: Any) -> f.Record | None:
+        raise ConnectionError("bucket unreachable")
+
+
+async def test_health_reports_a_transaction_waiting_on_its_record() -> None:
+    """Review 11 #3: while the watchdog cannot read the record, /health is not green."""
+    eng = engine(Ranks())
+    await _staged(eng)
+    assert eng.fleet.problem() == ""
+    eng.fleet.bucket.__class__ = DeadBucket
+    await asyncio.sleep(CT + 0.3)
+    assert eng.fleet.txn is not None  # it never guesses
+    assert "fleet transaction t1 undecided for" in eng.fleet.problem()
+    eng.fleet.bucket.__class__ = Bucket
+    await asyncio.sleep(1.3)
+    assert eng.fleet.txn is None and eng.fleet.problem() == ""
+
+
+def test_stage_refuses_a_txn_that_is_no_kv_key() -> None:
+    for bad in ("bad*key>", "a.b", "", "x" * 65, "a b"):
+        with pytest.raises(ControlError) as e:
+            m.decode_args(msgspec.json.encode({"txn": bad, "version": "v1"}), f.StageTxnArgs)
+        assert e.value.code == 400 and "'txn'" in e.value.message
+        with pytest.raises(ControlError):
+            m.decode_args(msgspec.json.encode({"txn": bad}), f.TxnArgs)
+    assert m.decode_args(b'{"txn": "f0a-b_C", "version": "v1"}', f.StageTxnArgs).txn
+
+
+async def _real_engine(nats_url: str) -> tuple[Any, Any]:
+    import nats
+
+    nc = await nats.connect(nats_url)
+    await f.ensure_bucket(nc, 1)
+    eng = engine(Ranks())
+    eng.bus = SimpleNamespace(nc=nc)
+    eng.fleet = ef.Fleet(eng)  # the real FleetBucket on a real JetStream KV
+    return eng, nc
+
+
+async def test_an_undecodable_record_is_an_abort(nats_url: str) -> None:
+    """Review 11 #3: a record that does not decode is not "bucket unreachable for ever":
+    the watchdog CAS-writes abort over it, drops the staged weights and resumes."""
+    eng, nc = await _real_engine(nats_url)
+    try:
+        txn = f.new_txn_id()
+        kv = await nc.jetstream().key_value(f.FLEET_BUCKET)
+        await kv.put(txn, b'{"txn": "%s", "version": "v1", "instances": ["i"]}' % txn.encode())
+        await ef.fleet_stage(eng, f.StageTxnArgs(txn, "v1"))
+        await kv.put(txn, b'{"txn": "%s", "version": "v1", "instances": ["i"], '
+                          b'"decision": "maybe"}' % txn.encode())
+        for _ in range(50):
+            if eng.fleet.txn is None:
+                break
+            await asyncio.sleep(0.1)
+        assert eng.fleet.txn is None and eng.state.state is State.RUNNING
+        assert eng.state.weight_version == "v0" and "rollback" in eng.ranks.calls
+        rec = msgspec.json.decode((await kv.get(txn)).value, type=f.Record)
+        assert rec.decision == "abort" and "does not decode" in rec.reason
+    finally:
+        await nc.close()
+
+
+async def test_an_invalid_record_key_is_an_abort(nats_url: str) -> None:
+    """A transaction id that cannot be a key (persisted before the check existed): the
+    watchdog aborts instead of asking for ever."""
+    eng, nc = await _real_engine(nats_url)
+    try:
+        eng.state.pause("keep")
+        eng.state.begin_update()
+        txn = ef.Txn("bad*key>", "u1", "v1", "v0", False, "restored", 0.0)  # deadline: now
+        eng.fleet.start(txn)
+        for _ in range(50):
+            if eng.fleet.txn is None:
+                break
+            await asyncio.sleep(0.1)
+        assert eng.fleet.txn is None and eng.state.state is not State.UPDATING
+    finally:
+        await nc.close()

@@ -3,6 +3,9 @@ the argument structs, the status rows."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
 
 from shared import fleet as f
@@ -126,3 +129,97 @@ def test_mark_unreachable_only_silent_503s() -> None:
     outs = [_o("a", 503, "stage", "v0"), _o("c", 503, "stage", "v0"), _o("d", 404, "stage")]
     f.mark_unreachable(outs, {"c", "d"})
     assert [o.outcome for o in outs] == ["x", "unreachable", "x"]
+
+
+def test_overall_done_and_everyone_on_the_version_is_200_whatever_a_step_said() -> None:
+    # review 11 #1: a commit answered 409 but the record says done and it serves v1
+    outs = [_o("a", 409, "commit"), _o("b")]
+    assert f.overall(outs, "done", "v1") == (200, "")
+    assert f.overall([_o("a", 409, "commit", "v0"), _o("b")], "done", "v1")[0] == 409
+
+
+class MemBucket:
+    def __init__(self) -> None:
+        self.recs: dict[str, f.Record] = {}
+        self.on_decide: Any = None  # (rec, to) -> None: someone else writes first
+
+    async def create(self, rec: f.Record) -> None:
+        self.recs[rec.txn] = rec
+
+    async def decide(self, txn: str, to: str, actor: str, reason: str) -> f.Record | None:
+        r = self.recs[txn]
+        if self.on_decide:
+            self.on_decide(r, to)
+        if r.decision != to and f.allowed(r.decision, to, actor):
+            r.decision = to  # type: ignore[assignment]
+        return r
+
+
+class Scripted(f.Coordinator):
+    """The real Coordinator.update with scripted instance replies."""
+
+    def __init__(self, script: dict[tuple[str, str], tuple[int, str, dict[str, Any]]]) -> None:
+        super().__init__(SimpleNamespace(nc=None, name="t"), 1.0)
+        self.bucket = MemBucket()  # type: ignore[assignment]
+        self.script, self.calls = script, []  # type: list[tuple[str, str]]
+
+    async def call(self, instance: str, method: str, args: Any, timeout: float
+                   ) -> tuple[int, str, dict[str, Any]]:
+        self.calls.append((instance, method))
+        return self.script.get((instance, method), (200, "", {}))
+
+
+async def test_a_commit_409_under_a_done_record_is_a_switch() -> None:
+    """Review 11 #1: a's watchdog finished the transaction (record ``done``) while the
+    coordinator's commit got 409: every instance serves v1, so 200 and no error rows."""
+    on = {"weight_version": "v1"}
+    c = Scripted({
+        ("a", "fleet_stage"): (200, "", {"previous_version": "v0"}),
+        ("b", "fleet_stage"): (200, "", {"previous_version": "v0"}),
+        ("a", "fleet_commit"): (409, "fleet_commit: another control operation is in progress",
+                                {}),
+        ("a", "fleet_finalize"): (200, "", {**on, "finalized": False}),
+        ("b", "fleet_finalize"): (200, "", {**on, "finalized": True}),
+    })
+
+    def watchdog_first(rec: f.Record, to: str) -> None:
+        if to == "abort" and rec.decision == "commit":
+            rec.decision = "done"  # a's watchdog wrote it first
+
+    c.bucket.on_decide = watchdog_first  # type: ignore[attr-defined]
+    res = await c.update("v1", instances=["a", "b"])
+    assert (res.decision, res.error_code, res.error_message) == ("done", 200, "")
+    assert [(o.outcome, o.version, o.error_code) for o in res.instances] == [
+        ("switched", "v1", 200), ("switched", "v1", 200)]
+
+
+async def test_the_losing_transaction_claims_no_versions() -> None:
+    """Review 11 #10: an instance busy in another transaction (409 at stage) was never in
+    this one: ``not_started``, no version read mid-way through the winner."""
+    c = Scripted({
+        ("a", "fleet_stage"): (409, "fleet transaction fX is in progress", {}),
+        ("b", "fleet_stage"): (200, "", {"previous_version": "v0"}),
+        ("a", "fleet_abort"): (200, "", {"weight_version": "v2", "aborted": False}),
+        ("b", "fleet_abort"): (200, "", {"weight_version": "v0", "aborted": True}),
+    })
+    res = await c.update("v1", instances=["a", "b"])
+    assert res.decision == "abort" and res.error_code == 409
+    a, b = res.instances
+    assert (a.outcome, a.version, a.previous_version) == ("not_started", "", "")
+    assert (b.outcome, b.version) == ("stayed", "v0")
+
+
+@pytest.mark.parametrize(
+    ("kw", "param"),
+    [({"version": "../x"}, "version"), ({"version": "a/b"}, "version"),
+     ({"version": ""}, "version"), ({"version": "x" * 300}, "version"),
+     ({"version": "v1", "pause_mode": "later"}, "pause_mode")],
+)
+async def test_bad_arguments_refused_before_anything(kw: dict[str, Any], param: str) -> None:
+    """Review 11 #6/#9: no record, no pause, for a name no rank could load."""
+    c = Scripted({})
+    with pytest.raises(ValueError) as e:
+        await c.update(instances=["a"], **kw)
+    assert isinstance(e.value, ControlError) and e.value.code == 400
+    assert f"'{param}'" in e.value.message
+    assert c.calls == [] and c.bucket.recs == {}  # type: ignore[attr-defined]
