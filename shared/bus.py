@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -77,6 +78,7 @@ def not_a_request(msg: Msg) -> str:
 class Reply:
     data: bytes
     headers: dict[str, str] = field(default_factory=dict)
+    at: float = field(default_factory=time.monotonic)  # when it arrived
 
 
 class _Gather:

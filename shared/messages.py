@@ -69,6 +69,13 @@ class NoArgs(msgspec.Struct):
     pass
 
 
+class StatusArgs(msgspec.Struct):
+    """``status`` arguments. ``fresh``: ask every rank now (two hops) instead of
+    answering from the engine's view of the ranks (refreshed every ``RANK_REFRESH_S``)."""
+
+    fresh: bool = False
+
+
 def parse_tags(tags: list[str] | str | None) -> tuple[str, ...]:
     """Normalize sleep/wakeup tags; none means all. Unknown tag: ``ControlError(400)``."""
     if tags is None:

@@ -104,6 +104,19 @@ def _query_args(request: Request, *names: str) -> dict[str, Any]:
     return out
 
 
+def _bool_query(request: Request, name: str) -> bool:
+    """A boolean query parameter: ``true``/``false``/``1``/``0`` (any case; empty or
+    absent = false); anything else is 400 naming it."""
+    value = request.query_params.get(name, "").strip().lower()
+    if value in ("", "false", "0"):
+        return False
+    if value in ("true", "1"):
+        return True
+    raise ControlError(
+        BAD_REQUEST, f"bad argument '{name}': expected true or false", {"param": name}
+    )
+
+
 async def _body(deps: Deps, request: Request) -> bytes:
     """The checked JSON-object body of a control call; the token is checked first (401
     before the body is even looked at)."""
@@ -172,7 +185,12 @@ def routes(deps: Deps) -> list[Route]:
         return await call(deps, request, "update_weights", body or b"{}")
 
     async def status(request: Request) -> Response:
-        reply = await call_reply(deps, request, "status", b"{}")
+        try:
+            admin_check(deps, request)  # 401 before a bad parameter's 400
+            fresh = _bool_query(request, "fresh")
+        except ControlError as e:
+            return _refused(request, e)
+        reply = await call_reply(deps, request, "status", b'{"fresh":true}' if fresh else b"{}")
         if reply.error_code == 200 and reply.result is not None:
             body = reply.result
             if deps.bus is not None:  # the API's own process and bus, beside the engine's

@@ -61,13 +61,16 @@ async def sleep(eng: Engine, args: m.TagArgs) -> dict[str, Any]:
         aborted = await eng.scheduler.pause("abort")
     eng.state.sleep(tags)  # recorded first: a half-failed sleep must not look awake
     await eng.state_changed("sleeping", {"tags": list(tags)})
-    async with eng.scheduler.quiet():
-        if "kv_cache" in tags:
-            eng.scheduler.drop_kv()
-        replies = await eng.ranks.call(
-            "sleep",
-            m.SleepWorkerArgs(list(tags), eng.settings.shutdown_comm_group_if_worker_idle),
-        )
+    try:
+        async with eng.scheduler.quiet():
+            if "kv_cache" in tags:
+                eng.scheduler.drop_kv()
+            replies = await eng.ranks.call(
+                "sleep",
+                m.SleepWorkerArgs(list(tags), eng.settings.shutdown_comm_group_if_worker_idle),
+            )
+    finally:
+        await eng.ranks.refresh()  # `status` right after shows what the ranks freed
     return {
         "is_paused": True,
         "tags": list(tags),
@@ -89,6 +92,7 @@ async def wakeup(eng: Engine, args: m.TagArgs) -> dict[str, Any]:
                 ),
             )
         except RankError as e:
+            await eng.ranks.refresh()
             if e.code != NOT_FOUND:
                 raise
             raise RankError(
@@ -97,6 +101,7 @@ async def wakeup(eng: Engine, args: m.TagArgs) -> dict[str, Any]:
                 "update_weights to another version (accepted while asleep), then wake up",
                 e.replies,
             ) from None
+        await eng.ranks.refresh()  # before the first step: `status` shows them awake
         resumed = eng.state.woke(tags)
         if resumed:
             eng.scheduler.resume()
@@ -203,7 +208,10 @@ async def commit_ranks(eng: Engine, version: str, uid: str, previous: str) -> No
 
 
 async def end_update(eng: Engine, committed: str | None) -> None:
-    """Back to paused (or sleeping); ``committed`` is the new version, None if none."""
+    """Back to paused (or sleeping); ``committed`` is the new version, None if none.
+    The ranks' view is refreshed first: a ``status`` after the update shows its outcome
+    on every rank."""
+    await eng.ranks.refresh()
     eng.state.end_update(committed)
     await eng.state_changed(eng.state.state.value, {"version": eng.state.weight_version})
 
@@ -214,8 +222,14 @@ async def switched(eng: Engine, version: str, previous: str, actor: str) -> None
     await eng.event("version", {"version": version, "previous": previous, "actor": actor})
 
 
-async def status(eng: Engine, _: object = None) -> dict[str, Any]:
-    ranks = await eng.ranks.statuses(timeout=min(2.0, eng.settings.control_timeout_s))
+async def status(eng: Engine, args: m.StatusArgs | None = None) -> dict[str, Any]:
+    """One hop: the ranks as the engine's view has them (``services.engine.ranks.RankView``:
+    each rank's last report, ``age_ms``, not alive once silent past its bound), or, with
+    ``fresh``, as every rank answers now."""
+    if args is not None and args.fresh:
+        ranks = await eng.ranks.statuses(timeout=min(2.0, eng.settings.control_timeout_s))
+    else:
+        ranks = eng.ranks.view.entries()
     ours = eng.state.weight_version
     return {
         "version_mismatch": sorted(

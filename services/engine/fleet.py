@@ -234,6 +234,8 @@ async def fleet_commit(eng: Engine, args: f.TxnArgs) -> dict[str, Any]:
             txn.phase = "failed"
             fl.touch(txn)
             raise
+        finally:
+            await eng.ranks.refresh()  # `status` right after shows the ranks' version
     txn.phase = "committed"
     fl.touch(txn)
     return _result(eng, txn=txn.txn, committed=txn.version)
@@ -313,6 +315,7 @@ async def finish_commit(eng: Engine, txn: Txn, actor: str) -> None:
             await persist.reconcile(eng)
         except ControlError as e:  # ranks gone: reconciled when they come back
             log.error("fleet %s: ranks not yet on %r: %s", txn.txn, txn.version, e.message)
+        await eng.ranks.refresh()
     if txn.resume:
         await _resume(eng)
     await eng.event("fleet", {"txn": txn.txn, "outcome": "switched", "version": txn.version})

@@ -54,7 +54,7 @@ METHODS: dict[str, tuple[Method, type, bool]] = {
     "sleep": (control.sleep, m.TagArgs, True),
     "wakeup": (control.wakeup, m.TagArgs, True),
     "update_weights": (control.update_weights, m.UpdateWeightsArgs, True),
-    "status": (control.status, m.NoArgs, False),
+    "status": (control.status, m.StatusArgs, False),
     "health": (control.health, m.NoArgs, False),
     "model_config": (control.model_config, m.NoArgs, False),
     # a fleet transaction, one step per call (services.engine.fleet)
@@ -64,6 +64,9 @@ METHODS: dict[str, tuple[Method, type, bool]] = {
     "fleet_finalize": (fleet_ctl.fleet_finalize, fleet_msgs.TxnArgs, False),
     "fleet_abort": (fleet_ctl.fleet_abort, fleet_msgs.TxnArgs, False),
 }
+# a rank serving another version than the engine is reported once every report of it
+# says so for this long (README "Supervision and health")
+MISMATCH_CONFIRM_S = 2.0
 # exclusive methods that wait (up to CONTROL_TIMEOUT_S) for the lock instead of a 409: the
 # instance's own fleet watchdog may hold it, resolving the same transaction
 WAITS_FOR_LOCK = {"fleet_commit"}
@@ -75,18 +78,21 @@ class Engine:
         self.bus = bus
         self.subjects = Subjects(settings.instance)
         self.state = EngineState()
-        self.ranks = Ranks(bus, self.subjects, settings.tp, settings.control_timeout_s)
+        self.ranks = Ranks(
+            bus, self.subjects, settings.tp, settings.control_timeout_s, settings.rank_refresh_s
+        )
         self.lock = asyncio.Lock()
         self.ready = False
         self.ranks_alive = False
         self.latest_published = ""
         self.max_model_len = 0
         self.supervisor = Supervisor("engine")
-        # what the last ping of each rank said (version, compute-thread watermark)
+        # what each rank said in the watcher's last round (version, compute-thread
+        # watermark); ``status`` answers from ``ranks.view``, fed by the same rounds
         self.rank_pings: dict[int, dict[str, Any]] = {}
         self.ranks_error = ""
         self.version_mismatch: dict[int, str] = {}  # rank -> version, when not ours
-        self._mismatch_seen: dict[int, str] = {}
+        self._mismatch_seen: dict[int, tuple[str, float]] = {}  # rank -> (version, since)
         self.scheduler = Generation(self)
         self.persist = persist.Persister(self)
         self.fleet = fleet_ctl.Fleet(self)
@@ -217,7 +223,7 @@ class Engine:
         restored = update
         while True:
             try:
-                replies = await self.ranks.call("ping", timeout=1.0)
+                replies = await self.ranks.poll(timeout=1.0)
             except ControlError:
                 await asyncio.sleep(0.2)
                 continue
@@ -236,6 +242,7 @@ class Engine:
         if restored is not None and restored.fleet_txn:
             await fleet_ctl.restored(self, restored)  # follows the transaction's record
         await self.persist.save()
+        await self.ranks.refresh()  # `status` from the first call on shows the ranks as they are
         self.ready = self.ranks_alive = True
         await self.event("ready", {"version": self.state.weight_version, "tp": self.settings.tp})
 
@@ -255,6 +262,8 @@ class Engine:
                 if e.code in (BAD_REQUEST, NOT_FOUND, UNPROCESSABLE):
                     await self._adopt_ranks_version(e)
                 return False
+            finally:
+                await self.ranks.refresh()
         log.info("ranks brought to the engine's state (%s): %s", why, done)
         await self.event("reconcile", {"ok": True, "why": why, **done})
         return True
@@ -276,14 +285,18 @@ class Engine:
         await self.event("version_lost", {"lost": lost, "version": self.state.weight_version})
         await self.persist.save()
 
-    async def watch_ranks(self, period: float = 2.0) -> None:
-        """Keep ``ranks_alive`` true only while every rank answers a ping and serves the
-        engine's state (ranks that come back restarted are brought to it first); keep
-        each rank's last ping (version, compute-thread watermark) for ``problems``."""
+    async def watch_ranks(self) -> None:
+        """Every ``RANK_REFRESH_S``, ask every rank's ``status`` (one scatter, answered on
+        each rank's event loop, never queued behind its compute thread): the view
+        ``status`` answers from (``ranks.view``). Keep ``ranks_alive`` true only while
+        every rank answers (within the view's staleness bound) and serves the engine's
+        state (ranks that come back restarted are brought to it first); keep each rank's
+        last report (version, compute-thread watermark) for ``problems``."""
+        period = self.settings.rank_refresh_s
         while True:
             await asyncio.sleep(period)
             try:
-                replies = await self.ranks.call("ping", timeout=period)
+                replies = await self.ranks.poll()
                 alive, error = True, ""
             except RankError as e:
                 replies, alive, error = e.replies, False, e.message
@@ -303,18 +316,20 @@ class Engine:
             await self._check_versions()
 
     async def _check_versions(self) -> None:
-        """Ranks serving another version than ours, seen in two pings in a row (an
-        update switches the ranks a moment before the engine). Not checked while
+        """Ranks serving another version than ours, the same one in every report for
+        ``MISMATCH_CONFIRM_S`` (an update switches the ranks a moment before the
+        engine; a rollback broadcast lands a moment after it). Not checked while
         updating, nor asleep (wakeup loads the engine's version, whatever ranks hold)."""
         ours = self.state.weight_version
-        seen = {
-            r: str(p.get("version", ""))
-            for r, p in self.rank_pings.items()
-            if p.get("version", ours) != ours
-        }
-        if self.state.state in (State.UPDATING, State.SLEEPING):
-            seen = {}
-        confirmed = {r: v for r, v in seen.items() if self._mismatch_seen.get(r) == v}
+        now = time.monotonic()
+        seen: dict[int, tuple[str, float]] = {}
+        if self.state.state not in (State.UPDATING, State.SLEEPING):
+            for r, p in self.rank_pings.items():
+                if p.get("version", ours) != ours:
+                    v = str(p.get("version", ""))
+                    before = self._mismatch_seen.get(r)
+                    seen[r] = (v, before[1] if before and before[0] == v else now)
+        confirmed = {r: v for r, (v, t) in seen.items() if now - t >= MISMATCH_CONFIRM_S}
         self._mismatch_seen = seen
         if confirmed != self.version_mismatch:
             self.version_mismatch = confirmed

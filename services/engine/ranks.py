@@ -1,7 +1,9 @@
-"""Fan-out from the engine to every worker rank (``rollbus.<i>.worker.ctl.<method>``)."""
+"""Fan-out from the engine to every worker rank (``rollbus.<i>.worker.ctl.<method>``),
+and the engine's view of the ranks: what each rank last said on ``status``, and when."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import msgspec
@@ -20,9 +22,71 @@ class RankError(ControlError):
         self.replies = replies
 
 
+class RankView:
+    """Every rank's last ``status`` report (as the rank sent it: pid, version, weights,
+    KV, compute-thread ``busy``/``busy_s``, …) with the monotonic time it arrived.
+
+    Fed by every status scatter (the engine's watcher every ``refresh_s``, and one at
+    the end of every operation that changes the ranks). Reports are ordered by the
+    round that asked for them: a late answer to an older round never replaces a newer
+    one. A rank is shown alive only while its report is fresh (younger than
+    ``stale_s`` = max(3 × ``refresh_s``, 1 s)) and it answered its last round."""
+
+    def __init__(self, tp: int, refresh_s: float) -> None:
+        self.tp, self.refresh_s = tp, refresh_s
+        self.stale_s = max(3 * refresh_s, 1.0)
+        self.rounds = 0
+        self.reports: dict[int, dict[str, Any]] = {}
+        self.at: dict[int, float] = {}  # rank -> monotonic time its report arrived
+        self.round_of: dict[int, int] = {}  # rank -> the round its report answered
+        self.missed: dict[int, tuple[int, str]] = {}  # rank -> (round, why) unanswered
+
+    def begin(self) -> int:
+        self.rounds += 1
+        return self.rounds
+
+    def record(self, rnd: int, rank: int, report: dict[str, Any], at: float) -> None:
+        if rnd < self.round_of.get(rank, 0):
+            return  # an older round answered after a newer one
+        self.reports[rank], self.at[rank], self.round_of[rank] = report, at, rnd
+        if self.missed.get(rank, (0, ""))[0] <= rnd:
+            self.missed.pop(rank, None)
+
+    def miss(self, rnd: int, rank: int, why: str) -> None:
+        if rnd > self.round_of.get(rank, 0) and rnd >= self.missed.get(rank, (0, ""))[0]:
+            self.missed[rank] = (rnd, why)
+
+    def entry(self, rank: int, now: float) -> dict[str, Any]:
+        """The rank as ``status`` shows it: its report, ``alive``, ``age_ms`` (time since
+        the report arrived) and, when not alive, ``reason``."""
+        rep = self.reports.get(rank)
+        missed = self.missed.get(rank)
+        if rep is None:
+            why = f"no report yet ({missed[1]})" if missed else "no report yet"
+            return {"rank": rank, "alive": False, "age_ms": None, "reason": why}
+        age = now - self.at[rank]
+        out = {**rep, "rank": rank, "alive": True, "age_ms": round(age * 1e3, 1)}
+        if missed is not None:
+            out["alive"] = False
+            out["reason"] = f"no report for {age:.1f} s ({missed[1]})"
+        elif age > self.stale_s:
+            out["alive"] = False
+            out["reason"] = (
+                f"no report for {age:.1f} s (status asked every {self.refresh_s:g} s)"
+            )
+        return out
+
+    def entries(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        return [self.entry(r, now) for r in range(self.tp)]
+
+
 class Ranks:
-    def __init__(self, bus: Bus, subjects: Subjects, tp: int, timeout: float) -> None:
+    def __init__(
+        self, bus: Bus, subjects: Subjects, tp: int, timeout: float, refresh_s: float = 0.25
+    ) -> None:
         self.bus, self.subjects, self.tp, self.timeout = bus, subjects, tp, timeout
+        self.view = RankView(tp, refresh_s)
 
     async def call(
         self,
@@ -37,8 +101,15 @@ class Ranks:
         Raises :class:`RankError`: 503 naming ranks that did not answer, else the first
         failing rank's code with every failing rank's message.
         """
-        data = m.json_encode(args) if args is not None else b"{}"
         t = timeout or self.timeout
+        raw, missing = await self._scatter(method, args, t, request_id)
+        return self._check(method, t, raw, missing)
+
+    async def _scatter(
+        self, method: str, args: msgspec.Struct | None, t: float, request_id: str | None = None
+    ) -> tuple[dict[int, Any], list[int]]:
+        """Raw replies by rank (undecoded, with their arrival time) and the silent ranks."""
+        data = m.json_encode(args) if args is not None else b"{}"
         try:
             raw = await self.bus.scatter(
                 self.subjects.worker_ctl(method),
@@ -47,10 +118,13 @@ class Ranks:
                 timeout=t,
                 request_id=request_id,
             )
-            missing: list[int] = []
+            return raw, []
         except Timeout as e:
-            raw = (e.result or {}).get("replies", {})
-            missing = e.missing
+            return (e.result or {}).get("replies", {}), e.missing
+
+    def _check(
+        self, method: str, t: float, raw: dict[int, Any], missing: list[int]
+    ) -> dict[int, m.WorkerReply]:
         replies = {r: m.json_decode(rep.data, type=m.WorkerReply) for r, rep in raw.items()}
         if missing:
             raise RankError(
@@ -76,14 +150,39 @@ class Ranks:
         data = m.json_encode(args) if args is not None else b"{}"
         await self.bus.publish(self.subjects.worker_ctl(method), data)
 
-    async def statuses(self, timeout: float = 1.0) -> list[dict[str, Any]]:
-        """Each rank's status, with ``{"rank": r, "alive": False}`` for silent ranks."""
+    async def poll(self, timeout: float | None = None) -> dict[int, m.WorkerReply]:
+        """Ask every rank's ``status`` now and record the answers in :attr:`view` (a
+        silent or failing rank is recorded as such). Raises :class:`RankError` as
+        :meth:`call` does. ``timeout`` defaults to the view's staleness bound."""
+        t = timeout or self.view.stale_s
+        rnd = self.view.begin()
+        raw, missing = await self._scatter("status", None, t)
         try:
-            replies = await self.call("status", timeout=timeout)
+            replies = self._check("status", t, raw, missing)
         except RankError as e:
-            replies = e.replies
-        out = []
-        for r in range(self.tp):
-            rep = replies.get(r)
-            out.append({"alive": True, **rep.result} if rep else {"rank": r, "alive": False})
-        return out
+            self._record(rnd, raw, e.replies)
+            for r in missing:
+                self.view.miss(rnd, r, f"did not answer status within {t:g} s")
+            raise
+        self._record(rnd, raw, replies)
+        return replies
+
+    def _record(self, rnd: int, raw: dict[int, Any], replies: dict[int, m.WorkerReply]) -> None:
+        for r, rep in replies.items():
+            if rep.error_code == 200:
+                self.view.record(rnd, r, rep.result, raw[r].at)
+            else:
+                self.view.miss(rnd, r, f"status failed: {rep.error_message}")
+
+    async def refresh(self, timeout: float | None = None) -> None:
+        """:meth:`poll`, never raising: the view says which ranks did not answer."""
+        try:
+            await self.poll(timeout)
+        except RankError:
+            pass
+
+    async def statuses(self, timeout: float = 1.0) -> list[dict[str, Any]]:
+        """Each rank's status asked now (:meth:`refresh`), as ``status`` shows it: a
+        silent rank is ``alive: false`` with a reason."""
+        await self.refresh(timeout)
+        return self.view.entries()

@@ -42,6 +42,9 @@ class Ranks:
     async def broadcast(self, method: str, args: msgspec.Struct | None = None) -> None:
         self.calls.append(method)
 
+    async def refresh(self, timeout: float | None = None) -> None:
+        pass  # the engine's view of the ranks (services.engine.ranks.RankView)
+
 
 class Bucket:
     """FleetBucket's contract in memory: decide() only when shared.fleet.allowed()."""

@@ -23,6 +23,7 @@ class ScriptedRanks:
         self.fail = fail or {}
         self.calls: list[tuple[str, Any]] = []
         self.broadcasts: list[tuple[str, Any]] = []
+        self.refreshes = 0
 
     async def call(
         self, method: str, args: msgspec.Struct | None = None, **_: Any
@@ -35,6 +36,9 @@ class ScriptedRanks:
 
     async def broadcast(self, method: str, args: msgspec.Struct | None = None) -> None:
         self.broadcasts.append((method, args))
+
+    async def refresh(self, timeout: float | None = None) -> None:
+        self.refreshes += 1  # the engine's view of the ranks asked anew
 
 
 def engine(ranks: ScriptedRanks) -> Any:
@@ -103,3 +107,14 @@ def test_update_needs_pause_and_a_version() -> None:
         asyncio.run(control.update_weights(eng, m.UpdateWeightsArgs()))
     assert getattr(e.value, "code", None) == 404
     assert eng.state.state is State.PAUSED  # not left in "updating"
+
+
+@pytest.mark.parametrize("fail", [None, "stage", "commit"])
+def test_the_ranks_view_is_refreshed_before_the_update_answers(fail: str | None) -> None:
+    """``status`` right after update_weights shows its outcome on every rank: the view is
+    asked anew at the end of the update, whatever the outcome."""
+    ranks = ScriptedRanks({fail: (503, f"{fail}: ranks [1] did not answer")} if fail else {})
+    eng = engine(ranks)
+    with contextlib.suppress(RankError):
+        run(eng)
+    assert ranks.refreshes == 1
