@@ -84,15 +84,21 @@ class Reply:
 class _Gather:
     """Replies collected for one scatter, keyed by rank."""
 
-    def __init__(self, expected: int) -> None:
+    def __init__(
+        self, expected: int, on_reply: Callable[[int, Reply], None] | None = None
+    ) -> None:
         self.expected = expected
         self.replies: dict[int, Reply] = {}
         self.done = asyncio.get_running_loop().create_future()
+        self.on_reply = on_reply
 
     def add(self, rank: int, reply: Reply) -> None:
+        first = rank not in self.replies
         self.replies.setdefault(rank, reply)
         if len(self.replies) >= self.expected and not self.done.done():
             self.done.set_result(None)
+        if first and self.on_reply is not None:
+            self.on_reply(rank, reply)
 
 
 class StreamOverflow(ControlError):
@@ -346,14 +352,16 @@ class Bus:
         timeout: float,
         headers: dict[str, str] | None = None,
         request_id: str | None = None,
+        on_reply: Callable[[int, Reply], None] | None = None,
     ) -> dict[int, Reply]:
         """Publish once; wait for one reply from each of ranks ``0..expected-1``.
 
         Raises :class:`Timeout` naming the missing ranks; the replies that did arrive are
-        in its ``result["replies"]``.
+        in its ``result["replies"]``. ``on_reply(rank, reply)`` is called as each rank's
+        reply arrives (in the reply callback: it must not block).
         """
         token = _token()
-        gather = _Gather(expected)
+        gather = _Gather(expected, on_reply)
         self._pending[token] = gather
         try:
             await self._send(subject, data, token, request_id or token, headers)

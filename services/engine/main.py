@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -288,32 +289,64 @@ class Engine:
     async def watch_ranks(self) -> None:
         """Every ``RANK_REFRESH_S``, ask every rank's ``status`` (one scatter, answered on
         each rank's event loop, never queued behind its compute thread): the view
-        ``status`` answers from (``ranks.view``). Keep ``ranks_alive`` true only while
-        every rank answers (within the view's staleness bound) and serves the engine's
-        state (ranks that come back restarted are brought to it first); keep each rank's
-        last report (version, compute-thread watermark) for ``problems``."""
+        ``status`` answers from (``ranks.view``, each answer recorded as it arrives).
+        Rounds overlap: a silent rank holds its round up to the view's staleness bound,
+        the others are still asked every period. Each round, in order: keep
+        ``ranks_alive`` true only while every rank answers and serves the engine's state
+        (ranks that come back restarted are brought to it first); keep each rank's last
+        report (version, compute-thread watermark) for ``problems``."""
         period = self.settings.rank_refresh_s
-        while True:
-            await asyncio.sleep(period)
-            try:
-                replies = await self.ranks.poll()
-                alive, error = True, ""
-            except RankError as e:
-                replies, alive, error = e.replies, False, e.message
-                if self.ranks_alive:
-                    log.warning("ranks lost: %s", e.message)
-                    await self.event("ranks", {"alive": False, "error": e.message})
-            if alive and persist.ranks_changed(self, replies) == "restarted":
-                # new rank processes (the launcher restarted them): brought to the engine's
-                # version and sleep state before they count as alive. A rank switched
-                # behind the engine's back is only reported (``_check_versions``).
-                if self.lock.locked():  # an operation holds the lock: next round
-                    alive, error = False, "ranks restarted: not yet brought to the engine's state"
-                elif not await self.bring_ranks(None, "restarted"):
-                    alive, error = False, "ranks restarted: not brought to the engine's state"
-            self.rank_pings = {r: rep.result for r, rep in replies.items()}
-            self.ranks_alive, self.ranks_error = alive, error
-            await self._check_versions()
+        rounds: deque[asyncio.Future[tuple[dict[int, m.WorkerReply], str]]] = deque()
+        asked = asyncio.Event()
+
+        async def ask() -> None:
+            while True:
+                await asyncio.sleep(period)
+                rounds.append(asyncio.ensure_future(self._round()))
+                asked.set()
+
+        async def handle() -> None:
+            while True:
+                if not rounds:
+                    asked.clear()
+                    await asked.wait()
+                    continue
+                replies, error = await rounds[0]
+                rounds.popleft()
+                # behind (a reconcile took long): only the newest finished round counts
+                while rounds and rounds[0].done():
+                    replies, error = rounds.popleft().result()
+                await self._watched(replies, error)
+
+        tasks = [asyncio.ensure_future(ask()), asyncio.ensure_future(handle())]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for t in [*tasks, *rounds]:
+                t.cancel()
+
+    async def _round(self) -> tuple[dict[int, m.WorkerReply], str]:
+        try:
+            return await self.ranks.poll(), ""
+        except RankError as e:
+            return e.replies, e.message
+
+    async def _watched(self, replies: dict[int, m.WorkerReply], error: str) -> None:
+        alive = not error
+        if not alive and self.ranks_alive:
+            log.warning("ranks lost: %s", error)
+            await self.event("ranks", {"alive": False, "error": error})
+        if alive and persist.ranks_changed(self, replies) == "restarted":
+            # new rank processes (the launcher restarted them): brought to the engine's
+            # version and sleep state before they count as alive. A rank switched
+            # behind the engine's back is only reported (``_check_versions``).
+            if self.lock.locked():  # an operation holds the lock: next round
+                alive, error = False, "ranks restarted: not yet brought to the engine's state"
+            elif not await self.bring_ranks(None, "restarted"):
+                alive, error = False, "ranks restarted: not brought to the engine's state"
+        self.rank_pings = {r: rep.result for r, rep in replies.items()}
+        self.ranks_alive, self.ranks_error = alive, error
+        await self._check_versions()
 
     async def _check_versions(self) -> None:
         """Ranks serving another version than ours, the same one in every report for
@@ -347,6 +380,12 @@ class Engine:
             out.append("engine not ready: waiting for the ranks")
         elif not self.ranks_alive:
             out.append(self.ranks_error or "ranks not answering")
+        else:  # what `status` shows: a rank silent past the view's bound is not alive
+            out += [
+                f"rank {e['rank']} not answering: {e['reason']}"
+                for e in self.ranks.view.entries()
+                if not e["alive"]
+            ]
         stall = self.scheduler.stall()
         if stall:
             out.append(stall)

@@ -4,12 +4,13 @@ and the engine's view of the ranks: what each rank last said on ``status``, and 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
 from shared import messages as m
-from shared.bus import Bus
+from shared.bus import Bus, Reply
 from shared.errors import UNAVAILABLE, ControlError, Timeout
 from shared.subjects import Subjects
 
@@ -106,9 +107,14 @@ class Ranks:
         return self._check(method, t, raw, missing)
 
     async def _scatter(
-        self, method: str, args: msgspec.Struct | None, t: float, request_id: str | None = None
-    ) -> tuple[dict[int, Any], list[int]]:
-        """Raw replies by rank (undecoded, with their arrival time) and the silent ranks."""
+        self,
+        method: str,
+        args: msgspec.Struct | None,
+        t: float,
+        request_id: str | None = None,
+        on_reply: Callable[[int, Reply], None] | None = None,
+    ) -> tuple[dict[int, Reply], list[int]]:
+        """Raw replies by rank (undecoded) and the silent ranks."""
         data = m.json_encode(args) if args is not None else b"{}"
         try:
             raw = await self.bus.scatter(
@@ -117,13 +123,14 @@ class Ranks:
                 expected=self.tp,
                 timeout=t,
                 request_id=request_id,
+                on_reply=on_reply,
             )
             return raw, []
         except Timeout as e:
             return (e.result or {}).get("replies", {}), e.missing
 
     def _check(
-        self, method: str, t: float, raw: dict[int, Any], missing: list[int]
+        self, method: str, t: float, raw: dict[int, Reply], missing: list[int]
     ) -> dict[int, m.WorkerReply]:
         replies = {r: m.json_decode(rep.data, type=m.WorkerReply) for r, rep in raw.items()}
         if missing:
@@ -151,28 +158,29 @@ class Ranks:
         await self.bus.publish(self.subjects.worker_ctl(method), data)
 
     async def poll(self, timeout: float | None = None) -> dict[int, m.WorkerReply]:
-        """Ask every rank's ``status`` now and record the answers in :attr:`view` (a
-        silent or failing rank is recorded as such). Raises :class:`RankError` as
-        :meth:`call` does. ``timeout`` defaults to the view's staleness bound."""
+        """Ask every rank's ``status`` now; each answer goes into :attr:`view` as it
+        arrives (one silent rank does not hold back the others' reports), a rank silent
+        for ``timeout`` is recorded as such. Raises :class:`RankError` as :meth:`call`
+        does. ``timeout`` defaults to the view's staleness bound."""
         t = timeout or self.view.stale_s
         rnd = self.view.begin()
-        raw, missing = await self._scatter("status", None, t)
-        try:
-            replies = self._check("status", t, raw, missing)
-        except RankError as e:
-            self._record(rnd, raw, e.replies)
-            for r in missing:
-                self.view.miss(rnd, r, f"did not answer status within {t:g} s")
-            raise
-        self._record(rnd, raw, replies)
-        return replies
+        view = self.view
 
-    def _record(self, rnd: int, raw: dict[int, Any], replies: dict[int, m.WorkerReply]) -> None:
-        for r, rep in replies.items():
+        def arrived(rank: int, reply: Reply) -> None:
+            try:
+                rep = m.json_decode(reply.data, type=m.WorkerReply)
+            except msgspec.DecodeError as e:
+                view.miss(rnd, rank, f"status reply does not decode: {e}")
+                return
             if rep.error_code == 200:
-                self.view.record(rnd, r, rep.result, raw[r].at)
+                view.record(rnd, rank, rep.result, time.monotonic())
             else:
-                self.view.miss(rnd, r, f"status failed: {rep.error_message}")
+                view.miss(rnd, rank, f"status failed: {rep.error_message}")
+
+        raw, missing = await self._scatter("status", None, t, on_reply=arrived)
+        for r in missing:
+            view.miss(rnd, r, f"did not answer status within {t:g} s")
+        return self._check("status", t, raw, missing)
 
     async def refresh(self, timeout: float | None = None) -> None:
         """:meth:`poll`, never raising: the view says which ranks did not answer."""

@@ -1,0 +1,177 @@
+"""``status`` answers in one hop from the engine's view of the ranks, and stays truthful
+(real stack: API + engine + 2 paddle ranks + nats-server; faults by real signals):
+
+* a plain ``status`` sends nothing to the ranks (counted on the ranks' own subject by a
+  raw nats-py subscriber); ``?fresh=true`` asks every rank, each call;
+* right after update_weights / sleep / wakeup, ``status`` shows the outcome on every rank;
+* a rank stopped with SIGSTOP shows ``alive: false`` with a reason naming its silence
+  within 2 s, never alive from a stale report; after SIGCONT it is alive again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import nats
+import pytest
+
+from services.tiny_model import write_version
+from shared.subjects import Subjects
+from tests.e2e.stack import Stack
+
+STALE_S = 1.0  # max(3 x ROLLBUS_RANK_REFRESH_S (0.25 s default), 1 s)
+REFRESH_S = 0.25
+
+
+@pytest.fixture(autouse=True)
+def back_to_running(stack: Stack) -> Iterator[None]:
+    yield
+    with stack.client() as c:
+        if c.get("/v1/status").json()["state"] == "sleeping":
+            c.post("/v1/wakeup")
+        c.post("/v1/resume")
+
+
+def ranks_of(st: dict[str, Any]) -> list[dict[str, Any]]:
+    return sorted(st["ranks"], key=lambda r: r["rank"])
+
+
+async def _count_rank_status_requests(stack: Stack, calls: int, fresh: bool) -> tuple[int, float]:
+    """(status requests the ranks received, seconds) while ``calls`` sequential
+    ``ctl.status`` requests went to the engine over NATS."""
+    s = Subjects(stack.instance)
+    nc = await nats.connect(stack.nats_url)
+    try:
+        seen: list[float] = []
+
+        async def on_request(_msg: Any) -> None:
+            seen.append(time.monotonic())
+
+        # no queue group: a copy of every status request sent to the ranks
+        await nc.subscribe(s.worker_ctl("status"), cb=on_request)
+        await nc.flush()
+        await nc.flush()
+        body = json.dumps({"fresh": True}).encode() if fresh else b"{}"
+        t0 = time.monotonic()
+        for _ in range(calls):
+            rep = json.loads((await nc.request(s.ctl("status"), body, timeout=30)).data)
+            assert rep["error_code"] == 200, rep
+            assert [r["alive"] for r in rep["result"]["ranks"]] == [True, True], rep
+        t1 = time.monotonic()
+        await nc.flush()
+        await asyncio.sleep(0.05)
+        return sum(1 for t in seen if t0 <= t <= t1 + 0.05), t1 - t0
+    finally:
+        await nc.close()
+
+
+def test_status_does_not_ask_the_ranks_and_fresh_does(stack: Stack) -> None:
+    calls = 40
+    got, secs = asyncio.run(_count_rank_status_requests(stack, calls, fresh=False))
+    # only the engine's own refresh (one scatter per RANK_REFRESH_S) reached the ranks;
+    # a status that scattered again would add one per call
+    assert got <= secs / REFRESH_S + 3, (got, secs)
+    got, secs = asyncio.run(_count_rank_status_requests(stack, 10, fresh=True))
+    assert got >= 10, (got, secs)
+
+
+def test_fresh_param_is_checked_and_answers_from_the_ranks(stack: Stack) -> None:
+    with stack.client() as c:
+        st = c.get("/v1/status").json()  # from the view: every rank has its report's age
+        assert all(r["alive"] and 0 <= r["age_ms"] <= STALE_S * 1e3 for r in st["ranks"]), st
+        st = c.get("/v1/status", params={"fresh": "true"}).json()
+        assert all(r["alive"] and r["age_ms"] < STALE_S * 1e3 for r in st["ranks"]), st
+        for bad in ("yes", "2"):
+            r = c.get("/v1/status", params={"fresh": bad})
+            assert r.status_code == 400, r.text
+            assert r.json()["result"]["param"] == "fresh" and "fresh" in r.text
+        assert c.get("/v1/status", params={"fresh": "0"}).status_code == 200
+
+    async def over_nats() -> dict[str, Any]:
+        nc = await nats.connect(stack.nats_url)
+        try:
+            msg = await nc.request(
+                Subjects(stack.instance).ctl("status"), b'{"fresh": "yes"}', timeout=30
+            )
+            return dict(json.loads(msg.data))
+        finally:
+            await nc.close()
+
+    rep = asyncio.run(over_nats())
+    assert rep["error_code"] == 400 and rep["result"]["param"] == "fresh", rep
+
+
+def test_status_right_after_an_operation_shows_its_outcome(stack: Stack) -> None:
+    write_version(stack.model_dir, "sv1", seed=3)
+    with stack.client() as c:
+        assert c.post("/v1/pause").status_code == 200
+        for version in ("sv1", "v0", "sv1", "v0"):
+            r = c.post("/v1/update_weights", json={"version": version})
+            assert r.status_code == 200, r.text
+            st = c.get("/v1/status").json()  # at once: no wait for the next refresh
+            assert st["weight_version"] == version, st
+            assert [r["version"] for r in ranks_of(st)] == [version, version], st
+            assert st["version_mismatch"] == [] and st["ranks_ready"], st
+        r = c.post("/v1/sleep", params={"tags": "weight,kv_cache"})
+        assert r.status_code == 200, r.text
+        st = c.get("/v1/status").json()
+        assert st["asleep"] == ["kv_cache", "weight"], st
+        assert not any(r["weights_loaded"] or r["kv_allocated"] for r in st["ranks"]), st
+        assert all(r["alive"] for r in st["ranks"]), st
+        r = c.post("/v1/wakeup")
+        assert r.status_code == 200, r.text
+        st = c.get("/v1/status").json()
+        assert all(r["weights_loaded"] and r["kv_allocated"] for r in st["ranks"]), st
+
+
+def test_stopped_rank_shows_not_alive_with_a_reason_then_alive_again(stack: Stack) -> None:
+    with stack.client(timeout=30) as c:
+        st = c.get("/v1/status").json()
+        assert all(r["alive"] for r in st["ranks"]), st
+        pid = next(r["pid"] for r in st["ranks"] if r["rank"] == 1)
+        os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            shown = None
+            while shown is None:
+                asked = time.monotonic()
+                assert asked - stopped < 2.0, f"rank 1 still shown alive: {st}"
+                st = c.get("/v1/status").json()
+                for r in st["ranks"]:
+                    # never alive from a stale report
+                    assert not r["alive"] or r["age_ms"] <= STALE_S * 1e3 + 50, st
+                one = ranks_of(st)[1]
+                if not one["alive"]:
+                    shown = st
+                time.sleep(0.05)
+            zero, one = ranks_of(shown)
+            assert zero["alive"] and not shown["ranks_ready"], shown
+            assert one["reason"].startswith("no report for "), one
+            assert one["pid"] == pid and one["age_ms"] >= 500, one  # what it last said
+            # /health names it too
+            h = c.get("/health")
+            err = h.json().get("error", "")
+            assert h.status_code == 503 and ("ranks [1]" in err or "rank 1 " in err), h.text
+            # fresh asks now: rank 1 silent, named
+            st = c.get("/v1/status", params={"fresh": "true"}).json()
+            zero, one = ranks_of(st)
+            assert zero["alive"] and not one["alive"] and "did not answer" in one["reason"], st
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        deadline = time.monotonic() + 20
+        while not all(r["alive"] for r in c.get("/v1/status").json()["ranks"]):
+            assert time.monotonic() < deadline, c.get("/v1/status").text
+            time.sleep(0.1)
+        st = c.get("/v1/status").json()
+        assert ranks_of(st)[1]["pid"] == pid and "reason" not in ranks_of(st)[1], st
+        deadline = time.monotonic() + 20
+        while c.get("/health").status_code != 200:
+            assert time.monotonic() < deadline, c.get("/health").text
+            time.sleep(0.1)
+
