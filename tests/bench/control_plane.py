@@ -5,8 +5,12 @@ difference to its baseline is what rollbus adds on the server side:
 
 * engine-only calls (``is_paused``; ``pause`` then ``resume``) against raw request/reply
   to one responder process (once; twice in a row);
-* ``status``, which reaches every rank, against a raw scatter-gather to N responders,
+* ``status``, which reports every rank, against a raw scatter-gather to N responders,
   each responder its own process, as each rank is. Target: <= 1.5× the raw scatter p50.
+  ``status`` answers in one hop from the engine's view of the ranks (refreshed every
+  ``RANK_REFRESH_S`` and after every operation that changes them); ``status`` with
+  ``{"fresh": true}`` asks every rank now — two hops (client → engine, engine → every
+  rank), so its floor is one raw request/reply plus one raw scatter: shown, no target.
   (KV ``sleep`` then ``wakeup`` is left out: each frees and reallocates the KV cache and
   trims memory on every rank, ≈ 0.5 s: not a control-plane latency);
 * HTTP ``GET /v1/is_paused`` (and ``/v1/status``) against a bare Starlette route, same
@@ -119,6 +123,9 @@ async def measure(
         async def status() -> None:
             await ctl("status")
 
+        async def status_fresh() -> None:
+            await ctl("status", b'{"fresh":true}')
+
         async with httpx.AsyncClient(base_url=base_url, timeout=30) as api, httpx.AsyncClient(
             base_url=bare_url, timeout=30
         ) as bc:
@@ -139,6 +146,7 @@ async def measure(
                 ("rollbus pause→resume over NATS", pause_resume, calls),
                 (f"raw scatter-gather to {tp} responder processes", scatter, calls),
                 ("rollbus status over NATS", status, calls),
+                ("rollbus status?fresh over NATS (two hops)", status_fresh, calls),
                 ("bare starlette route + 1 raw NATS request", http_bare, calls),
                 ("rollbus is_paused over HTTP", http_is_paused, calls),
                 ("rollbus status over HTTP", http_status, calls),
@@ -171,6 +179,7 @@ def tables(tp: int, calls: int, res: dict[str, list[list[float]]]) -> Table:
         ("rollbus pause→resume over NATS", "raw request/reply ×2", None),
         (scat, None, None),
         ("rollbus status over NATS", scat, ("<=", 1.5)),
+        ("rollbus status?fresh over NATS (two hops)", scat, None),
         ("bare starlette route + 1 raw NATS request", None, None),
         ("rollbus is_paused over HTTP", "bare starlette route + 1 raw NATS request", ("<=", 1.3)),
         ("rollbus status over HTTP", "bare starlette route + 1 raw NATS request", None),
