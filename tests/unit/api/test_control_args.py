@@ -103,3 +103,27 @@ def test_a_control_body_over_the_limit_is_400(calls: list[tuple[str, dict[str, A
     r = client(max_body_bytes=1024).post("/v1/resume", content=b"{" + b" " * 4096 + b"}")
     assert r.status_code == 400 and r.json()["result"]["param"] == "body", r.text
     assert calls == []
+
+
+@pytest.mark.parametrize(
+    "query, want",
+    [("", {}), ("?fresh=true", {"fresh": True}), ("?fresh=TRUE", {"fresh": True}),
+     ("?fresh=1", {"fresh": True}), ("?fresh=false", {}), ("?fresh=0", {}), ("?fresh=", {})],
+)
+def test_status_fresh_param(calls: list[tuple[str, dict[str, Any]]], query: str, want: Any) -> None:
+    r = client().get("/v1/status" + query)
+    assert r.status_code == 200, r.text
+    assert calls == [("status", want)]
+
+
+@pytest.mark.parametrize("value", ["yes", "2", "truee"])
+def test_status_fresh_param_not_a_bool_is_400_naming_it(
+    calls: list[tuple[str, dict[str, Any]]], value: str
+) -> None:
+    r = client().get(f"/v1/status?fresh={value}")
+    assert r.status_code == 400, r.text
+    assert r.json()["result"] == {"param": "fresh"} and "'fresh'" in r.json()["error_message"]
+    assert calls == []
+    # the token comes first
+    r = client(admin_token="s3cret").get(f"/v1/status?fresh={value}")
+    assert r.status_code == 401, r.text
