@@ -7,7 +7,6 @@ second one arriving meanwhile gets 409 at once instead of queueing behind it.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +16,6 @@ from shared import messages as m
 from shared.bus import new_request_id
 from shared.errors import NOT_FOUND, ControlError
 from shared.model_config import read_hf_config
-from shared.redact import public_url
 from shared.versions import read_version_txt
 
 if TYPE_CHECKING:
@@ -242,18 +240,12 @@ async def status(eng: Engine, args: m.StatusArgs | None = None) -> dict[str, Any
         "state": eng.state.state.value,
         "is_paused": eng.state.is_paused,
         "weight_version": eng.state.weight_version,
-        "model": eng.settings.served_model_name,
-        "instance": eng.settings.instance,
+        **eng.fixed_status,  # model, instance, tp, load_strategy, nats_url, pids
         "fleet": eng.fleet.describe(),  # the fleet transaction in progress, if any
-        "engine_pid": os.getpid(),
-        "tp": eng.settings.tp,
-        "load_strategy": eng.settings.load_strategy,
         "asleep": sorted(eng.state.asleep),
         "pause_mode": eng.state.pause_mode,
         "ranks": ranks,
         "ranks_ready": all(r.get("alive") for r in ranks),
-        "nats_url": public_url(eng.bus.url),  # never credentials
-        "pid": os.getpid(),
         # requests waiting for replies (0 when idle) and late replies dropped
         "bus": {"pending": eng.bus.pending, "dropped": eng.bus.dropped_replies},
         # versions behind the newest announced, the bound, requests it holds
@@ -284,7 +276,7 @@ def health(eng: Engine, _: object = None) -> dict[str, Any]:
         "ranks_alive": eng.ranks_alive,
         "state": eng.state.state.value,
         "weight_version": eng.state.weight_version,
-        "model": eng.settings.served_model_name,
+        "model": eng.fixed_status["model"],
         "max_model_len": eng.max_model_len,
         "staleness": eng.scheduler.staleness_report().to_dict(),
     }

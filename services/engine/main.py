@@ -9,6 +9,7 @@ state change on ``rollbus.<i>.events.<kind>`` (JetStream stream ``ROLLBUS_EVENTS
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import os
@@ -36,6 +37,7 @@ from shared.errors import (
     UNPROCESSABLE,
     ControlError,
 )
+from shared.redact import public_url
 from shared.settings import Settings, settings_or_exit
 from shared.subjects import Subjects
 from shared.tasks import Supervisor
@@ -98,6 +100,21 @@ class Engine:
         self.persist = persist.Persister(self)
         self.fleet = fleet_ctl.Fleet(self)
         self.rank_pids: dict[int, int] = {}  # the ranks last brought to the engine's state
+
+    @functools.cached_property
+    def fixed_status(self) -> dict[str, Any]:
+        """The ``status`` fields that never change in the engine's life, computed once
+        (the served model name resolves the model dir's path: most of a status' cost)."""
+        pid = os.getpid()
+        return {
+            "model": self.settings.served_model_name,
+            "instance": self.settings.instance,
+            "engine_pid": pid,
+            "tp": self.settings.tp,
+            "load_strategy": self.settings.load_strategy,
+            "nats_url": public_url(self.bus.url),  # never credentials
+            "pid": pid,
+        }
 
     # ------------------------------------------------------------------ events
 
