@@ -81,8 +81,12 @@ class Generation:
         self.work = asyncio.Event()
         self.drained = asyncio.Event()
         self._cancels: list[str] = []
-        self.step_seconds = 0.0
+        self.step_seconds = 0.0  # step request sent -> reply received, summed
+        self.rank_seconds = 0.0  # rank 0's own time in those steps (its reply says)
+        self.between_seconds = 0.0  # reply received -> next step sent, back-to-back steps
         self.steps = 0
+        self.rows = 0  # rows stepped, summed over steps
+        self._last_reply = 0.0  # when the last reply came (0: the loop went idle since)
         # progress watermark: set when the loop takes the step lock and after each step
         self.active = False  # the loop holds the step lock (a step may be in flight)
         self.last_progress = time.monotonic()
@@ -218,6 +222,7 @@ class Generation:
             admit=self.admit, run=self.run, behind=behind, max_staleness=bound
         )
         if plan is None:
+            self._last_reply = 0.0
             self.work.clear()
             if not self.sched.running:
                 self.drained.set()
@@ -267,6 +272,8 @@ class Generation:
         """Send one step; a rank's error or no reply within CONTROL_TIMEOUT_S raises 503."""
         eng = self.engine
         t0 = time.perf_counter()
+        if self._last_reply:
+            self.between_seconds += t0 - self._last_reply
         plan.step.version = eng.state.weight_version  # no rank steps on another version
         self.in_step = plan.step.step
         rep = await eng.bus.request(
@@ -281,8 +288,11 @@ class Generation:
             ) from None
         if reply.error:
             raise ControlError(UNAVAILABLE, f"step {plan.step.step} failed: {reply.error}")
-        self.step_seconds += time.perf_counter() - t0
+        self._last_reply = time.perf_counter()
+        self.step_seconds += self._last_reply - t0
+        self.rank_seconds += reply.seconds
         self.steps += 1
+        self.rows += len(plan.step.rows)
         return self.sched.apply(plan, reply, eng.state.weight_version)
 
     async def on_loop_error(self, err: BaseException) -> None:
@@ -415,4 +425,15 @@ class Generation:
             self.recompute = True
 
     def counts(self) -> dict[str, Any]:
-        return {**self.sched.counts(), "steps": self.steps, "admitting": self.admit}
+        return {
+            **self.sched.counts(),
+            "steps": self.steps,
+            "admitting": self.admit,
+            # where the step loop's time goes (seconds, cumulative since the engine started)
+            "step_time": {
+                "rows": self.rows,
+                "in_step_s": round(self.step_seconds, 4),
+                "rank_s": round(self.rank_seconds, 4),
+                "between_steps_s": round(self.between_seconds, 4),
+            },
+        }
