@@ -92,6 +92,9 @@ class Generation:
         self.last_progress = time.monotonic()
         self.in_step = 0  # number of the step in flight, 0 when none
         self.supervisor: Supervisor | None = None
+        self.last_arrival = 0.0  # monotonic time the last request was queued
+        self.step_avg = 0.0  # moving average of a step's round trip (0: none yet)
+        self.gathered = 0.0  # seconds idle starts waited for more requests (summed)
         self._behind_key: tuple[int, str] | None = None
         self._behind = 0
 
@@ -128,6 +131,7 @@ class Generation:
             await self._send(msg.reply, chunk)
             return
         await self._send(msg.reply, m.GenChunk(rid, heartbeat=True))  # queued
+        self.last_arrival = time.monotonic()
         self.work.set()
 
     def admit_request(self, data: bytes) -> m.GenRequest:
@@ -205,6 +209,7 @@ class Generation:
     async def loop(self) -> None:
         while True:
             await self.work.wait()
+            await self.gather()
             async with self.step_lock:
                 self.active, self.last_progress = True, time.monotonic()
                 try:
@@ -212,6 +217,37 @@ class Generation:
                 finally:
                     self.active, self.in_step = False, 0
             await asyncio.sleep(0)  # let control handlers take the lock between steps
+
+    def gather_window(self) -> tuple[float, float]:
+        """(most, quiet) seconds an idle start waits: ``ROLLBUS_ADMIT_WAIT_MS``, at most
+        half a step's round trip (a later arrival costs the batch about one step), and
+        it ends once no request has come for half of that."""
+        most = self.engine.settings.admit_wait_ms / 1e3
+        if self.step_avg:
+            most = min(most, self.step_avg / 2)
+        return most, most / 2
+
+    async def gather(self) -> None:
+        """Requests arriving together start together: when nothing runs and requests
+        wait, wait a little for more, so their prompts share one prefill step and their
+        decodes run in lockstep (each later group would cost every request of the batch
+        one more step). Never while anything runs: a running batch is not delayed."""
+        most, quiet = self.gather_window()
+        t0 = time.monotonic()
+        while (
+            most > 0
+            and self.admit
+            and self.run
+            and not self.sched.running
+            and not self._cancels
+            and 0 < len(self.sched.waiting) < self.sched.max_batch
+        ):
+            now = time.monotonic()
+            left = min(t0 + most, self.last_arrival + quiet) - now
+            if left <= 0:
+                break
+            await asyncio.sleep(left)
+        self.gathered += time.monotonic() - t0
 
     async def _one(self) -> None:
         for rid in self._cancels:
@@ -289,7 +325,9 @@ class Generation:
         if reply.error:
             raise ControlError(UNAVAILABLE, f"step {plan.step.step} failed: {reply.error}")
         self._last_reply = time.perf_counter()
-        self.step_seconds += self._last_reply - t0
+        took = self._last_reply - t0
+        self.step_seconds += took
+        self.step_avg = took if not self.step_avg else 0.8 * self.step_avg + 0.2 * took
         self.rank_seconds += reply.seconds
         self.steps += 1
         self.rows += len(plan.step.rows)
@@ -435,5 +473,6 @@ class Generation:
                 "in_step_s": round(self.step_seconds, 4),
                 "rank_s": round(self.rank_seconds, 4),
                 "between_steps_s": round(self.between_seconds, 4),
+                "admit_wait_s": round(self.gathered, 4),
             },
         }

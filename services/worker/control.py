@@ -186,6 +186,7 @@ def selfbench(r: Rank, args: SelfBenchArgs) -> dict[str, Any]:
     t0 = time.perf_counter()
     logits = r.model.forward(w, r.kv, mdl.Batch(prompts, [0] * args.batch, tables))
     last = [int(t) for t in np.argmax(logits.numpy(), axis=-1)]
+    prefill_s = time.perf_counter() - t0
     # with ``prefill`` the prompts' step counts and yields the first token (as over HTTP)
     if not args.prefill:
         t0 = time.perf_counter()
@@ -199,4 +200,5 @@ def selfbench(r: Rank, args: SelfBenchArgs) -> dict[str, Any]:
         "rank": r.rank,
         "tokens_per_s": args.batch * args.steps / dt,
         "step_ms": dt / args.steps * 1e3,
+        "prefill_ms": prefill_s * 1e3,
     }

@@ -103,35 +103,48 @@ async def main_async(args: argparse.Namespace, tmp: Path) -> None:
     if not (model_dir / "config.json").exists():
         subprocess.run([sys.executable, "-m", "tests.bench.hf_generate", "build",
                         str(model_dir), json.dumps(g.MODEL)], check=True)
+    variants: dict[str, dict[str, str]] = json.loads(args.variants)
     server = natsd.start(tmp / "nats", port=0)
-    stack = start_stack(tmp / "stack", server.url, tp=args.tp, model_dir=model_dir,
-                        model_name="bench", env={"ROLLBUS_KV_CACHE_BLOCKS": "1024",
-                                                 "ROLLBUS_CONTROL_TIMEOUT_S": "120"})
+    stacks = {}
     bus = await Bus.connect(server.url, "gen-where")
     try:
-        s = Subjects(stack.instance)
+        for name, env in variants.items():
+            stacks[name] = start_stack(
+                tmp / name, server.url, tp=args.tp, model_dir=model_dir, model_name="bench",
+                env={"ROLLBUS_KV_CACHE_BLOCKS": "1024", "ROLLBUS_CONTROL_TIMEOUT_S": "120",
+                     **env})
         time.sleep(2)
-        procs = named(stack.proc.pid, server.proc.pid)
+        procs = {n: named(st.proc.pid, server.proc.pid) for n, st in stacks.items()}
         print("processes:", procs, flush=True)
-        await g.via_http(stack.base_url, args.batch, stream=False)  # warm up
+        for st in stacks.values():
+            await g.via_http(st.base_url, args.batch, stream=False)  # warm up
         res: dict[str, list[float]] = {}
         for i in range(args.runs):
-            load = os.getloadavg()[0]
-            sb = await selfbench(bus, s, args.batch, args.tp, prefill=False)
-            sbp = await selfbench(bus, s, args.batch, args.tp, prefill=True) if args.prefill \
-                else float("nan")
-            h = await http_run(stack.base_url, procs, args.batch)
-            res.setdefault("selfbench", []).append(sb)
-            res.setdefault("selfbench+prefill", []).append(sbp)
-            res.setdefault("http", []).append(h["tokens_per_s"])
-            res.setdefault("ratio", []).append(h["tokens_per_s"] / sb)
-            print(json.dumps({"run": i, "load1": round(load, 2), "selfbench": round(sb, 1),
-                              "selfbench_prefill": round(sbp, 1), **h,
-                              "ratio": round(h["tokens_per_s"] / sb, 3)}), flush=True)
-        print({k: round(statistics.median(v), 3) for k, v in res.items()})
+            for name, stack in stacks.items():
+                s = Subjects(stack.instance)
+                load = os.getloadavg()[0]
+                sb = await selfbench(bus, s, args.batch, args.tp, prefill=False)
+                sbp = await selfbench(bus, s, args.batch, args.tp, prefill=True) \
+                    if args.prefill else float("nan")
+                h = await http_run(stack.base_url, procs[name], args.batch)
+                res.setdefault(f"{name} selfbench", []).append(sb)
+                res.setdefault(f"{name} selfbench+prefill", []).append(sbp)
+                res.setdefault(f"{name} http", []).append(h["tokens_per_s"])
+                res.setdefault(f"{name} ratio", []).append(h["tokens_per_s"] / sb)
+                print(json.dumps({"run": i, "variant": name, "load1": round(load, 2),
+                                  "selfbench": round(sb, 1), "selfbench_prefill": round(sbp, 1),
+                                  **h, "ratio": round(h["tokens_per_s"] / sb, 3)}), flush=True)
+        for k, v in res.items():
+            print(f"{k}: median {statistics.median(v):.3f} (min {min(v):.3f} max {max(v):.3f})")
+        if args.show_log:
+            for stack in stacks.values():
+                for line in stack.log.read_text(errors="replace").splitlines():
+                    if args.show_log in line:
+                        print(line)
     finally:
         await bus.close()
-        stack.stop()
+        for stack in stacks.values():
+            stack.stop()
         server.stop()
 
 
@@ -141,6 +154,9 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--prefill", action="store_true", help="also selfbench with prefill")
+    ap.add_argument("--variants", default='{"default": {}}',
+                    help='JSON {name: {ENV: value}}: one stack each, runs interleaved')
+    ap.add_argument("--show-log", default="", help="print the stack's log lines with this")
     ap.add_argument("--model-dir", default="/tmp/rollbus-gen-where/bench")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="rollbus-gen-where-") as tmp:
