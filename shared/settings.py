@@ -61,7 +61,7 @@ class Settings(BaseSettings):
     max_batch_size: int = Field(64, ge=1, description="sequences per engine step")
     max_step_tokens: int = Field(2048, ge=1, description="tokens per engine step (prefill chunks)")
     admit_wait_ms: float = Field(
-        50.0, ge=0, le=10_000,
+        100.0, ge=0, le=10_000,
         description="an idle engine waits up to this long for requests arriving together "
         "(README 'Admission'); 0 = start at once",
     )

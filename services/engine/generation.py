@@ -93,6 +93,7 @@ class Generation:
         self.in_step = 0  # number of the step in flight, 0 when none
         self.supervisor: Supervisor | None = None
         self.last_arrival = 0.0  # monotonic time the last request was queued
+        self.arrived = asyncio.Event()  # set on each queued request (wakes gather)
         self.step_avg = 0.0  # moving average of a step's round trip (0: none yet)
         self.gathered = 0.0  # seconds idle starts waited for more requests (summed)
         self._behind_key: tuple[int, str] | None = None
@@ -132,6 +133,7 @@ class Generation:
             return
         await self._send(msg.reply, m.GenChunk(rid, heartbeat=True))  # queued
         self.last_arrival = time.monotonic()
+        self.arrived.set()
         self.work.set()
 
     def admit_request(self, data: bytes) -> m.GenRequest:
@@ -222,7 +224,7 @@ class Generation:
         """(most, quiet) seconds an idle start waits: ``ROLLBUS_ADMIT_WAIT_MS``, at most
         half a step's round trip (a later arrival costs the batch about one step), and
         it ends once no request has come for half of that."""
-        most = self.engine.settings.admit_wait_ms / 1e3
+        most = getattr(self.engine.settings, "admit_wait_ms", 0.0) / 1e3
         if self.step_avg:
             most = min(most, self.step_avg / 2)
         return most, most / 2
@@ -246,7 +248,9 @@ class Generation:
             left = min(t0 + most, self.last_arrival + quiet) - now
             if left <= 0:
                 break
-            await asyncio.sleep(left)
+            self.arrived.clear()
+            with contextlib.suppress(TimeoutError):  # woken by each arrival, to look again
+                await asyncio.wait_for(self.arrived.wait(), left)
         self.gathered += time.monotonic() - t0
 
     async def _one(self) -> None:
