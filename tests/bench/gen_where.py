@@ -66,6 +66,9 @@ def named(root: int, nats_pid: int) -> dict[str, int]:
     return procs
 
 
+LAST: dict[str, float] = {}  # the last selfbench's step_ms and prefill_ms (rank 0)
+
+
 async def selfbench(bus: Bus, s: Subjects, batch: int, tp: int, prefill: bool) -> float:
     args = m.SelfBenchArgs(batch=batch, steps=g.STEPS, prompt_len=g.PROMPT_LEN)
     if prefill:
@@ -74,6 +77,7 @@ async def selfbench(bus: Bus, s: Subjects, batch: int, tp: int, prefill: bool) -
                              timeout=600)
     rep = m.json_decode(reps[0].data, type=m.WorkerReply)
     assert rep.error_code == 200, rep.error_message
+    LAST.update({k: round(rep.result[k], 1) for k in ("step_ms", "prefill_ms")})
     return float(rep.result["tokens_per_s"])
 
 
@@ -124,6 +128,7 @@ async def main_async(args: argparse.Namespace, tmp: Path) -> None:
                 s = Subjects(stack.instance)
                 load = os.getloadavg()[0]
                 sb = await selfbench(bus, s, args.batch, args.tp, prefill=False)
+                sb_ms = dict(LAST)
                 sbp = await selfbench(bus, s, args.batch, args.tp, prefill=True) \
                     if args.prefill else float("nan")
                 h = await http_run(stack.base_url, procs[name], args.batch)
@@ -132,7 +137,8 @@ async def main_async(args: argparse.Namespace, tmp: Path) -> None:
                 res.setdefault(f"{name} http", []).append(h["tokens_per_s"])
                 res.setdefault(f"{name} ratio", []).append(h["tokens_per_s"] / sb)
                 print(json.dumps({"run": i, "variant": name, "load1": round(load, 2),
-                                  "selfbench": round(sb, 1), "selfbench_prefill": round(sbp, 1),
+                                  "selfbench": round(sb, 1), "selfbench_ms": sb_ms,
+                                  "selfbench_prefill": round(sbp, 1),
                                   **h, "ratio": round(h["tokens_per_s"] / sb, 3)}), flush=True)
         for k, v in res.items():
             print(f"{k}: median {statistics.median(v):.3f} (min {min(v):.3f} max {max(v):.3f})")
