@@ -174,6 +174,7 @@ class SelfBenchArgs(msgspec.Struct):
     batch: int = 16
     steps: int = 64
     prompt_len: int = 16
+    prefill: bool = False  # time the prompts' prefill too (the first token comes from it)
 
 
 class SleepWorkerArgs(msgspec.Struct):

@@ -60,6 +60,11 @@ class Settings(BaseSettings):
     max_model_len: int = Field(0, ge=0, description="context length; 0 = from the model config")
     max_batch_size: int = Field(64, ge=1, description="sequences per engine step")
     max_step_tokens: int = Field(2048, ge=1, description="tokens per engine step (prefill chunks)")
+    admit_wait_ms: float = Field(
+        100.0, ge=0, le=10_000,
+        description="an idle engine waits up to this long for requests arriving together "
+        "(README 'Admission'); 0 = start at once",
+    )
     device: Literal["cpu", "gpu"] = Field(
         "cpu", description="where ranks compute: cpu (gloo) or gpu (rank r on gpu:r, NCCL)"
     )

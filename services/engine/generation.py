@@ -81,13 +81,21 @@ class Generation:
         self.work = asyncio.Event()
         self.drained = asyncio.Event()
         self._cancels: list[str] = []
-        self.step_seconds = 0.0
+        self.step_seconds = 0.0  # step request sent -> reply received, summed
+        self.rank_seconds = 0.0  # rank 0's own time in those steps (its reply says)
+        self.between_seconds = 0.0  # reply received -> next step sent, back-to-back steps
         self.steps = 0
+        self.rows = 0  # rows stepped, summed over steps
+        self._last_reply = 0.0  # when the last reply came (0: the loop went idle since)
         # progress watermark: set when the loop takes the step lock and after each step
         self.active = False  # the loop holds the step lock (a step may be in flight)
         self.last_progress = time.monotonic()
         self.in_step = 0  # number of the step in flight, 0 when none
         self.supervisor: Supervisor | None = None
+        self.last_arrival = 0.0  # monotonic time the last request was queued
+        self.arrived = asyncio.Event()  # set on each queued request (wakes gather)
+        self.step_avg = 0.0  # moving average of a step's round trip (0: none yet)
+        self.gathered = 0.0  # seconds idle starts waited for more requests (summed)
         self._behind_key: tuple[int, str] | None = None
         self._behind = 0
 
@@ -124,6 +132,8 @@ class Generation:
             await self._send(msg.reply, chunk)
             return
         await self._send(msg.reply, m.GenChunk(rid, heartbeat=True))  # queued
+        self.last_arrival = time.monotonic()
+        self.arrived.set()
         self.work.set()
 
     def admit_request(self, data: bytes) -> m.GenRequest:
@@ -201,6 +211,7 @@ class Generation:
     async def loop(self) -> None:
         while True:
             await self.work.wait()
+            await self.gather()
             async with self.step_lock:
                 self.active, self.last_progress = True, time.monotonic()
                 try:
@@ -208,6 +219,39 @@ class Generation:
                 finally:
                     self.active, self.in_step = False, 0
             await asyncio.sleep(0)  # let control handlers take the lock between steps
+
+    def gather_window(self) -> tuple[float, float]:
+        """(most, quiet) seconds an idle start waits: ``ROLLBUS_ADMIT_WAIT_MS``, at most
+        half a step's round trip (a later arrival costs the batch about one step), and
+        it ends once no request has come for half of that."""
+        most = getattr(self.engine.settings, "admit_wait_ms", 0.0) / 1e3
+        if self.step_avg:
+            most = min(most, self.step_avg / 2)
+        return most, most / 2
+
+    async def gather(self) -> None:
+        """Requests arriving together start together: when nothing runs and requests
+        wait, wait a little for more, so their prompts share one prefill step and their
+        decodes run in lockstep (each later group would cost every request of the batch
+        one more step). Never while anything runs: a running batch is not delayed."""
+        most, quiet = self.gather_window()
+        t0 = time.monotonic()
+        while (
+            most > 0
+            and self.admit
+            and self.run
+            and not self.sched.running
+            and not self._cancels
+            and 0 < len(self.sched.waiting) < self.sched.max_batch
+        ):
+            now = time.monotonic()
+            left = min(t0 + most, self.last_arrival + quiet) - now
+            if left <= 0:
+                break
+            self.arrived.clear()
+            with contextlib.suppress(TimeoutError):  # woken by each arrival, to look again
+                await asyncio.wait_for(self.arrived.wait(), left)
+        self.gathered += time.monotonic() - t0
 
     async def _one(self) -> None:
         for rid in self._cancels:
@@ -218,6 +262,7 @@ class Generation:
             admit=self.admit, run=self.run, behind=behind, max_staleness=bound
         )
         if plan is None:
+            self._last_reply = 0.0
             self.work.clear()
             if not self.sched.running:
                 self.drained.set()
@@ -267,6 +312,8 @@ class Generation:
         """Send one step; a rank's error or no reply within CONTROL_TIMEOUT_S raises 503."""
         eng = self.engine
         t0 = time.perf_counter()
+        if self._last_reply:
+            self.between_seconds += t0 - self._last_reply
         plan.step.version = eng.state.weight_version  # no rank steps on another version
         self.in_step = plan.step.step
         rep = await eng.bus.request(
@@ -281,8 +328,13 @@ class Generation:
             ) from None
         if reply.error:
             raise ControlError(UNAVAILABLE, f"step {plan.step.step} failed: {reply.error}")
-        self.step_seconds += time.perf_counter() - t0
+        self._last_reply = time.perf_counter()
+        took = self._last_reply - t0
+        self.step_seconds += took
+        self.step_avg = took if not self.step_avg else 0.8 * self.step_avg + 0.2 * took
+        self.rank_seconds += reply.seconds
         self.steps += 1
+        self.rows += len(plan.step.rows)
         return self.sched.apply(plan, reply, eng.state.weight_version)
 
     async def on_loop_error(self, err: BaseException) -> None:
@@ -415,4 +467,16 @@ class Generation:
             self.recompute = True
 
     def counts(self) -> dict[str, Any]:
-        return {**self.sched.counts(), "steps": self.steps, "admitting": self.admit}
+        return {
+            **self.sched.counts(),
+            "steps": self.steps,
+            "admitting": self.admit,
+            # where the step loop's time goes (seconds, cumulative since the engine started)
+            "step_time": {
+                "rows": self.rows,
+                "in_step_s": round(self.step_seconds, 4),
+                "rank_s": round(self.rank_seconds, 4),
+                "between_steps_s": round(self.between_seconds, 4),
+                "admit_wait_s": round(self.gathered, 4),
+            },
+        }

@@ -183,10 +183,14 @@ def selfbench(r: Rank, args: SelfBenchArgs) -> dict[str, Any]:
         [(7 * i + j) % r.cfg.vocab_size for j in range(args.prompt_len)] for i in range(args.batch)
     ]
     w = r.weights.current
+    t0 = time.perf_counter()
     logits = r.model.forward(w, r.kv, mdl.Batch(prompts, [0] * args.batch, tables))
     last = [int(t) for t in np.argmax(logits.numpy(), axis=-1)]
-    t0 = time.perf_counter()
-    for step in range(args.steps):
+    prefill_s = time.perf_counter() - t0
+    # with ``prefill`` the prompts' step counts and yields the first token (as over HTTP)
+    if not args.prefill:
+        t0 = time.perf_counter()
+    for step in range(args.steps - (1 if args.prefill else 0)):
         pos = [args.prompt_len + step] * args.batch
         logits = r.model.forward(w, r.kv, mdl.Batch([[t] for t in last], pos, tables))
         # every rank takes the argmax so all feed identical tokens (engine steps do too)
@@ -196,4 +200,5 @@ def selfbench(r: Rank, args: SelfBenchArgs) -> dict[str, Any]:
         "rank": r.rank,
         "tokens_per_s": args.batch * args.steps / dt,
         "step_ms": dt / args.steps * 1e3,
+        "prefill_ms": prefill_s * 1e3,
     }

@@ -1,0 +1,68 @@
+"""An idle engine gathers requests arriving together into one first step
+(``ROLLBUS_ADMIT_WAIT_MS``); a running batch is never delayed."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from services.engine.generation import Generation
+from shared import messages as m
+from tests.unit.engine.test_step_lock import engine
+
+
+def gen_with(wait_ms: float) -> Generation:
+    eng = engine()
+    eng.settings.admit_wait_ms = wait_ms
+    return eng.scheduler  # type: ignore[no-any-return]
+
+
+def arrive(gen: Generation, i: int) -> None:
+    """What ``on_gen`` does for a request it queues."""
+    gen.sched.add(m.GenRequest(f"r{i}", [1, 2, 3], 4, temperature=0.0), f"inbox.{i}")
+    gen.last_arrival = time.monotonic()
+    gen.arrived.set()
+
+
+async def test_requests_arriving_together_start_in_one_step() -> None:
+    gen = gen_with(4000)  # most 4 s, quiet 2 s: generous, so a slow host cannot flake
+    arrive(gen, 0)
+    task: asyncio.Task[Any] = asyncio.create_task(gen.gather())
+    await asyncio.sleep(0.3)
+    assert not task.done()  # still waiting for more: 0.3 s < the quiet gap
+    gen.sched.max_batch = 4  # a full batch ends the wait at once
+    for i in range(1, 4):
+        arrive(gen, i)
+    await asyncio.wait_for(task, 1.0)
+    plan = gen.sched.schedule()
+    assert plan is not None and len(plan.step.rows) == 4
+
+
+async def test_the_wait_ends_after_a_quiet_gap_and_is_capped_by_the_step_time() -> None:
+    gen = gen_with(4000)
+    gen.step_avg = 0.2  # a step's round trip: wait at most 0.1 s, quiet 0.05 s
+    assert gen.gather_window() == (0.1, 0.05)
+    arrive(gen, 0)
+    t0 = time.monotonic()
+    await asyncio.wait_for(gen.gather(), 2.0)
+    assert time.monotonic() - t0 >= 0.04  # it did wait (the quiet gap)
+    assert gen.gathered > 0
+
+
+async def test_a_running_batch_or_a_closed_gate_is_never_delayed() -> None:
+    gen = gen_with(60_000)  # would wait a minute
+    arrive(gen, 0)
+    plan = gen.sched.schedule()
+    assert plan is not None  # r0 runs now
+    arrive(gen, 1)
+    await asyncio.wait_for(gen.gather(), 1.0)  # r1 joins the running batch at once
+    gen.sched.abort(None)
+    gen.sched.schedule()
+    arrive(gen, 2)
+    gen.admit = False  # paused: nothing to gather for
+    await asyncio.wait_for(gen.gather(), 1.0)
+    gen.admit = True
+    gen0 = gen_with(0)  # ROLLBUS_ADMIT_WAIT_MS=0: start at once
+    arrive(gen0, 0)
+    await asyncio.wait_for(gen0.gather(), 1.0)
