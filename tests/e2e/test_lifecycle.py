@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 
+from services.serveproc import serve_env, spawn
 from services.tiny_model import create_model_dir
 from tests.e2e.stack import free_port, wait_healthy
 
@@ -22,22 +23,13 @@ STOP_S = 10.0
 
 
 def _env(**kw: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLBUS_")}
-    env.update(ROLLBUS_LOG_LEVEL="warning", **kw)
-    return env
+    return serve_env(ROLLBUS_LOG_LEVEL="warning", **kw)
 
 
 def _serve(cwd: Path, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
     """`rollbus serve` as a shell starts it: its own process group (the terminal's
     foreground group), with the embedded nats-server unless the env names a URL."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "serve"],
-        cwd=cwd,
-        env=env,
-        stdout=open(log, "ab"),  # noqa: SIM115
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    return spawn(env, log, cwd, append=True, start_new_session=True)
 
 
 def _cmdline(pid: int) -> str:
