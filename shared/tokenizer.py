@@ -74,7 +74,34 @@ def render_default_chat(messages: list[dict[str, Any]], add_generation_prompt: b
     return "".join(out)
 
 
-class ByteTokenizer:
+class _ChatTemplating:
+    """``apply_chat_template`` for both tokenizers: the model's template when it has one
+    (``chat_template``), else the default format."""
+
+    chat_template: str | None = None
+    special_tokens: Mapping[str, str | None] = {}
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """The chat as transformers' ``apply_chat_template(..., tokenize=False)`` renders
+        it (:mod:`shared.chat_template`); the default format when the model has no
+        template. CPU work: call it off the event loop."""
+        if self.chat_template is None:
+            return render_default_chat(messages, add_generation_prompt)
+        return chat_template.render(
+            self.chat_template,
+            messages,
+            add_generation_prompt,
+            self.special_tokens,
+            chat_template_kwargs,
+        )
+
+
+class ByteTokenizer(_ChatTemplating):
     """ids 0..255 are raw UTF-8 bytes; 256 <bos>, 257 <eos>, 258 <pad>."""
 
     bos_token_id: int | None = 256
@@ -100,14 +127,6 @@ class ByteTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
-    def apply_chat_template(
-        self,
-        messages: list[dict[str, Any]],
-        add_generation_prompt: bool = True,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
-    ) -> str:
-        return render_default_chat(messages, add_generation_prompt)
-
 
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.exists():
@@ -130,7 +149,7 @@ def _ids(value: Any) -> list[int]:
     return [int(v) for v in value] if isinstance(value, list) else [int(value)]
 
 
-class HFTokenizer:
+class HFTokenizer(_ChatTemplating):
     """A HF fast tokenizer (``tokenizer.json``) with ids and chat template read from
     ``tokenizer_config.json``, ``generation_config.json`` and ``config.json``."""
 
@@ -189,25 +208,6 @@ class HFTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
-
-    def apply_chat_template(
-        self,
-        messages: list[dict[str, Any]],
-        add_generation_prompt: bool = True,
-        chat_template_kwargs: Mapping[str, Any] | None = None,
-    ) -> str:
-        """The chat as transformers' ``apply_chat_template(..., tokenize=False)`` renders
-        it (:mod:`shared.chat_template`); the default format when the model has no
-        template. CPU work: call it off the event loop."""
-        if self.chat_template is None:
-            return render_default_chat(messages, add_generation_prompt)
-        return chat_template.render(
-            self.chat_template,
-            messages,
-            add_generation_prompt,
-            self.special_tokens,
-            chat_template_kwargs,
-        )
 
 
 def config_eos_ids(model_dir: Path) -> list[int]:

@@ -24,10 +24,7 @@ import csv
 import json
 import os
 import queue
-import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -40,15 +37,10 @@ import httpx
 import numpy as np
 
 from examples.async_grpo import grpo, task
+from services import serveproc
 
 FIELDS = ["t_s", "step", "mode", "version", "behaviour_version", "reward", "staleness_mean",
           "staleness_max", "rollout_tokens", "rows", "loss", "clipped"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # --------------------------------------------------------------------------- the stack
@@ -64,13 +56,8 @@ class Served:
     log: Path | None = None
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            serveproc.stop(self.proc)
 
 
 def policy_config() -> dict[str, Any]:
@@ -102,9 +89,8 @@ def start_rollbus(out: Path, model: Any, tp: int, env: dict[str, str] | None = N
         shutil.rmtree(model_dir)
     write_model_dir(model_dir, model)
     task.write_tokenizer(model_dir)
-    api_port, nats_port = free_port(), free_port()
-    full = {k: v for k, v in os.environ.items() if not k.startswith("ROLLBUS_")}
-    full.update(
+    api_port, nats_port = serveproc.free_port(), serveproc.free_port()
+    full = serveproc.serve_env(
         ROLLBUS_MODEL=str(model_dir),
         ROLLBUS_DATA_DIR=str(out / "data"),
         ROLLBUS_API_PORT=str(api_port),
@@ -120,24 +106,13 @@ def start_rollbus(out: Path, model: Any, tp: int, env: dict[str, str] | None = N
     )
     full.update(env or {})
     log = out / "rollbus.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "serve"],
-        env=full, stdout=open(log, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
-    )
+    proc = serveproc.spawn(full, log)
     api = f"http://127.0.0.1:{api_port}"
-    deadline = time.monotonic() + 180
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"rollbus serve exited {proc.returncode}: {log.read_text()[-2000:]}")
-        try:
-            if httpx.get(api + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"rollbus serve not healthy in 180s: {log.read_text()[-2000:]}")
-        time.sleep(0.2)
+    try:
+        serveproc.wait_healthy(api, proc, log, timeout=180)
+    except RuntimeError:
+        proc.kill()
+        raise
     from shared.creds import role_url
 
     nats = role_url(f"nats://127.0.0.1:{nats_port}", "trainer", out / "data" / "creds")

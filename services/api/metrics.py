@@ -10,8 +10,49 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+# The label-less gauges, set by ``refresh``: (attribute, metric name, help).
+_GAUGES = (
+    ("is_paused", "rollbus_is_paused", "1 when generation is paused"),
+    ("ranks_alive", "rollbus_ranks_alive", "1 when every rank answers"),
+    (
+        "dropped_replies",
+        "rollbus_bus_dropped_replies",
+        "Late or unknown replies dropped by the API's bus",
+    ),
+    (
+        "version_mismatch",
+        "rollbus_rank_version_mismatch",
+        "Ranks serving another weight version than the engine",
+    ),
+    (
+        "health_problems",
+        "rollbus_health_problems",
+        "Reasons /health answers 503 now (stall, stuck rank, mismatch, ...)",
+    ),
+    (
+        "staleness",
+        "rollbus_staleness_versions",
+        "Versions the serving version is behind the newest announced for the model",
+    ),
+    ("staleness_bound", "rollbus_staleness_bound", "ROLLBUS_MAX_STALENESS (-1 = no bound)"),
+    (
+        "staleness_waiting",
+        "rollbus_staleness_waiting",
+        "New requests waiting because the serving version is over their staleness bound",
+    ),
+)
+
 
 class Metrics:
+    is_paused: Gauge
+    ranks_alive: Gauge
+    dropped_replies: Gauge
+    version_mismatch: Gauge
+    health_problems: Gauge
+    staleness: Gauge
+    staleness_bound: Gauge
+    staleness_waiting: Gauge
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
@@ -45,16 +86,11 @@ class Metrics:
             registry=r,
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10, 60),
         )
-        self.is_paused = Gauge("rollbus_is_paused", "1 when generation is paused", registry=r)
-        self.ranks_alive = Gauge("rollbus_ranks_alive", "1 when every rank answers", registry=r)
         self.weight_version = Gauge(
             "rollbus_weight_version_info", "The serving weight version", ["version"], registry=r
         )
-        self.dropped_replies = Gauge(
-            "rollbus_bus_dropped_replies",
-            "Late or unknown replies dropped by the API's bus",
-            registry=r,
-        )
+        for attr, name, doc in _GAUGES:
+            setattr(self, attr, Gauge(name, doc, registry=r))
         self.task_failures = Counter(
             "rollbus_task_failures",
             "Supervised long-running tasks that failed (and were restarted)",
@@ -65,31 +101,6 @@ class Metrics:
             "rollbus_callback_errors",
             "Exceptions raised inside NATS callbacks (logged at ERROR)",
             ["process", "callback"],
-            registry=r,
-        )
-        self.version_mismatch = Gauge(
-            "rollbus_rank_version_mismatch",
-            "Ranks serving another weight version than the engine",
-            registry=r,
-        )
-        self.health_problems = Gauge(
-            "rollbus_health_problems",
-            "Reasons /health answers 503 now (stall, stuck rank, mismatch, ...)",
-            registry=r,
-        )
-        self.staleness = Gauge(
-            "rollbus_staleness_versions",
-            "Versions the serving version is behind the newest announced for the model",
-            registry=r,
-        )
-        self.staleness_bound = Gauge(
-            "rollbus_staleness_bound",
-            "ROLLBUS_MAX_STALENESS (-1 = no bound)",
-            registry=r,
-        )
-        self.staleness_waiting = Gauge(
-            "rollbus_staleness_waiting",
-            "New requests waiting because the serving version is over their staleness bound",
             registry=r,
         )
         self._seen: dict[tuple[int, str, str], float] = {}

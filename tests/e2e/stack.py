@@ -7,12 +7,7 @@ several stacks can share one server without seeing each other.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import subprocess
-import sys
-import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,11 +17,9 @@ from typing import Any
 
 import httpx
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+# free_port and wait_healthy are the tests' too (imported from here)
+from services.serveproc import free_port, serve_env, spawn, wait_healthy
+from services.serveproc import stop as stop_serve
 
 
 @dataclass
@@ -55,30 +48,7 @@ class Stack:
             return ""
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return int(self.proc.returncode)
-
-
-def wait_healthy(
-    base_url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 120
-) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"stack exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(base_url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"stack not healthy in {timeout}s:\n{log.read_text()[-3000:]}")
+        return stop_serve(self.proc)
 
 
 def start_stack(
@@ -102,8 +72,7 @@ def start_stack(
         create_model_dir(model_dir, model_config, seed=0)
     port = free_port()
     instance = f"t{uuid.uuid4().hex[:8]}"
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLBUS_")}
-    full_env.update(
+    full_env = serve_env(
         ROLLBUS_INSTANCE=instance,
         ROLLBUS_API_PORT=str(port),
         ROLLBUS_MODEL=str(model_dir),
@@ -117,12 +86,7 @@ def start_stack(
         full_env["ROLLBUS_NATS_URL"] = nats_url
     full_env.update(env or {})
     log = tmp / f"stack-{instance}.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "serve"],
-        env=full_env,
-        stdout=open(log, "wb"),
-        stderr=subprocess.STDOUT,  # noqa: SIM115
-    )
+    proc = spawn(full_env, log)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(base, proc, log)

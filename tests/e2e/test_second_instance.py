@@ -8,16 +8,13 @@ second, which keeps serving."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 
-from tests.e2e.stack import free_port, wait_healthy
+from services.serveproc import free_port, serve_env, spawn, wait_healthy
+from services.serveproc import stop as stop_serve
 
 
 def _alive(pid: int) -> bool:
@@ -44,8 +41,7 @@ class Serve:
         self.instance, self.api = instance, free_port()
         self.base = f"http://127.0.0.1:{self.api}"
         self.log = tmp / f"serve-{instance}-{self.api}.log"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLBUS_")}
-        env.update(
+        env = serve_env(
             ROLLBUS_INSTANCE=instance,
             ROLLBUS_API_PORT=str(self.api),
             ROLLBUS_NATS_PORT=str(nats_port),
@@ -55,13 +51,7 @@ class Serve:
             ROLLBUS_KV_CACHE_BLOCKS="64",
             ROLLBUS_LOG_LEVEL="warning",
         )
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "serve"],
-            cwd=tmp,
-            env=env,
-            stdout=open(self.log, "wb"),  # noqa: SIM115
-            stderr=subprocess.STDOUT,
-        )
+        self.proc = spawn(env, self.log, cwd=tmp)
 
     def healthy(self) -> None:
         wait_healthy(self.base, self.proc, self.log)
@@ -82,14 +72,7 @@ class Serve:
         return dict(httpx.get(self.base + "/v1/status", timeout=30).json())
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return int(self.proc.returncode)
+        return stop_serve(self.proc)
 
 
 def test_second_instance_joins_the_embedded_server(tmp_path: Path) -> None:

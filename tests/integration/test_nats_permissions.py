@@ -9,8 +9,9 @@ must work; a client without or with wrong credentials is refused at connect.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,23 +71,30 @@ class Client_:
     async def violation(self, what: str, subject: str) -> None:
         """The server's permissions violation for ``what`` ("publish"/"subscription")."""
         want = f'permissions violation for {what} to "{subject}"'.lower()
-        for _ in range(100):
-            if any(want in e.lower() for e in self.errors):
-                return
-            await asyncio.sleep(0.02)
-        raise AssertionError(f"no violation for {what} to {subject}: {self.errors}")
+        await until(lambda: any(want in e.lower() for e in self.errors),
+                    f"no violation for {what} to {subject}: {self.errors}", timeout=15)
 
 
 async def routed(bus: Bus, subject: str) -> None:
     """Wait until a fresh responder's subscription is routed to this client's publishes
-    (README: now and then a flushed subscription is not yet seen by another connection)."""
+    (README: now and then a flushed subscription is not yet seen by another connection).
+    The bound is generous: a loaded machine may take seconds to answer."""
     for _ in range(50):
         try:
-            await bus.request(subject, b"{}", timeout=2)
+            await bus.request(subject, b"{}", timeout=15)
             return
         except NoResponders:
             await asyncio.sleep(0.05)
     raise AssertionError(f"no responder on {subject}")
+
+
+async def until(cond: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    """Poll ``cond`` until it holds; AssertionError naming ``what`` after ``timeout`` s."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"{what}: not within {timeout:g}s")
+        await asyncio.sleep(0.02)
 
 
 async def connect(url: str, role: str = "", inbox: str | None = None) -> Client_:
@@ -100,7 +108,7 @@ async def connect(url: str, role: str = "", inbox: str | None = None) -> Client_
         error_cb=on_error,
         inbox_prefix=inbox or creds.inbox_prefix(role),
         allow_reconnect=False,
-        connect_timeout=3,
+        connect_timeout=15,
     )
     return Client_(nc, errors)
 
@@ -387,9 +395,10 @@ async def test_allowed_checkpoint_paths(server: Server) -> None:
     """trainer writes the bucket and the version event; a worker reads the bucket with our
     own reader; the engine follows versions, writes events and its KV; an operator reads
     the events."""
-    trainer = await Bus.connect(server.url("trainer"), "trainer")
-    engine = await Bus.connect(server.url("engine"), "engine")
-    worker = await Bus.connect(server.url("worker"), "worker")
+    # bounds here are for a loaded machine (connects, JetStream answers, deliveries)
+    trainer = await Bus.connect(server.url("trainer"), "trainer", timeout=15)
+    engine = await Bus.connect(server.url("engine"), "engine", timeout=15)
+    worker = await Bus.connect(server.url("worker"), "worker", timeout=15)
     op = await connect(server.url("operator"), "operator")
     try:
         # the engine creates the stream and the bucket at start; the trainer only finds them
@@ -406,7 +415,8 @@ async def test_allowed_checkpoint_paths(server: Server) -> None:
         assert [v.version for _, v in await objstore.list_versions(tnc, "tiny")][-1] == server.kind
 
         buf = await objstore.read_object(
-            worker.nc, BUCKET, f"tiny/{server.kind}/x", expect_sha256=meta.digest
+            worker.nc, BUCKET, f"tiny/{server.kind}/x", expect_sha256=meta.digest,
+            stall_timeout=30,
         )
         assert buf[: len(data)] == data
 
@@ -420,17 +430,13 @@ async def test_allowed_checkpoint_paths(server: Server) -> None:
         # auto-update's durable feed and its catch-up list, as the engine runs them
         feed = objstore.VersionFeed(enc, "tiny", f"rollbus_test_{server.kind}")
         await feed.start()
-        fetched = await feed.fetch(timeout=5)
+        fetched = await feed.fetch(timeout=30)
         assert seq in [s for s, _, _ in fetched]
         for _, _, msg in fetched:
             await objstore.VersionFeed.ack(msg)
         assert seq in [s for s, _ in await objstore.list_versions(enc, "tiny")]
         sub = await objstore.watch_versions(enc, "tiny", on_version)
-        for _ in range(100):
-            if seq in seen:
-                break
-            await asyncio.sleep(0.05)
-        assert seq in seen
+        await until(lambda: seq in seen, "the version event through watch_versions")
         await sub.unsubscribe()
 
         await objstore.ensure_events_stream(enc, f"rollbus.{I}.events.>")
@@ -443,18 +449,22 @@ async def test_allowed_checkpoint_paths(server: Server) -> None:
         # by direct get (no consumer: it may not create one)
         esub = await op.nc.subscribe(f"rollbus.{I}.events.>", cb=on_event)
         await op.nc.flush()
-        await engine.publish(f"rollbus.{I}.events.control", b'{"kind": "x"}')
-        for _ in range(100):
-            if got:
-                break
-            await asyncio.sleep(0.05)
-        assert b'{"kind": "x"}' in got
+        # published again until it arrives: a flushed subscription may not yet be seen by
+        # another connection (see routed)
+        deadline = asyncio.get_running_loop().time() + 30
+        while b'{"kind": "x"}' not in got:
+            assert asyncio.get_running_loop().time() < deadline, "no event reached the operator"
+            await engine.publish(f"rollbus.{I}.events.control", b'{"kind": "x"}')
+            with contextlib.suppress(AssertionError):
+                await until(lambda: bool(got), "the event", timeout=1)
         await esub.unsubscribe()
         stored = await op.nc.jetstream().get_last_msg(
             "ROLLBUS_EVENTS", f"rollbus.{I}.events.control", direct=True
         )
         assert stored.data == b'{"kind": "x"}'
-        history = await objstore._direct_all(op.nc, "ROLLBUS_EVENTS", f"rollbus.{I}.events.>")
+        history = await objstore._direct_all(
+            op.nc, "ROLLBUS_EVENTS", f"rollbus.{I}.events.>", timeout=30
+        )
         assert b'{"kind": "x"}' in [h.data for h in history]
 
         kv = await enc.jetstream().create_key_value(bucket=natsd.KV_BUCKET)
@@ -775,18 +785,36 @@ async def test_a_jetstream_ack_in_a_request_inbox_is_dropped(nats_url: str) -> N
     caller = await Bus.connect(nats_url, "caller")
     js = caller.nc.jetstream()
     await js.add_stream(name="JSACK_TEST", subjects=["jsack.test.*"])
+    rjs = responder.nc.jetstream()
+
+    async def after_the_ack(subject: str, rid: str) -> None:
+        """Answer only once the stream has stored the request (its ack is then on its way
+        to the caller, ahead of our reply): on a loaded machine a fixed sleep let the
+        reply overtake the ack, and the test proved nothing."""
+        for _ in range(300):
+            try:
+                last = await rjs.get_last_msg("JSACK_TEST", subject)
+                if (last.headers or {}).get("Rollbus-Request-Id") == rid:
+                    break
+            except nats.js.errors.NotFoundError:
+                pass
+            await asyncio.sleep(0.02)
+        else:
+            raise AssertionError(f"the request on {subject} was never stored")
+        await asyncio.sleep(0.2)
+
     try:
         svc = await responder.add_service("jsack", "0.1.0")
 
         async def slow(data: bytes, headers: dict[str, str]) -> bytes:
-            await asyncio.sleep(0.2)  # the ack comes first
+            await after_the_ack("jsack.test.ctl", headers.get("Rollbus-Request-Id", ""))
             return b"real"
 
         await responder.serve(svc, "ctl", "jsack.test.ctl", slow, queue="q")
 
         async def chunks(msg: nats.aio.msg.Msg) -> None:
-            await asyncio.sleep(0.2)
             rid = (msg.headers or {}).get("Rollbus-Request-Id", "")
+            await after_the_ack("jsack.test.gen", rid)
             await responder.publish(msg.reply, b"chunk", headers={"Rollbus-Request-Id": rid})
 
         await responder.subscribe("jsack.test.gen", chunks)

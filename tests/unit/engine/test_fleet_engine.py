@@ -69,7 +69,7 @@ class Bucket:
         return msgspec.structs.replace(r)
 
 
-def engine(ranks: Ranks) -> Any:
+def engine(ranks: Ranks, ct: float = CT) -> Any:
     step = asyncio.Lock()
     events: list[tuple[str, dict[str, Any]]] = []
 
@@ -96,7 +96,7 @@ def engine(ranks: Ranks) -> Any:
         state=EngineState(weight_version="v0"), ranks=ranks, scheduler=sched,
         lock=asyncio.Lock(), state_changed=state_changed, event=event, events=events,
         bus=SimpleNamespace(nc=None),
-        settings=SimpleNamespace(control_timeout_s=CT, load_strategy="snapshot", instance="i"),
+        settings=SimpleNamespace(control_timeout_s=ct, load_strategy="snapshot", instance="i"),
     )
     eng.fleet = ef.Fleet(eng)  # type: ignore[arg-type]
     eng.fleet.bucket = Bucket()
@@ -221,8 +221,12 @@ def _dispatcher(eng: Any) -> Any:
 async def test_commit_waits_for_the_lock_its_own_watchdog_holds() -> None:
     """Review 11 #1: the watchdog commits the transaction itself (the record says
     ``commit``) under the control lock just as the coordinator's fleet_commit arrives:
-    that commit waits for the lock and answers 200 (done, switched), not an instant 409."""
-    eng = engine(SlowCommitRanks())
+    that commit waits for the lock and answers 200 (done, switched), not an instant 409.
+
+    fleet_commit waits for the lock up to CONTROL_TIMEOUT_S. With CT (0.3 s, as long as
+    the slow commit) that wait raced the watchdog's commit on a loaded machine; here the
+    timeout is well over the time the watchdog holds the lock (the commit's 0.3 s)."""
+    eng = engine(SlowCommitRanks(), ct=2.0)
     dispatch = _dispatcher(eng)
     await _staged(eng)
     eng.fleet.bucket.recs["t1"].decision = "commit"
