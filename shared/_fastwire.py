@@ -378,10 +378,11 @@ async def connect(nc: Client, timeout: float = 5.0) -> _Frames | None:
     loop = asyncio.get_running_loop()
     frames: _Frames | None = None
     try:
-        transport, frames = await asyncio.wait_for(
+        transport, fr = await asyncio.wait_for(
             loop.create_connection(_Frames, uri.hostname, uri.port or 4222), timeout
         )
-        info = await asyncio.wait_for(frames.info, timeout)
+        frames = fr
+        info = await asyncio.wait_for(fr.info, timeout)
         if info.get("tls_required") or uri.scheme == "tls" or opts.get("tls"):
             tls_ctx = opts.get("tls") or ssl.create_default_context()  # as nats-py does
             if opts.get("tls_handshake_first"):
@@ -389,13 +390,13 @@ async def connect(nc: Client, timeout: float = 5.0) -> _Frames | None:
                 return None
             host = opts.get("tls_hostname") or getattr(srv, "tls_name", None) or uri.hostname
             new = await asyncio.wait_for(
-                loop.start_tls(transport, frames, tls_ctx, server_hostname=host), timeout
+                loop.start_tls(transport, fr, tls_ctx, server_hostname=host), timeout
             )
             assert new is not None
-            frames.transport = new  # type: ignore[assignment]
-        frames._write(b"CONNECT %s\r\n" % json.dumps(_connect_opts(nc)).encode())
-        await frames.ping(timeout)  # the server accepted CONNECT (else -ERR closed us)
-        return frames
+            fr.transport = new  # type: ignore[assignment]
+        fr._write(b"CONNECT %s\r\n" % json.dumps(_connect_opts(nc)).encode())
+        await fr.ping(timeout)  # the server accepted CONNECT (else -ERR closed us)
+        return fr
     except (OSError, TimeoutError, ObjectReadError, ssl.SSLError, ValueError) as e:
         log.debug("fast reader: cannot connect (%r); nats-py reads instead", e)
         if frames is not None and frames.transport is not None:

@@ -234,11 +234,12 @@ async def put_object(
     unacknowledged at a time: for an object of :data:`FAST_PUT_MIN` bytes or more over a
     plain-TCP connection of its own (:class:`shared._fastwire.Link`: each slice handed
     to the kernel as is) unless ``fast`` is False or that cannot be had (TLS: then,
-    and for small objects, through nats-py's connection). The SHA-256 of the meta is computed on a helper thread
-    while the chunks are sent, unless ``digest`` (an awaitable of the hex digest) gives
-    it. ``ready(n)``, when given, is awaited before a chunk that ends at byte ``n`` is
-    sent: ``data`` may still be being written behind it (then ``digest`` is required).
-    ``progress(n)`` is called with the bytes acknowledged so far.
+    and for small objects, through nats-py's connection). The SHA-256 of the meta is
+    computed on a helper thread while the chunks are sent, unless ``digest`` (an
+    awaitable of the hex digest) gives it. ``ready(n)``, when given, is awaited before a
+    chunk that ends at byte ``n`` is sent: ``data`` may still be being written behind it
+    (then ``digest`` is required). ``progress(n)`` is called with the bytes
+    acknowledged so far.
     """
     if ready is not None and digest is None:
         raise ValueError("put_object: ready= needs digest= (the data is not final yet)")
