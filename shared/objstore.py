@@ -64,6 +64,8 @@ CHUNK_SIZE = 1 << 20  # also capped by the server's max_payload
 PUT_WINDOW = 16  # outstanding chunk publishes (MiB): bounded, well under 64 MiB
 HASH_STRIDE = 8 << 20  # hash the filled prefix in strides this large
 READ_BATCH = 16  # chunks per direct-get batch (MiB in flight): well under 64 MiB
+FAST_READ_MIN = 4 << 20  # objects this large are read by shared._fastwire
+FAST_PUT_MIN = 4 << 20  # and written through a shared._fastwire.Link
 DIGEST_PREFIX = "SHA-256="
 MSG_ID = "Nats-Msg-Id"
 
@@ -224,15 +226,20 @@ async def put_object(
     ready: Callable[[int], Awaitable[None]] | None = None,
     digest: Callable[[], Awaitable[str]] | None = None,
     ack_timeout: float = 30.0,
+    fast: bool = True,
 ) -> ObjectMeta:
     """Write ``data`` as object ``name``; chunks first (pipelined), meta last.
 
     Chunks go out as slices of ``data`` (no copy of ours), at most :data:`PUT_WINDOW`
-    unacknowledged at a time. The SHA-256 of the meta is computed on a helper thread
-    while the chunks are sent, unless ``digest`` (an awaitable of the hex digest) gives
-    it. ``ready(n)``, when given, is awaited before a chunk that ends at byte ``n`` is
-    sent: ``data`` may still be being written behind it (then ``digest`` is required).
-    ``progress(n)`` is called with the bytes acknowledged so far.
+    unacknowledged at a time: for an object of :data:`FAST_PUT_MIN` bytes or more over a
+    plain-TCP connection of its own (:class:`shared._fastwire.Link`: each slice handed
+    to the kernel as is) unless ``fast`` is False or that cannot be had (TLS: then,
+    and for small objects, through nats-py's connection). The SHA-256 of the meta is
+    computed on a helper thread while the chunks are sent, unless ``digest`` (an
+    awaitable of the hex digest) gives it. ``ready(n)``, when given, is awaited before a
+    chunk that ends at byte ``n`` is sent: ``data`` may still be being written behind it
+    (then ``digest`` is required). ``progress(n)`` is called with the bytes
+    acknowledged so far.
     """
     if ready is not None and digest is None:
         raise ValueError("put_object: ready= needs digest= (the data is not final yet)")
@@ -262,13 +269,12 @@ async def put_object(
     all_acked: asyncio.Future[None] = loop.create_future()
     n_chunks = (size + chunk - 1) // chunk
 
-    async def on_ack(msg: Msg) -> None:
+    def on_ack(subject: str, body: bytes, status: str = "") -> None:
         nonlocal acked
-        n = inflight.pop(msg.subject, None)
+        n = inflight.pop(subject, None)
         if n is None:
             return
         window.release()
-        body = msg.data or b""
         if not body or b'"error"' in body:
             err = json.loads(body or b"{}").get("error", "no ack (no JetStream stream?)")
             errors.append(str(err))
@@ -281,7 +287,25 @@ async def put_object(
         if acked == size and not all_acked.done():
             all_acked.set_result(None)
 
-    sub = await nc.subscribe(inbox + ".*", cb=on_ack)
+    async def on_msg(msg: Msg) -> None:
+        on_ack(msg.subject, msg.data or b"")
+
+    link = None
+    if fast and size >= FAST_PUT_MIN:
+        from shared import _fastwire
+
+        link = await _fastwire.link(nc)
+    sub = None
+    if link is not None:
+
+        def on_close(exc: Exception) -> None:
+            if not all_acked.done():
+                all_acked.set_exception(ObjectReadError(f"put {bucket}/{name}: {exc}"))
+
+        link.on_msg, link.on_close = on_ack, on_close
+        await link.send(b"SUB %s.* 1\r\n" % inbox.encode())  # before any PUB: in order
+    else:
+        sub = await nc.subscribe(inbox + ".*", cb=on_msg)
     try:
         if size == 0:
             all_acked.set_result(None)
@@ -303,6 +327,10 @@ async def put_object(
                 ) from None
             reply = f"{inbox}.{i}"
             inflight[reply] = end - off
+            if link is not None:
+                await link.send(b"PUB %s %s %d\r\n" % (subj.encode(), reply.encode(), end - off),
+                                view[off:end], b"\r\n")
+                continue
             w = _direct_writer(nc)
             if w is not None:  # straight from our buffer to the socket
                 w.write(b"PUB %s %s %d\r\n" % (subj.encode(), reply.encode(), end - off))
@@ -345,7 +373,10 @@ async def put_object(
             pass
         raise
     finally:
-        await sub.unsubscribe()
+        if link is not None:
+            await link.close()
+        if sub is not None:
+            await sub.unsubscribe()
         if pool is not None:
             pool.shutdown(wait=False)
     if old is not None:
@@ -433,8 +464,14 @@ async def read_object(
     max_size: int | None = None,
     stall_timeout: float = 5.0,
     progress: Progress | None = None,
+    fast: bool = True,
 ) -> mmap.mmap:
     """Read object ``name`` into a fresh anonymous mmap of its size.
+
+    An object of :data:`FAST_READ_MIN` bytes or more is read over a connection of its
+    own with frames parsed by :mod:`shared._fastwire` (payloads received straight into
+    the buffer), unless ``fast`` is False or that connection cannot be had; else, and
+    for small objects, through nats-py on ``nc``.
 
     Raises :class:`ObjectMissing`, :class:`ObjectCorrupt` (size differs from the meta or
     ``expect_size``, or exceeds ``max_size`` — both checked before anything is
@@ -452,6 +489,73 @@ async def read_object(
     threading.Thread(target=_prefault, args=(buf, meta.size), daemon=True).start()
     view = memoryview(buf)
     hasher = _Hasher(view) if expect_sha256 else None
+    try:
+        if fast and meta.size >= FAST_READ_MIN and await _read_fast(
+            nc, bucket, meta, view, hasher, progress, stall_timeout
+        ):
+            return await _verified(buf, meta, hasher, expect_sha256)
+        return await _read_nats_py(
+            nc, bucket, meta, buf, view, hasher, progress, stall_timeout, expect_sha256
+        )
+    finally:
+        if hasher:
+            hasher.pool.shutdown(wait=False)
+
+
+async def _read_fast(
+    nc: Client,
+    bucket: str,
+    meta: ObjectMeta,
+    view: memoryview,
+    hasher: _Hasher | None,
+    progress: Progress | None,
+    stall_timeout: float,
+) -> bool:
+    """The object read by :mod:`shared._fastwire`; False: it could not connect."""
+    from shared import _fastwire
+
+    frames = await _fastwire.connect(nc)
+    if frames is None:
+        return False
+
+    def on_filled(n: int) -> None:
+        if hasher:
+            hasher.feed(n)
+        if progress:
+            progress(n)
+
+    await _fastwire.read_into(
+        frames, nc, meta.name, _stream(bucket), _chunk_subject(bucket, meta.nuid),
+        view[: meta.size], meta.chunks, READ_BATCH, stall_timeout, on_filled,
+    )
+    return True
+
+
+async def _verified(
+    buf: mmap.mmap, meta: ObjectMeta, hasher: _Hasher | None, expect_sha256: str | None
+) -> mmap.mmap:
+    if hasher and expect_sha256:
+        hasher.feed(meta.size, final=True)
+        got = await hasher.hexdigest()
+        if got != expect_sha256:
+            raise ObjectCorrupt(
+                f"{meta.name}: SHA-256 {got[:12]}… != expected {expect_sha256[:12]}…"
+            )
+    return buf
+
+
+async def _read_nats_py(
+    nc: Client,
+    bucket: str,
+    meta: ObjectMeta,
+    buf: mmap.mmap,
+    view: memoryview,
+    hasher: _Hasher | None,
+    progress: Progress | None,
+    stall_timeout: float,
+    expect_sha256: str | None,
+) -> mmap.mmap:
+    name = meta.name
     loop = asyncio.get_running_loop()
     done: asyncio.Future[None] = loop.create_future()
     state = {"off": 0, "dseq": 0, "sseq": 0, "last": time.monotonic()}
@@ -476,6 +580,10 @@ async def read_object(
         if status == "204":  # end of this batch: ask for the next one after its last
             if int(state["off"]) < meta.size:
                 await ask(int(state["sseq"]) + 1)
+            return
+        if status == "404":  # the stream ran out of chunks before the object was whole
+            fail(ObjectCorrupt(f"{name}: chunks missing: got {state['dseq']} of "
+                               f"{meta.chunks} chunks before the stream ran out"))
             return
         if status:
             fail(ObjectReadError(f"{name}: chunk read refused: {status} "
@@ -529,17 +637,8 @@ async def read_object(
             done.result()
         except (NatsError, TimeoutError) as e:
             raise ObjectReadError(f"{name}: {e!r}") from None
-        if hasher and expect_sha256:
-            hasher.feed(meta.size, final=True)
-            got = await hasher.hexdigest()
-            if got != expect_sha256:
-                raise ObjectCorrupt(
-                    f"{name}: SHA-256 {got[:12]}… != expected {expect_sha256[:12]}…"
-                )
-        return buf
+        return await _verified(buf, meta, hasher, expect_sha256)
     finally:
-        if hasher:
-            hasher.pool.shutdown(wait=False)
         if nc.is_connected:
             try:
                 await sub.unsubscribe()

@@ -141,22 +141,20 @@ def _raw_flows(url: str, mib: int, flows: int) -> list[dict[str, Any]]:
                 p.wait()
 
 
-def pullers(url: str, objects: list[tuple[str, str | None]], timeout: float = 300) -> list[
-    dict[str, Any]
-]:
+def pullers(url: str, objects: list[tuple[str, str | None]], timeout: float = 300,
+            extra: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     """One :mod:`tests.bench.puller` process per (object, sha/"stock"/None), started
-    together once all are connected (retried)."""
-    return list(_retry(_pullers, url, objects, timeout))
+    together once all are connected (retried); ``extra``: more puller arguments."""
+    return list(_retry(_pullers, url, objects, timeout, extra))
 
 
-def _pullers(url: str, objects: list[tuple[str, str | None]], timeout: float) -> list[
-    dict[str, Any]
-]:
+def _pullers(url: str, objects: list[tuple[str, str | None]], timeout: float,
+             extra: tuple[str, ...]) -> list[dict[str, Any]]:
     procs = []
     for name, sha in objects:
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "tests.bench.puller", url, BUCKET, name,
-             *([sha] if sha else [])],
+             *([sha] if sha else []), *extra],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         ))
     try:

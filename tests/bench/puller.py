@@ -5,7 +5,8 @@
 waits for a line on stdin (so several pullers start together), reads the object with
 :func:`shared.objstore.read_object` (verifying SHA256 when given) and prints one JSON
 line ``{"mib_s", "t0", "t1", "bytes"}`` (``time.monotonic()``, comparable across
-processes). ``stock`` as the fourth argument uses nats-py's ``ObjectStore.get``."""
+processes). ``stock`` as the fourth argument uses nats-py's ``ObjectStore.get``;
+``--nats-py`` makes our reader read through nats-py (no :mod:`shared._fastwire`)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ async def main(url: str, bucket: str, name: str, sha: str | None) -> None:
             store = await bus.nc.jetstream().object_store(bucket)
             n = len((await store.get(name)).data or b"")
         else:
-            buf = await objstore.read_object(bus.nc, bucket, name, expect_sha256=sha)
+            buf = await objstore.read_object(bus.nc, bucket, name, expect_sha256=sha,
+                                             fast="--nats-py" not in sys.argv)
             n = len(buf)
         t1 = time.monotonic()
         print(json.dumps({"mib_s": n / MIB / (t1 - t0), "t0": t0, "t1": t1, "bytes": n}),
@@ -41,5 +43,5 @@ async def main(url: str, bucket: str, name: str, sha: str | None) -> None:
 
 
 if __name__ == "__main__":
-    a = sys.argv[1:]
+    a = [x for x in sys.argv[1:] if x != "--nats-py"]
     asyncio.run(main(a[0], a[1], a[2], a[3] if len(a) > 3 else None))

@@ -114,7 +114,12 @@ async def test_ranks_upload_concurrently(nats_url: str, monkeypatch: pytest.Monk
     assert got == _plain_blobs(cfg, sharding.init_weights(cfg, 1), 4)
 
 
-async def test_put_window_is_bounded(nats_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("fast", [True, False], ids=["own-link", "nats-py"])
+async def test_put_window_is_bounded(
+    nats_url: str, monkeypatch: pytest.MonkeyPatch, fast: bool
+) -> None:
+    from shared import _fastwire
+
     nc = await nats.connect(nats_url)
     try:
         await objstore.ensure_bucket(nc, "rollbus_ckpt")
@@ -147,13 +152,32 @@ async def test_put_window_is_bounded(nats_url: str, monkeypatch: pytest.MonkeyPa
             return Spy(w) if w is not None else None
 
         monkeypatch.setattr(objstore, "_direct_writer", writer)
+        real_send = _fastwire.Link.send
+
+        async def send(self: Any, *parts: Any) -> None:  # chunks on the writer's own link
+            if bytes(parts[0][:22]).startswith(b"PUB $O.rollbus_ckpt.C."):
+                sent[0] += 1
+                worst[0] = max(worst[0], sent[0] - acked[0])
+            await real_send(self, *parts)
+
+        monkeypatch.setattr(_fastwire.Link, "send", send)
+        links: list[Any] = []
+        real_link = _fastwire.link
+
+        async def link(c: Any, timeout: float = 5.0) -> Any:
+            lk = await real_link(c, timeout)
+            links.append(lk)
+            return lk
+
+        monkeypatch.setattr(_fastwire, "link", link)
         data = np.random.default_rng(0).integers(0, 255, 48 * MIB, dtype=np.uint8)
 
         def progress(n: int) -> None:
             acked[0] = n // MIB
 
         meta = await objstore.put_object(nc, "rollbus_ckpt", f"w/{uuid.uuid4().hex}",
-                                         data.data, progress)
+                                         data.data, progress, fast=fast)
+        assert [lk is not None for lk in links] == ([True] if fast else [])
         assert sent[0] == 48 and meta.chunks == 48
         assert 1 < worst[0] <= objstore.PUT_WINDOW  # pipelined, and never more in flight
         assert meta.digest == hashlib.sha256(data.tobytes()).hexdigest()
