@@ -209,8 +209,8 @@ async def end_update(eng: Engine, committed: str | None) -> None:
     """Back to paused (or sleeping); ``committed`` is the new version, None if none.
     The ranks' view is refreshed first: a ``status`` after the update shows its outcome
     on every rank."""
-    await eng.ranks.refresh()
     eng.state.end_update(committed)
+    await eng.ranks.refresh()
     await eng.state_changed(eng.state.state.value, {"version": eng.state.weight_version})
 
 

@@ -3,6 +3,7 @@ and the engine's view of the ranks: what each rank last said on ``status``, and 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -13,6 +14,8 @@ from shared import messages as m
 from shared.bus import Bus, Reply
 from shared.errors import UNAVAILABLE, ControlError, Timeout
 from shared.subjects import Subjects
+
+log = logging.getLogger("rollbus.engine")
 
 
 class RankError(ControlError):
@@ -183,11 +186,14 @@ class Ranks:
         return self._check("status", t, raw, missing)
 
     async def refresh(self, timeout: float | None = None) -> None:
-        """:meth:`poll`, never raising: the view says which ranks did not answer."""
+        """:meth:`poll`, never raising (it ends operations, also in their ``finally``):
+        the view says which ranks did not answer; a bus that cannot send is logged."""
         try:
             await self.poll(timeout)
         except RankError:
             pass
+        except Exception as e:  # noqa: BLE001 - e.g. NATS down: the view goes stale
+            log.warning("could not ask the ranks' status: %r", e)
 
     async def statuses(self, timeout: float = 1.0) -> list[dict[str, Any]]:
         """Each rank's status asked now (:meth:`refresh`), as ``status`` shows it: a

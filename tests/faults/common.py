@@ -52,8 +52,9 @@ def signal_quietly(pid: int, sig: int) -> None:
         pass
 
 
-def status(stack: Stack) -> dict[str, Any]:
-    r = get(stack, "/v1/status")
+def status(stack: Stack, fresh: bool = False) -> dict[str, Any]:
+    """``fresh``: every rank asked now, not the engine's view (up to ~1 s behind a kill)."""
+    r = get(stack, "/v1/status?fresh=true" if fresh else "/v1/status")
     assert r.status_code == 200, r.text
     return dict(r.json())
 
@@ -93,7 +94,7 @@ def wait_recovered(stack: Stack, timeout: float = 150) -> dict[str, Any]:
         try:
             h = get(stack, "/health", timeout=10)
             if h.status_code == 200:
-                st = status(stack)
+                st = status(stack, fresh=True)  # a rank killed a moment ago does not answer
                 vers = {r.get("version") for r in st["ranks"]}
                 if all(r.get("alive") for r in st["ranks"]) and vers == {st["weight_version"]}:
                     return st
