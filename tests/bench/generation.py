@@ -37,8 +37,12 @@ PROMPT_LEN = 16
 STEPS = 64
 
 
-async def baseline(bus: Bus, s: Subjects, batch: int, tp: int) -> float:
-    args = m.json_encode(m.SelfBenchArgs(batch=batch, steps=STEPS, prompt_len=PROMPT_LEN))
+async def baseline(bus: Bus, s: Subjects, batch: int, tp: int, prefill: bool = False) -> float:
+    """``selfbench``: decode steps only, or with ``prefill`` the prompts' prefill step too
+    (which yields the first token: the same work as over HTTP)."""
+    args = m.json_encode(
+        m.SelfBenchArgs(batch=batch, steps=STEPS, prompt_len=PROMPT_LEN, prefill=prefill)
+    )
     reps = await bus.scatter(s.worker_ctl("selfbench"), args, expected=tp, timeout=600)
     rep = m.json_decode(reps[0].data, type=m.WorkerReply)
     assert rep.error_code == 200, rep.error_message
@@ -187,6 +191,10 @@ def _inproc(tp: int) -> str:
     return f"in-process tp={tp} (ranks step with no bus, `selfbench`)"
 
 
+def _inproc_prefill(tp: int) -> str:
+    return f"in-process tp={tp}, prefill + decode (same work as HTTP)"
+
+
 async def _run(stacks: dict[int, Stack], hf: HFBaseline, cfg: dict[str, Any],
                runs: int) -> list[Table]:
     buses = {tp: await Bus.connect(st.nats_url, f"bench-gen-tp{tp}") for tp, st in stacks.items()}
@@ -214,6 +222,9 @@ async def _run(stacks: dict[int, Stack], hf: HFBaseline, cfg: dict[str, Any],
                 for tp in TPS:
                     bus, s, st = buses[tp], subj[tp], stacks[tp]
                     rows.setdefault(_inproc(tp), []).append(await baseline(bus, s, batch, tp))
+                    if batch == 16:
+                        rows.setdefault(_inproc_prefill(tp), []).append(
+                            await baseline(bus, s, batch, tp, prefill=True))
                     rows.setdefault(f"engine over NATS tp={tp}", []).append(
                         await via_bus(bus, s, batch))
                     http = await via_http(st.base_url, batch, stream=False)
@@ -227,6 +238,8 @@ async def _run(stacks: dict[int, Stack], hf: HFBaseline, cfg: dict[str, Any],
                 target: tuple[str, float] | None = None
                 if name == HF:
                     base = None
+                elif name.startswith("in-process") and "prefill" in name:
+                    base = _inproc(int(name.split("tp=")[1][0]))  # the prefill's share; no target
                 elif name.startswith("in-process"):
                     base = HF if batch == 16 else None
                 elif name.endswith("against transformers"):
@@ -241,7 +254,9 @@ async def _run(stacks: dict[int, Stack], hf: HFBaseline, cfg: dict[str, Any],
                 t.notes.append(
                     "transformers: `LlamaForCausalLM.generate` on the same safetensors "
                     "(built by transformers' own classes; rollbus serves that dir), in its own "
-                    "process, prefill included. in-process: `selfbench`, decode steps only. "
+                    "process, prefill included. in-process: `selfbench`, decode steps only; "
+                    "with prefill: the prompts' prefill step (the first token) and the "
+                    "decode steps, as HTTP does them, shown against decode only (no target). "
                     "HTTP: 16 concurrent `/v1/completions` requests, prefill included."
                 )
             out.append(t)
