@@ -53,6 +53,7 @@ def shared_stacks(
 
 @pytest.fixture(scope="module")
 def stack(shared_stacks: SharedStacks) -> Iterator[Stack]:
-    """The session's tp=2 stack on the defaults, shared by the modules that use it
-    (test_control, test_soak): each leaves it running, awake, on its version."""
-    yield from shared_stacks.lend(tp=2)
+    """The session's tp=2 stack (512 KV blocks), shared by the modules that use it
+    (test_control, test_generation, test_soak): each leaves it running, awake, on its
+    version."""
+    yield from shared_stacks.lend(tp=2, env={"ROLLBUS_KV_CACHE_BLOCKS": "512"})

@@ -5,8 +5,9 @@ policy learns to add two digits from rollouts that a real ``rollbus serve`` (TP=
 Asserts that the reward rises well above its start (a random policy scores ~0.03): at
 least 4x random and 3x its own start over the last 20 steps; that the rollouts came from
 published versions (not only the model dir's), and that the CSV and the PNG are written.
-80 steps at lr 3e-3 (the example's defaults: 150 at 1e-3) keep it to about a minute on 2
-idle cores; runs on a loaded machine ended at a last-20 mean of 0.20-0.23.
+90 steps at lr 3e-3 (the example's defaults: 150 at 1e-3) keep it to about 40 s on 2
+idle cores (was 120 steps at 1e-3); runs of this setting under load ended at a last-20
+mean of 0.18-0.23 after 80 steps, ~0.23 after 90.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import numpy as np
 
 from examples.async_grpo.run import Options, run
 
-STEPS = 80
+STEPS = 90
 
 
 def test_async_grpo_reward_rises(tmp_path: Path) -> None:
