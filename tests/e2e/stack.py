@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 # free_port and wait_healthy are the tests' too (imported from here)
 from services.serveproc import free_port, serve_env, spawn, wait_healthy
@@ -103,6 +104,17 @@ def running_stack(tmp: Path, nats_url: str | None, **kw: Any) -> Iterator[Stack]
         yield stack
     finally:
         stack.stop()
+
+
+@contextmanager
+def module_stack(
+    tmp_path_factory: pytest.TempPathFactory, nats_url: str | None, name: str, **kw: Any
+) -> Iterator[Stack]:
+    """A module fixture's stack: a temp dir of its own and a model named ``name-<hex>``, so
+    versions published to it never meet another module's on the session's server."""
+    tmp = Path(tmp_path_factory.mktemp(name))
+    with running_stack(tmp, nats_url, model_name=f"{name}-{uuid.uuid4().hex[:6]}", **kw) as s:
+        yield s
 
 
 def model_config(model_dir: Path) -> dict[str, Any]:

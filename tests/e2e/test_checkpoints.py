@@ -31,7 +31,7 @@ from shared.messages import VersionPublished
 from shared.model_config import ModelConfig
 from shared.subjects import ckpt_object_name
 from shared.versions import ipc_version_dir
-from tests.e2e.stack import Stack, model_config, start_stack
+from tests.e2e.stack import Stack, model_config, module_stack, start_stack
 from tests.e2e.test_control import digests
 
 BUCKET = "rollbus_ckpt"
@@ -286,22 +286,14 @@ def test_cli_publish_versions_and_clear_errors(ostack: Stack, tmp_path: Path) ->
 
 @pytest.fixture(scope="module")
 def astack(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = start_stack(
-        Path(tmp_path_factory.mktemp("auto")),
-        nats_url,
-        tp=2,
-        model_name=f"au-{uuid.uuid4().hex[:6]}",
-        env={"ROLLBUS_LOAD_STRATEGY": "ipc", "ROLLBUS_AUTO_UPDATE": "true"},
-    )
-    try:
+    env = {"ROLLBUS_LOAD_STRATEGY": "ipc", "ROLLBUS_AUTO_UPDATE": "true"}
+    with module_stack(tmp_path_factory, nats_url, "au", tp=2, env=env) as s:
         yield s
-    finally:
-        s.stop()
-        import shutil
+    import shutil
 
-        shutil.rmtree(
-            ipc_version_dir(Path("/dev/shm/rollbus"), model_of(s), "x").parent, ignore_errors=True
-        )
+    shutil.rmtree(
+        ipc_version_dir(Path("/dev/shm/rollbus"), model_of(s), "x").parent, ignore_errors=True
+    )
 
 
 def events(stack: Stack, kind: str) -> list[dict[str, Any]]:

@@ -8,7 +8,6 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -17,24 +16,16 @@ import pytest
 
 from services.tiny_model import write_version
 from tests.e2e.reference import greedy
-from tests.e2e.stack import Stack, start_stack
+from tests.e2e.stack import Stack
 
 PROMPT = "The rollout"
 
 
-@pytest.fixture(scope="module")
-def stack(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = start_stack(
-        Path(tmp_path_factory.mktemp("gen")),
-        nats_url,
-        tp=2,
-        env={"ROLLBUS_KV_CACHE_BLOCKS": "512"},
-    )
-    write_version(s.model_dir, "v1", seed=1)
-    try:
-        yield s
-    finally:
-        s.stop()
+@pytest.fixture(scope="module", autouse=True)
+def _v1(stack: Stack) -> None:
+    """Version v1 in the model dir (the session's shared stack, see conftest; test_control
+    writes the same one)."""
+    write_version(stack.model_dir, "v1", seed=1)
 
 
 @pytest.fixture

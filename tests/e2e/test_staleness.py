@@ -11,30 +11,21 @@ import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from services.trainer.publisher import CheckpointPublisher
-from tests.e2e.stack import Stack, model_config, start_stack
+from tests.e2e.stack import Stack, model_config, module_stack
 from tests.e2e.test_checkpoints import events, model_of, post, training_state, wait_for
 
 
 @pytest.fixture(scope="module")
 def sstack(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = start_stack(
-        Path(tmp_path_factory.mktemp("stale")),
-        nats_url,
-        tp=1,
-        model_name=f"st-{uuid.uuid4().hex[:6]}",
-        env={"ROLLBUS_MAX_STALENESS": "1", "ROLLBUS_STALL_S": "2"},
-    )
-    try:
+    env = {"ROLLBUS_MAX_STALENESS": "1", "ROLLBUS_STALL_S": "2"}
+    with module_stack(tmp_path_factory, nats_url, "st", tp=1, env=env) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def publish(stack: Stack, version: str, seed: int) -> None:
@@ -146,17 +137,9 @@ def test_bad_max_staleness_is_400(sstack: Stack) -> None:
 
 @pytest.fixture(scope="module")
 def austack(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = start_stack(
-        Path(tmp_path_factory.mktemp("stale-au")),
-        nats_url,
-        tp=1,
-        model_name=f"sa-{uuid.uuid4().hex[:6]}",
-        env={"ROLLBUS_MAX_STALENESS": "0", "ROLLBUS_AUTO_UPDATE": "true"},
-    )
-    try:
+    env = {"ROLLBUS_MAX_STALENESS": "0", "ROLLBUS_AUTO_UPDATE": "true"}
+    with module_stack(tmp_path_factory, nats_url, "sa", tp=1, env=env) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def test_on_policy_with_auto_update(austack: Stack) -> None:
