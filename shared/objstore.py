@@ -558,7 +558,8 @@ async def _read_nats_py(
     name = meta.name
     loop = asyncio.get_running_loop()
     done: asyncio.Future[None] = loop.create_future()
-    state = {"off": 0, "dseq": 0, "sseq": 0, "last": time.monotonic()}
+    state = {"off": 0, "dseq": 0, "sseq": 0, "last": time.monotonic(),
+             "asked": 0, "ended": 0, "in_batch": 0}
 
     def fail(exc: Exception) -> None:
         if not done.done():
@@ -569,6 +570,8 @@ async def _read_nats_py(
 
     async def ask(seq: int) -> None:
         req = {"seq": seq, "next_by_subj": subject, "batch": READ_BATCH}
+        state["asked"] += 1
+        state["in_batch"] = 0
         await nc.publish(f"$JS.API.DIRECT.GET.{stream}", json.dumps(req).encode(), reply=inbox)
 
     async def on_msg(msg: Msg) -> None:
@@ -577,8 +580,9 @@ async def _read_nats_py(
         state["last"] = time.monotonic()
         hdr = msg.headers or {}
         status = hdr.get("Status", "")
-        if status == "204":  # end of this batch: ask for the next one after its last
-            if int(state["off"]) < meta.size:
+        if status == "204":  # end of a batch: ask the next one unless that was done
+            state["ended"] += 1
+            if state["asked"] == state["ended"] and int(state["off"]) < meta.size:
                 await ask(int(state["sseq"]) + 1)
             return
         if status == "404":  # the stream ran out of chunks before the object was whole
@@ -606,6 +610,10 @@ async def _read_nats_py(
             hasher.feed(off + n)
         if progress:
             progress(off + n)
+        state["in_batch"] += 1
+        if (state["in_batch"] == READ_BATCH and state["asked"] == state["ended"] + 1
+                and pending != 0 and off + n < meta.size):
+            await ask(sseq + 1)  # a batch's last chunk: the next batch starts after it
         if pending == 0 or off + n == meta.size:
             if off + n != meta.size:
                 fail(ObjectCorrupt(f"{name}: got {off + n} bytes, stored size {meta.size}"))
