@@ -20,10 +20,15 @@ computed on a helper thread over the filled prefix while later chunks arrive
 Every chunk's stream sequence must grow and the chunk count and size must match the
 meta: a stall or a disconnect fails the read (:class:`ObjectReadError`); a lost chunk, a
 size or digest mismatch raises :class:`ObjectCorrupt`. Nothing partial is ever returned.
+A large object is read over a connection of the reader's own (:mod:`shared._fastwire`:
+frames parsed there, payloads received by the kernel straight into the buffer; the
+next batch asked when a batch's last chunk starts arriving); nats-py is the fallback.
 
 Our writer (:func:`put_object`) pipelines chunk publishes with a bounded window of
 outstanding JetStream acks (nats-py's ``put`` waits for each ack in turn) and writes
-the meta message last, so a reader never sees a half-written object.
+the meta message last, so a reader never sees a half-written object. A large object's
+chunks go over a plain-TCP connection of the writer's own, straight from the caller's
+buffer to the kernel (:class:`shared._fastwire.Link`).
 
 Version stream: ``ROLLBUS_CKPT`` holds ``rollbus.ckpt.<model>.published`` events,
 deduplicated by ``Nats-Msg-Id = <model>/<version>``; the JetStream stream sequence of
