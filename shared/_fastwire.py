@@ -520,7 +520,8 @@ class Link:
                         continue
                     pos = end + 2
                     if line == b"PING":
-                        asyncio.ensure_future(self.send(b"PONG\r\n"))
+                        t = asyncio.ensure_future(self.send(b"PONG\r\n"))
+                        t.add_done_callback(lambda f: f.cancelled() or f.exception())
                     elif line == b"PONG":
                         if self.pong is not None and not self.pong.done():
                             self.pong.set_result(None)

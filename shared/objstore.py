@@ -20,10 +20,15 @@ computed on a helper thread over the filled prefix while later chunks arrive
 Every chunk's stream sequence must grow and the chunk count and size must match the
 meta: a stall or a disconnect fails the read (:class:`ObjectReadError`); a lost chunk, a
 size or digest mismatch raises :class:`ObjectCorrupt`. Nothing partial is ever returned.
+A large object is read over a connection of the reader's own (:mod:`shared._fastwire`:
+frames parsed there, payloads received by the kernel straight into the buffer; the
+next batch asked when a batch's last chunk starts arriving); nats-py is the fallback.
 
 Our writer (:func:`put_object`) pipelines chunk publishes with a bounded window of
 outstanding JetStream acks (nats-py's ``put`` waits for each ack in turn) and writes
-the meta message last, so a reader never sees a half-written object.
+the meta message last, so a reader never sees a half-written object. A large object's
+chunks go over a plain-TCP connection of the writer's own, straight from the caller's
+buffer to the kernel (:class:`shared._fastwire.Link`).
 
 Version stream: ``ROLLBUS_CKPT`` holds ``rollbus.ckpt.<model>.published`` events,
 deduplicated by ``Nats-Msg-Id = <model>/<version>``; the JetStream stream sequence of
@@ -558,7 +563,8 @@ async def _read_nats_py(
     name = meta.name
     loop = asyncio.get_running_loop()
     done: asyncio.Future[None] = loop.create_future()
-    state = {"off": 0, "dseq": 0, "sseq": 0, "last": time.monotonic()}
+    state = {"off": 0, "dseq": 0, "sseq": 0, "last": time.monotonic(),
+             "asked": 0, "ended": 0, "in_batch": 0}
 
     def fail(exc: Exception) -> None:
         if not done.done():
@@ -569,6 +575,8 @@ async def _read_nats_py(
 
     async def ask(seq: int) -> None:
         req = {"seq": seq, "next_by_subj": subject, "batch": READ_BATCH}
+        state["asked"] += 1
+        state["in_batch"] = 0
         await nc.publish(f"$JS.API.DIRECT.GET.{stream}", json.dumps(req).encode(), reply=inbox)
 
     async def on_msg(msg: Msg) -> None:
@@ -577,8 +585,9 @@ async def _read_nats_py(
         state["last"] = time.monotonic()
         hdr = msg.headers or {}
         status = hdr.get("Status", "")
-        if status == "204":  # end of this batch: ask for the next one after its last
-            if int(state["off"]) < meta.size:
+        if status == "204":  # end of a batch: ask the next one unless that was done
+            state["ended"] += 1
+            if state["asked"] == state["ended"] and int(state["off"]) < meta.size:
                 await ask(int(state["sseq"]) + 1)
             return
         if status == "404":  # the stream ran out of chunks before the object was whole
@@ -606,6 +615,10 @@ async def _read_nats_py(
             hasher.feed(off + n)
         if progress:
             progress(off + n)
+        state["in_batch"] += 1
+        if (state["in_batch"] == READ_BATCH and state["asked"] == state["ended"] + 1
+                and pending != 0 and off + n < meta.size):
+            await ask(sseq + 1)  # a batch's last chunk: the next batch starts after it
         if pending == 0 or off + n == meta.size:
             if off + n != meta.size:
                 fail(ObjectCorrupt(f"{name}: got {off + n} bytes, stored size {meta.size}"))

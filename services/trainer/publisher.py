@@ -40,9 +40,10 @@ import os
 import shutil
 import socket
 import stat
+import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -235,6 +236,20 @@ class CheckpointPublisher:
         progress: Progress | None = None,
     ) -> PublishResult:
         t0 = time.perf_counter()
+        with _quick_gil_handoff():
+            return await self._apublish(model, version, source, tp, config, ipc, progress, t0)
+
+    async def _apublish(
+        self,
+        model: str,
+        version: str,
+        source: Path | str | Mapping[str, Any],
+        tp: int,
+        config: Any,
+        ipc: bool,
+        progress: Progress | None,
+        t0: float,
+    ) -> PublishResult:
         bus: Bus | None = None
         try:
             if config is None and not isinstance(source, str | Path):
@@ -527,6 +542,28 @@ def _write_private(path: Path, data: bytes) -> None:
     fd = os.open(path, flags, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
+
+
+SWITCH_INTERVAL = 0.0005  # s, while publishing (CPython's default is 0.005)
+
+
+@contextlib.contextmanager
+def _quick_gil_handoff() -> Iterator[None]:
+    """A shorter GIL switch interval while a version is published: the fill threads run
+    numpy in Python loops, and with the default 5 ms the event loop, woken to send the
+    next chunk, waits up to that long for the GIL each time (measured: the SDK publish
+    of the bench's 648 MiB state dict 3.0 s → 2.4 s). Restored afterwards unless
+    something else changed it meanwhile."""
+    old = sys.getswitchinterval()
+    if old <= SWITCH_INTERVAL:
+        yield
+        return
+    sys.setswitchinterval(SWITCH_INTERVAL)
+    try:
+        yield
+    finally:
+        if sys.getswitchinterval() == SWITCH_INTERVAL:
+            sys.setswitchinterval(old)
 
 
 def _anon_buffer(size: int) -> mmap.mmap:

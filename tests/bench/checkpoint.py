@@ -10,7 +10,8 @@ Every figure is against a baseline measured in the same run, like with like:
   seconds table). Target >= 0.8×;
 * **pull, one flow**: raw core NATS, one publisher process → one subscriber process
   (1 MiB messages, credit-bounded), vs our reader alone in its own process, without /
-  with SHA-256 (targets >= 1.0× / >= 0.9×), and stock nats-py ``ObjectStore.get`` of the
+  with SHA-256 (targets >= 1.0× / >= 0.9×), our reader's nats-py fallback (no target),
+  and stock nats-py ``ObjectStore.get`` of the
   same object (it concatenates chunks, so it slows with size: one run only, at full size
   it takes minutes); the per-rank pull during ``update_weights`` (both ranks at once)
   is shown against the same single flow, no target;
@@ -348,6 +349,8 @@ def run(tmp: Path, nats_url: str, runs: int = 5, quick: bool = False) -> list[Ta
                 name0, sha0, _ = shard_objs[0]
                 put("ours1", pullers(nats_url, [(name0, None)])[0]["mib_s"])
                 put("ours1_sha", pullers(nats_url, [(name0, sha0)])[0]["mib_s"])
+                put("ours1_py", pullers(nats_url, [(name0, None)], extra=("--nats-py",))[0][
+                    "mib_s"])
                 # pull, aggregate of both ranks' shards at once
                 put("raw2", _aggregate(raw_flows(nats_url, shard_mib, 2)))
                 put("ours2", _aggregate(pullers(nats_url, [(n, None) for n, _, _ in shard_objs])))
@@ -393,6 +396,8 @@ def run(tmp: Path, nats_url: str, runs: int = 5, quick: bool = False) -> list[Ta
             target=(">=", 1.0))
     one.add("rollbus reader alone, SHA-256 verified", values=res["ours1_sha"], baseline=b1,
             target=(">=", 0.9))
+    one.add("rollbus reader through nats-py (its fallback: no second connection)",
+            values=res["ours1_py"], baseline=b1)
     one.add("stock nats-py ObjectStore.get, same object", values=res["stock"], baseline=b1,
             note=f"{len(res['stock'])} run(s)")
     one.add("per rank during update_weights (both ranks at once), no verify",

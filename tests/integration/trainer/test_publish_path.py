@@ -5,6 +5,7 @@ and the bytes and SHA-256 that arrive identical to a plain serialization."""
 from __future__ import annotations
 
 import hashlib
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ import pytest
 from safetensors.numpy import save
 
 from services.tiny_model import TINY_CONFIG, create_model_dir
-from services.trainer import names, shards
+from services.trainer import names, publisher, shards
 from services.trainer.publisher import CheckpointPublisher, VersionConflict
 from shared import manifest as mf
 from shared import objstore, sharding
@@ -95,7 +96,11 @@ async def test_ranks_upload_concurrently(nats_url: str, monkeypatch: pytest.Monk
     live: list[int] = [0]
     peak: list[int] = [0]
 
+    switch: set[float] = set()
+    before = sys.getswitchinterval()
+
     async def spy(*a: Any, **kw: Any) -> Any:
+        switch.add(sys.getswitchinterval())
         live[0] += 1
         peak[0] = max(peak[0], live[0])
         try:
@@ -110,6 +115,8 @@ async def test_ranks_upload_concurrently(nats_url: str, monkeypatch: pytest.Monk
         model, "c1", names.to_training(sharding.init_weights(cfg, 1), cfg), tp=4, config=CFG
     )
     assert peak[0] == 4  # every rank's shard in flight at once (the manifest after)
+    # the GIL is handed over quickly while uploading, and the interval restored after
+    assert switch == {publisher.SWITCH_INTERVAL} and sys.getswitchinterval() == before
     _, got = await _read_all(nats_url, model, "c1")
     assert got == _plain_blobs(cfg, sharding.init_weights(cfg, 1), 4)
 
