@@ -31,6 +31,11 @@ class SharedStacks:
         found = s.status()
         yield s
         st = s.status()
+        if st["state"] != "running":  # put it back, so that the next module is not failed too
+            with s.client() as c:
+                if st["state"] == "sleeping":
+                    c.post("/v1/wakeup")
+                c.post("/v1/resume")
         assert (st["state"], st["weight_version"]) == ("running", found["weight_version"]), (
             "a module left the shared stack changed", st["state"], st["weight_version"]
         )
