@@ -63,10 +63,8 @@ class _Frames(asyncio.BufferedProtocol):
         self.need = 0  # payload bytes still to come into dest
         self.info: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self.pong: asyncio.Future[None] | None = None
-        self.lines: list[bytes] = []  # before the reader is attached (handshake)
         self.reader: _Read | None = None
         self.error: Exception | None = None
-        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.last = time.monotonic()
 
     # ---------------------------------------------------------------- transport side
@@ -76,8 +74,6 @@ class _Frames(asyncio.BufferedProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._fail(ObjectReadError(f"connection to the server closed{f': {exc}' if exc else ''}"))
-        if not self.closed.done():
-            self.closed.set_result(None)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self.need:

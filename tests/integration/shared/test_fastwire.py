@@ -173,6 +173,27 @@ async def test_broken_stream_mid_object_is_a_read_error(
         await proxy.stop()
 
 
+async def test_writer_link_cut_mid_object_fails_and_purges(
+    nats_url: str, direct: Client
+) -> None:
+    """The writer's own connection closed by the server's side after a few acks: the put
+    fails (ObjectReadError), no meta is written and the chunks sent are purged."""
+    proxy, nc = await _via(nats_url, "cut", after=1500)
+    name = f"m/{uuid.uuid4().hex}"
+    js = direct.jetstream()
+    before = (await js.stream_info(f"OBJ_{BUCKET}")).state.messages
+    try:
+        with pytest.raises(objstore.ObjectReadError):
+            await objstore.put_object(nc, BUCKET, name, os.urandom(40 * MIB), ack_timeout=10)
+        assert proxy.count == 2 and nc.is_connected
+        with pytest.raises(objstore.ObjectMissing):
+            await objstore.get_meta(direct, BUCKET, name)
+        assert (await js.stream_info(f"OBJ_{BUCKET}")).state.messages == before  # purged
+    finally:
+        await nc.close()
+        await proxy.stop()
+
+
 @pytest.mark.parametrize("fast", [True, False], ids=["fastwire", "nats-py"])
 @pytest.mark.parametrize("which", ["middle", "last"])
 async def test_lost_chunk_is_corrupt(direct: Client, fast: bool, which: str) -> None:
