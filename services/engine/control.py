@@ -208,9 +208,10 @@ async def commit_ranks(eng: Engine, version: str, uid: str, previous: str) -> No
 async def end_update(eng: Engine, committed: str | None) -> None:
     """Back to paused (or sleeping); ``committed`` is the new version, None if none.
     The ranks' view is refreshed first: a ``status`` after the update shows its outcome
-    on every rank."""
-    eng.state.end_update(committed)
+    on every rank. Refreshed before the state ends: ``status`` meanwhile says
+    ``updating``, never the new version over ranks still reported on the old one."""
     await eng.ranks.refresh()
+    eng.state.end_update(committed)
     await eng.state_changed(eng.state.state.value, {"version": eng.state.weight_version})
 
 

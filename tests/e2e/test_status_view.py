@@ -4,6 +4,8 @@
 * a plain ``status`` sends nothing to the ranks (counted on the ranks' own subject by a
   raw nats-py subscriber); ``?fresh=true`` asks every rank, each call;
 * right after update_weights / sleep / wakeup, ``status`` shows the outcome on every rank;
+  polled throughout updates it never shows the new version over ranks on the old one
+  (the view is refreshed before the state leaves ``updating``);
 * a rank stopped with SIGSTOP shows ``alive: false`` with a reason naming its silence
   within 2 s, never alive from a stale report; after SIGCONT it is alive again.
 """
@@ -175,3 +177,47 @@ def test_stopped_rank_shows_not_alive_with_a_reason_then_alive_again(stack: Stac
             assert time.monotonic() < deadline, c.get("/health").text
             time.sleep(0.1)
 
+
+
+async def _statuses_during_updates(stack: Stack, versions: list[str]) -> list[dict[str, Any]]:
+    """Every ``status`` (over NATS, back to back) while ``update_weights`` ran to each of
+    ``versions`` in turn, paused."""
+    s = Subjects(stack.instance)
+    nc = await nats.connect(stack.nats_url)
+    seen: list[dict[str, Any]] = []
+    stop = False
+
+    async def poller() -> None:
+        while not stop:
+            msg = await nc.request(s.ctl("status"), b"{}", timeout=30)
+            seen.append(json.loads(msg.data)["result"])
+            await asyncio.sleep(0.005)
+
+    try:
+        await nc.request(s.ctl("pause"), b"{}", timeout=30)
+        task = asyncio.ensure_future(poller())
+        for version in versions:
+            body = json.dumps({"version": version}).encode()
+            rep = json.loads((await nc.request(s.ctl("update_weights"), body, timeout=30)).data)
+            assert rep["error_code"] == 200, rep
+            await asyncio.sleep(0.1)
+        stop = True
+        await task
+    finally:
+        await nc.close()
+    return seen
+
+
+def test_status_never_shows_a_false_version_mismatch_during_an_update(stack: Stack) -> None:
+    write_version(stack.model_dir, "rv1", seed=5)
+    seen = asyncio.run(_statuses_during_updates(stack, ["rv1", "v0", "rv1", "v0"]))
+    lies = [
+        (st["state"], st["weight_version"], [r.get("version") for r in st["ranks"]])
+        for st in seen
+        if st["version_mismatch"]
+        or (
+            st["state"] != "updating"
+            and any(r.get("version") != st["weight_version"] for r in st["ranks"])
+        )
+    ]
+    assert not lies, f"{len(lies)} of {len(seen)} statuses: {lies[:5]}"
