@@ -229,6 +229,7 @@ async def status(eng: Engine, args: m.StatusArgs | None = None) -> dict[str, Any
         ranks = await eng.ranks.statuses(timeout=min(2.0, eng.settings.control_timeout_s))
     else:
         ranks = eng.ranks.view.entries()
+    ranks = [_brought(eng, r) for r in ranks]
     ours = eng.state.weight_version
     return {
         "version_mismatch": sorted(
@@ -246,13 +247,26 @@ async def status(eng: Engine, args: m.StatusArgs | None = None) -> dict[str, Any
         "asleep": sorted(eng.state.asleep),
         "pause_mode": eng.state.pause_mode,
         "ranks": ranks,
-        "ranks_ready": all(r.get("alive") for r in ranks),
+        # every rank alive and the engine's own check (ranks brought to its state)
+        "ranks_ready": all(r.get("alive") for r in ranks) and eng.ranks_alive,
         # requests waiting for replies (0 when idle) and late replies dropped
         "bus": {"pending": eng.bus.pending, "dropped": eng.bus.dropped_replies},
         # versions behind the newest announced, the bound, requests it holds
         "staleness": eng.scheduler.staleness_report().to_dict(),
         **eng.scheduler.counts(),
     }
+
+
+def _brought(eng: Engine, entry: dict[str, Any]) -> dict[str, Any]:
+    """A rank process the engine has not brought to its state (the launcher restarted
+    it: not the pid the engine last reconciled) is not alive for ``status``: it may
+    serve another version, or hold weights the engine says are asleep."""
+    want = eng.rank_pids.get(int(entry["rank"]))
+    pid = entry.get("pid")
+    if not entry.get("alive") or not want or pid is None or int(pid) == want:
+        return entry
+    reason = f"restarted (pid {pid}): not yet brought to the engine's state"
+    return {**entry, "alive": False, "reason": reason}
 
 
 def model_config(eng: Engine, _: object = None) -> dict[str, Any]:

@@ -221,3 +221,61 @@ def test_status_never_shows_a_false_version_mismatch_during_an_update(stack: Sta
         )
     ]
     assert not lies, f"{len(lies)} of {len(seen)} statuses: {lies[:5]}"
+
+
+def _statuses_until_recovered(stack: Stack, c: Any, killed: int) -> list[dict[str, Any]]:
+    """``status`` every 20 ms after SIGKILL to rank 1 (the launcher restarts the ranks)
+    until /health is 200 again with every rank a new process shown alive."""
+    old = {r["pid"] for r in c.get("/v1/status").json()["ranks"]}
+    os.kill(killed, signal.SIGKILL)
+    seen: list[dict[str, Any]] = []
+    deadline = time.monotonic() + 120
+    while True:
+        assert time.monotonic() < deadline, f"not recovered: {seen[-1:]}\\n{stack.log_tail()}"
+        st = c.get("/v1/status").json()
+        seen.append(st)
+        fresh = all(r.get("pid") not in old and r["alive"] for r in st["ranks"])
+        if fresh and c.get("/health").status_code == 200:
+            return seen
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("asleep", [False, True], ids=["paused", "sleeping"])
+def test_restarted_ranks_are_not_ready_before_the_engine_brought_them(
+    stack: Stack, asleep: bool
+) -> None:
+    """Restarted ranks come up on the model dir's version with weights loaded; until
+    the engine brought them to its version (and sleep state) ``status`` shows them not
+    alive (reason ``restarted``) and ``ranks_ready`` false."""
+    write_version(stack.model_dir, "sv2", seed=7)
+    with stack.client(timeout=30) as c:
+        assert c.post("/v1/pause").status_code == 200
+        r = c.post("/v1/update_weights", json={"version": "sv2"})
+        assert r.status_code == 200, r.text
+        if asleep:
+            assert c.post("/v1/sleep", params={"tags": "weight,kv_cache"}).status_code == 200
+        try:
+            pid = next(r["pid"] for r in c.get("/v1/status").json()["ranks"] if r["rank"] == 1)
+            seen = _statuses_until_recovered(stack, c, pid)
+            lies = [
+                [(r.get("pid"), r.get("version"), r.get("weights_loaded")) for r in st["ranks"]]
+                for st in seen
+                if st["ranks_ready"]
+                and any(
+                    r.get("version") != st["weight_version"]
+                    or (asleep and r.get("weights_loaded"))
+                    for r in st["ranks"]
+                )
+            ]
+            assert not lies, f"{len(lies)} of {len(seen)} statuses: {lies[:3]}"
+            # the restarted ranks were shown for what they are
+            reasons = {r.get("reason", "")[:9] for st in seen for r in st["ranks"]}
+            assert "restarted" in reasons, reasons
+            st = seen[-1]
+            assert st["ranks_ready"] and st["weight_version"] == "sv2", st
+            assert all(r["version"] == "sv2" for r in st["ranks"]), st
+        finally:
+            if asleep:
+                c.post("/v1/wakeup")  # resumes
+            c.post("/v1/pause")
+            assert c.post("/v1/update_weights", json={"version": "v0"}).status_code == 200
