@@ -7,6 +7,7 @@ second one arriving meanwhile gets 409 at once instead of queueing behind it.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,8 @@ from shared.versions import read_version_txt
 
 if TYPE_CHECKING:
     from services.engine.main import Engine
+
+log = logging.getLogger("rollbus.engine")
 
 
 async def pause(eng: Engine, args: m.PauseArgs) -> dict[str, Any]:
@@ -185,9 +188,9 @@ async def stage_ranks(
             "stage", m.StageArgs(version, verify, eng.settings.load_strategy, uid)
         )
     except RankError:
-        # no rank got a commit; those that staged drop it now (fire and forget: a
-        # rank that misses this drops it at its next stage anyway)
-        await eng.ranks.broadcast("abort")
+        # no rank got a commit; those that staged drop it now (a rank that misses this
+        # drops it at its next stage anyway)
+        await settle(eng, "abort")
         raise
 
 
@@ -197,12 +200,27 @@ async def commit_ranks(eng: Engine, version: str, uid: str, previous: str) -> No
     except RankError as e:
         # some ranks may have switched: every one of them swaps back, and a late
         # commit for this update is refused, so no rank serves the new version alone
-        await eng.ranks.broadcast("rollback", m.UpdateIdArgs(uid))
+        await settle(eng, "rollback", m.UpdateIdArgs(uid))
         raise RankError(
             e.code,
             f"{e.message}; ranks that had committed were rolled back to {previous!r}",
             e.replies,
         ) from None
+
+
+SETTLE_S = 2.0  # how long a failed update waits for the ranks' abort / rollback answers
+
+
+async def settle(eng: Engine, method: str, args: m.UpdateIdArgs | None = None) -> None:
+    """``abort`` / ``rollback`` after a failed step: every rank asked, their answers
+    awaited (up to ``SETTLE_S``) so the view's refresh that ends the update sees them
+    rolled back. Never raises: the step's own error is the one reported; a rank that
+    does not answer is logged (it still gets the message, and a late commit for this
+    update is refused)."""
+    try:
+        await eng.ranks.call(method, args, timeout=SETTLE_S)
+    except Exception as e:  # noqa: BLE001 - the failed step's error is the one raised
+        log.warning("%s after a failed update: %s", method, getattr(e, "message", repr(e)))
 
 
 async def end_update(eng: Engine, committed: str | None) -> None:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from services.engine import control
 from services.engine.ranks import RankError
 from services.engine.state import State
 from shared import messages as m
@@ -243,12 +244,12 @@ async def reconcile(eng: Engine, update: Update | None = None) -> dict[str, Any]
         try:
             await eng.ranks.call("stage", m.StageArgs(target, False, s.load_strategy, uid))
         except RankError:
-            await eng.ranks.broadcast("abort")
+            await control.settle(eng, "abort")
             raise
         try:
             await eng.ranks.call("commit", m.CommitArgs(target, uid))
         except RankError:
-            await eng.ranks.broadcast("rollback", m.UpdateIdArgs(uid))
+            await control.settle(eng, "rollback", m.UpdateIdArgs(uid))
             raise
         await eng.ranks.broadcast("finalize", m.UpdateIdArgs(uid))
         done["from"] = versions

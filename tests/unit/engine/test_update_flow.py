@@ -24,11 +24,14 @@ class ScriptedRanks:
         self.calls: list[tuple[str, Any]] = []
         self.broadcasts: list[tuple[str, Any]] = []
         self.refreshes = 0
+        self.order: list[str] = []  # "call stage", "broadcast finalize", "refresh", ...
 
     async def call(
         self, method: str, args: msgspec.Struct | None = None, **_: Any
     ) -> dict[int, m.WorkerReply]:
         self.calls.append((method, args))
+        await asyncio.sleep(0)
+        self.order.append(f"call {method}")  # every rank answered (or failed)
         if method in self.fail:
             code, msg = self.fail[method]
             raise RankError(code, msg, {0: m.WorkerReply(0, result={"rank": 0})})
@@ -36,9 +39,11 @@ class ScriptedRanks:
 
     async def broadcast(self, method: str, args: msgspec.Struct | None = None) -> None:
         self.broadcasts.append((method, args))
+        self.order.append(f"broadcast {method}")
 
     async def refresh(self, timeout: float | None = None) -> None:
         self.refreshes += 1  # the engine's view of the ranks asked anew
+        self.order.append("refresh")
 
 
 def engine(ranks: ScriptedRanks) -> Any:
@@ -80,8 +85,8 @@ def test_stage_failure_aborts_and_never_commits() -> None:
     with pytest.raises(RankError) as e:
         run(eng)
     assert e.value.code == 422 and "rank 1" in e.value.message
-    assert [c[0] for c in ranks.calls] == ["stage"]
-    assert [b[0] for b in ranks.broadcasts] == ["abort"]
+    assert [c[0] for c in ranks.calls] == ["stage", "abort"]
+    assert ranks.broadcasts == []
     assert eng.state.weight_version == "v0" and eng.state.state is State.PAUSED
 
 
@@ -92,7 +97,29 @@ def test_commit_failure_rolls_back_every_rank() -> None:
         run(eng)
     assert e.value.code == 503 and "[1]" in e.value.message and "rolled back" in e.value.message
     uid = ranks.calls[0][1].update_id
-    assert ranks.broadcasts == [("rollback", m.UpdateIdArgs(uid))]
+    assert ranks.calls[2] == ("rollback", m.UpdateIdArgs(uid)) and ranks.broadcasts == []
+    assert eng.state.weight_version == "v0" and eng.state.state is State.PAUSED
+
+
+@pytest.mark.parametrize(("failed", "undo"), [("stage", "abort"), ("commit", "rollback")])
+@pytest.mark.parametrize("undo_fails", [False, True])
+def test_abort_and_rollback_are_answered_before_the_view_is_refreshed(
+    failed: str, undo: str, undo_fails: bool
+) -> None:
+    """After a failed step the ranks' abort / rollback answers are awaited (not a
+    fire-and-forget broadcast) before the refresh that ends the update: ``status`` then
+    shows the ranks rolled back. Their own failure (a rank silent) is logged, never
+    replaces the step's error, and the refresh still follows."""
+    fail = {failed: (503, f"{failed}: ranks [1] did not answer")}
+    if undo_fails:
+        fail[undo] = (503, f"{undo}: ranks [1] did not answer within 2s")
+    ranks = ScriptedRanks(fail)
+    eng = engine(ranks)
+    with pytest.raises(RankError) as e:
+        run(eng)
+    assert e.value.message.startswith(failed), e.value.message
+    steps = ["call stage"] + (["call commit"] if failed == "commit" else [])
+    assert ranks.order == [*steps, f"call {undo}", "refresh"], ranks.order
     assert eng.state.weight_version == "v0" and eng.state.state is State.PAUSED
 
 
