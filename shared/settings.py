@@ -94,7 +94,7 @@ class Settings(BaseSettings):
         30.0, gt=0, description="no step progress (or a rank stuck in a step) this long: 503"
     )
     rank_refresh_s: float = Field(
-        0.25, gt=0, le=60, description="the engine asks every rank's status this often"
+        0.25, ge=0.05, le=60, description="the engine asks every rank's status this often"
     )
     auto_update: bool = False
     max_staleness: int | None = Field(

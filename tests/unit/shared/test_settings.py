@@ -51,3 +51,17 @@ def test_to_env_roundtrip(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv(k, v)
     again = Settings()
     assert again.tp == 3 and again.instance == "x" and again.auto_update is True
+
+
+@pytest.mark.parametrize("value", ["0", "0.01", "0.049", "61"])
+def test_rank_refresh_out_of_bounds_is_one_clear_line(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    """Below 50 ms the status scatter would keep both ranks' event loops busy."""
+    monkeypatch.setenv("ROLLBUS_RANK_REFRESH_S", value)
+    with pytest.raises(ValidationError) as e:
+        Settings()
+    msg = describe_error(e.value)
+    assert "RANK_REFRESH_S" in msg and "\n" not in msg, msg
+    monkeypatch.setenv("ROLLBUS_RANK_REFRESH_S", "0.05")
+    assert Settings().rank_refresh_s == 0.05
