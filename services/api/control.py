@@ -106,8 +106,14 @@ def _query_args(request: Request, *names: str) -> dict[str, Any]:
 
 def _bool_query(request: Request, name: str) -> bool:
     """A boolean query parameter: ``true``/``false``/``1``/``0`` (any case; empty or
-    absent = false); anything else is 400 naming it."""
-    value = request.query_params.get(name, "").strip().lower()
+    absent = false); anything else, or the parameter given more than once, is 400 naming
+    it."""
+    values = request.query_params.getlist(name)
+    if len(values) > 1:
+        raise ControlError(
+            BAD_REQUEST, f"bad argument '{name}': given {len(values)} times", {"param": name}
+        )
+    value = values[0].strip().lower() if values else ""
     if value in ("", "false", "0"):
         return False
     if value in ("true", "1"):

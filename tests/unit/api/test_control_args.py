@@ -127,3 +127,15 @@ def test_status_fresh_param_not_a_bool_is_400_naming_it(
     # the token comes first
     r = client(admin_token="s3cret").get(f"/v1/status?fresh={value}")
     assert r.status_code == 401, r.text
+
+
+@pytest.mark.parametrize(
+    "query", ["?fresh=junk&fresh=true", "?fresh=true&fresh=junk", "?fresh=true&fresh=true"]
+)
+def test_status_fresh_param_repeated_is_400_naming_it(
+    calls: list[tuple[str, dict[str, Any]]], query: str
+) -> None:
+    r = client().get("/v1/status" + query)
+    assert r.status_code == 400, r.text
+    assert r.json()["result"] == {"param": "fresh"} and "'fresh'" in r.json()["error_message"]
+    assert calls == []
