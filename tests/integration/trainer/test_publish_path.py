@@ -197,14 +197,17 @@ async def test_failed_fill_publishes_nothing(
 ) -> None:
     real_fill = shards.ShardLayout.fill
 
-    def broken(self: shards.ShardLayout, buf: Any, sha: Any = None, on_filled: Any = None) -> None:
+    def broken(
+        self: shards.ShardLayout, buf: Any, sha: Any = None, on_filled: Any = None,
+        room: Any = None,
+    ) -> None:
         def half(n: int) -> None:
             if on_filled:
                 on_filled(n)
             if self.rank == 1 and n > self.size // 2:
                 raise OSError("source tensor unreadable")
 
-        real_fill(self, buf, sha, half)
+        real_fill(self, buf, sha, half, room)
 
     monkeypatch.setattr(shards.ShardLayout, "fill", broken)
     cfg = ModelConfig.from_hf(CFG)
