@@ -169,6 +169,7 @@ class CheckpointPublisher:
         self.ipc_dir = Path(ipc_dir)
         self.connect_timeout = connect_timeout
         self.name = f"{socket.gethostname()}:{os.getpid()}"
+        self._rings = _RingCache()  # kept between publishes: no new mappings each version
 
     # ------------------------------------------------------------------ sync API
 
@@ -364,7 +365,8 @@ class CheckpointPublisher:
 
             async def one(i: int, lay: ShardLayout) -> None:
                 # the shard's bytes at their offsets, in a small ring of reused memory
-                ring = await loop.run_in_executor(pool, _Ring, lay.size, _ring_size(lay))
+                ring = await loop.run_in_executor(pool, self._rings.take, lay.size,
+                                                  _ring_size(lay))
                 filled = [0]
                 wake = asyncio.Event()
 
@@ -407,7 +409,10 @@ class CheckpointPublisher:
                     if not fill.done():
                         with contextlib.suppress(Exception):
                             await fill
-                    ring.close(ok)
+                    if ok:
+                        self._rings.give(ring)  # nothing refers to its memory any more
+                    else:
+                        ring.close(False)
 
             tasks = [asyncio.ensure_future(one(i, lay)) for i, lay in enumerate(layouts)]
             try:
@@ -614,7 +619,7 @@ class _Ring:
 
     def __init__(self, size: int, ring: int) -> None:
         lib = _lib()
-        self.size, self.freed, self.stopped = size, 0, False
+        self.size, self.freed, self.stopped, self.mapped = size, 0, False, False
         self.ring = ring = min(ring, -(-max(1, size) // mmap.PAGESIZE) * mmap.PAGESIZE)
         self.span = -(-max(1, size) // ring) * ring
         self.cond = threading.Condition()
@@ -635,7 +640,14 @@ class _Ring:
                                       f"{ctypes.get_errno()})")
         finally:
             os.close(fd)  # the mappings keep the memory
-        self.buf = (ctypes.c_char * max(1, size)).from_address(base)
+        self.mapped = True
+        self.reset(size)
+
+    def reset(self, size: int) -> None:
+        """Ready for a shard of ``size`` bytes (at most :attr:`span`)."""
+        assert size <= self.span
+        self.size, self.freed, self.stopped = size, 0, False
+        self.buf = (ctypes.c_char * max(1, size)).from_address(self.base)
 
     def room(self, upto: int) -> None:
         """Fill thread: wait until bytes up to ``upto`` may be written."""
@@ -663,6 +675,9 @@ class _Ring:
         """Unmap (after success: nothing refers to the memory any more). After a failure
         a socket buffer might still hold a slice: the range is replaced by zero pages
         instead (no memory kept; the address range stays reserved)."""
+        if not self.mapped:
+            return
+        self.mapped = False
         lib = _lib()
         if ok:
             lib.munmap(self.base, self.span)
@@ -670,6 +685,40 @@ class _Ring:
             lib.mmap(self.base, self.span, self.PROT_RW,
                      self.MAP_PRIVATE | self.MAP_ANON | self.MAP_FIXED | self.MAP_NORESERVE,
                      -1, 0)
+
+
+class _RingCache:
+    """Rings of finished publishes, reused by the next one (a trainer publishes every
+    version: the same shard sizes each time). At most :data:`RING_KEEP` are kept."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.free: list[_Ring] = []
+
+    def take(self, size: int, ring: int) -> _Ring:
+        with self.lock:
+            for r in self.free:
+                if r.ring == min(ring, -(-max(1, size) // mmap.PAGESIZE) * mmap.PAGESIZE) \
+                        and size <= r.span:
+                    self.free.remove(r)
+                    r.reset(size)
+                    return r
+        return _Ring(size, ring)
+
+    def give(self, r: _Ring) -> None:
+        with self.lock:
+            self.free.append(r)
+            old = self.free[:-RING_KEEP]
+            del self.free[:-RING_KEEP]
+        for o in old:
+            o.close(True)
+
+    def __del__(self) -> None:
+        for r in self.free:
+            r.close(True)
+
+
+RING_KEEP = 8
 
 
 def _fill_scratch(lay: ShardLayout, sha: Any) -> None:

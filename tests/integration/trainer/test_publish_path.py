@@ -92,14 +92,20 @@ async def test_ring_smaller_than_shard_round_trip(
     cfg = ModelConfig.from_hf(CFG)
     hf = sharding.init_weights(cfg, 7)
     model = f"ring-{uuid.uuid4().hex[:6]}"
-    res = await CheckpointPublisher(nats_url).apublish(
-        model, "r1", names.to_training(hf, cfg), tp=2, config=CFG)
+    pub = CheckpointPublisher(nats_url)
+    res = await pub.apublish(model, "r1", names.to_training(hf, cfg), tp=2, config=CFG)
     assert res.uploaded
     assert len(rings) == 2 and all(r * 3 // 2 < size for r, size in rings)  # wraps around
-    man, got = await _read_all(nats_url, model, "r1")
-    want = _plain_blobs(cfg, hf, 2)
-    assert got == want
-    assert [s.sha256 for s in man.shards] == [hashlib.sha256(b).hexdigest() for b in want]
+    kept = {id(r) for r in pub._rings.free}
+    assert len(kept) == 2
+    hf2 = sharding.init_weights(cfg, 8)  # the next version: the same rings, reused
+    await pub.apublish(model, "r2", names.to_training(hf2, cfg), tp=2, config=CFG)
+    assert {id(r) for r in pub._rings.free} == kept
+    for version, state in (("r1", hf), ("r2", hf2)):
+        man, got = await _read_all(nats_url, model, version)
+        want = _plain_blobs(cfg, state, 2)
+        assert got == want
+        assert [s.sha256 for s in man.shards] == [hashlib.sha256(b).hexdigest() for b in want]
 
 
 async def test_model_dir_round_trip_from_mapped_files(nats_url: str, tmp_path: Path) -> None:
