@@ -462,8 +462,16 @@ class Link:
             if self.error is not None:
                 raise self.error
             try:
-                for p in parts:
-                    await loop.sock_sendall(self.sock, p)
+                try:  # one syscall for the frame when the socket takes it all
+                    n = self.sock.sendmsg(parts)
+                except (BlockingIOError, InterruptedError):
+                    n = 0
+                for p in parts:  # what the kernel did not take yet
+                    if n >= len(p):
+                        n -= len(p)
+                        continue
+                    await loop.sock_sendall(self.sock, memoryview(p)[n:] if n else p)
+                    n = 0
             except OSError as e:
                 self._end(ObjectReadError(f"connection lost: {e!r}"))
                 raise self.error from None  # type: ignore[misc]

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import errno
 import hashlib
 import mmap
@@ -42,6 +43,7 @@ import socket
 import stat
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -167,6 +169,7 @@ class CheckpointPublisher:
         self.ipc_dir = Path(ipc_dir)
         self.connect_timeout = connect_timeout
         self.name = f"{socket.gethostname()}:{os.getpid()}"
+        self._rings = _RingCache()  # kept between publishes: no new mappings each version
 
     # ------------------------------------------------------------------ sync API
 
@@ -335,8 +338,9 @@ class CheckpointPublisher:
         progress: Progress | None,
     ) -> tuple[mf.Manifest, bool]:
         """Every rank's shard at once: each is written (one copy per byte, hashed as it
-        is copied) on its own thread into a fresh buffer while the part already written
-        is being sent; the manifest (with those SHA-256) goes last."""
+        is copied) on its own thread into a small ring of reused memory (:class:`_Ring`)
+        while the part already written is being sent; the manifest (with those SHA-256)
+        goes last."""
         loop = asyncio.get_running_loop()
         total = sum(lay.size for lay in layouts)
         old = await self._existing(nc, model, version)
@@ -360,8 +364,9 @@ class CheckpointPublisher:
             acked = [0] * len(layouts)
 
             async def one(i: int, lay: ShardLayout) -> None:
-                # pages faulted in by the kernel at once, off the event loop
-                buf = await loop.run_in_executor(pool, _anon_buffer, lay.size)
+                # the shard's bytes at their offsets, in a small ring of reused memory
+                ring = await loop.run_in_executor(pool, self._rings.take, lay.size,
+                                                  _ring_size(lay))
                 filled = [0]
                 wake = asyncio.Event()
 
@@ -369,7 +374,8 @@ class CheckpointPublisher:
                     filled[0] = n
                     loop.call_soon_threadsafe(wake.set)
 
-                fill = loop.run_in_executor(pool, lay.fill, buf, shas[i], on_filled)
+                fill = loop.run_in_executor(pool, lay.fill, ring.buf, shas[i], on_filled,
+                                            ring.room)
                 fill.add_done_callback(lambda _: wake.set())
 
                 async def ready(n: int) -> None:
@@ -386,21 +392,27 @@ class CheckpointPublisher:
                     return shas[i].hexdigest()
 
                 def cb(n: int) -> None:
+                    ring.free(n)  # acknowledged: stored by the server, its memory reusable
                     acked[i] = n
                     if progress:
                         progress(sum(acked), total)
 
+                ok = False
                 try:
                     await objstore.put_object(
                         nc, self.bucket, ckpt_object_name(model, version, lay.file),
-                        memoryview(buf)[: lay.size], cb, ready=ready, digest=digest,
+                        ring.buf, cb, ready=ready, digest=digest,
                     )
+                    ok = True
                 finally:
+                    ring.stop()  # a fill waiting for room ends
                     if not fill.done():
                         with contextlib.suppress(Exception):
                             await fill
-                    with contextlib.suppress(BufferError):
-                        buf.close()
+                    if ok:
+                        self._rings.give(ring)  # nothing refers to its memory any more
+                    else:
+                        ring.close(False)
 
             tasks = [asyncio.ensure_future(one(i, lay)) for i, lay in enumerate(layouts)]
             try:
@@ -566,14 +578,147 @@ def _quick_gil_handoff() -> Iterator[None]:
             sys.setswitchinterval(old)
 
 
-def _anon_buffer(size: int) -> mmap.mmap:
-    """A fresh anonymous buffer with its pages already in (``MAP_POPULATE``: one kernel
-    pass instead of a page fault per 4 KiB while the shard is written)."""
-    flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20)
-    try:
-        return mmap.mmap(-1, max(1, size), flags=flags | getattr(mmap, "MAP_POPULATE", 0))
-    except OSError:  # e.g. not enough memory to populate now: fault pages as they come
-        return mmap.mmap(-1, max(1, size))
+RING_MIN = 32 << 20  # bytes of memory per shard being published (more if a fill block is big)
+
+
+def _ring_size(lay: ShardLayout) -> int:
+    """Room for one fill block plus two windows of chunks in flight (fill never waits on
+    acks of chunks it has not let be sent), in whole MiB."""
+    need = lay.max_block() + 2 * objstore.PUT_WINDOW * objstore.CHUNK_SIZE
+    return -(-max(RING_MIN, need) // objstore.CHUNK_SIZE) * objstore.CHUNK_SIZE
+
+
+_libc: Any = None
+
+
+def _lib() -> Any:
+    global _libc
+    if _libc is None:
+        lib = ctypes.CDLL(None, use_errno=True)
+        lib.mmap.restype = ctypes.c_void_p
+        lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                             ctypes.c_int, ctypes.c_long]
+        lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        _libc = lib
+    return _libc
+
+
+class _Ring:
+    """A shard-sized address range (``buf``) backed by only ``ring`` bytes of memory: one
+    memfd mapped again and again side by side, so byte ``x`` and byte ``x + ring`` are the
+    same memory. The shard is written at its own offsets as into a flat buffer (same
+    code, same bytes) and sent as slices of ``buf``; :meth:`room` (on the fill thread)
+    blocks until the bytes about to be overwritten were acknowledged (:meth:`free`, on
+    the event loop). Chunk acks come in send order, and each chunk was handed to the
+    kernel before the next one's ack, so acknowledged memory is memory nobody reads
+    any more. No fresh pages per publish: the same ``ring`` bytes, warm in cache."""
+
+    PROT_NONE, PROT_RW = 0, 3
+    MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANON, MAP_NORESERVE, MAP_POPULATE = (
+        0x01, 0x02, 0x10, 0x20, 0x4000, 0x8000)
+
+    def __init__(self, size: int, ring: int) -> None:
+        lib = _lib()
+        self.size, self.freed, self.stopped, self.mapped = size, 0, False, False
+        self.ring = ring = min(ring, -(-max(1, size) // mmap.PAGESIZE) * mmap.PAGESIZE)
+        self.span = -(-max(1, size) // ring) * ring
+        self.cond = threading.Condition()
+        fd = os.memfd_create("rollbus-shard", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, ring)
+            base = lib.mmap(None, self.span, self.PROT_NONE,
+                            self.MAP_PRIVATE | self.MAP_ANON | self.MAP_NORESERVE, -1, 0)
+            if base in (None, ctypes.c_void_p(-1).value):
+                raise MemoryError(f"cannot reserve {self.span} bytes of address space")
+            self.base = base
+            for a in range(0, self.span, ring):
+                got = lib.mmap(base + a, ring, self.PROT_RW,
+                               self.MAP_SHARED | self.MAP_FIXED | self.MAP_POPULATE, fd, 0)
+                if got != base + a:
+                    lib.munmap(base, self.span)
+                    raise MemoryError(f"cannot map a {ring}-byte ring (errno "
+                                      f"{ctypes.get_errno()})")
+        finally:
+            os.close(fd)  # the mappings keep the memory
+        self.mapped = True
+        self.reset(size)
+
+    def reset(self, size: int) -> None:
+        """Ready for a shard of ``size`` bytes (at most :attr:`span`)."""
+        assert size <= self.span
+        self.size, self.freed, self.stopped = size, 0, False
+        self.buf = (ctypes.c_char * max(1, size)).from_address(self.base)
+
+    def room(self, upto: int) -> None:
+        """Fill thread: wait until bytes up to ``upto`` may be written."""
+        need = upto - self.ring
+        if self.freed >= need:
+            return
+        with self.cond:
+            while self.freed < need:
+                if self.stopped:
+                    raise RuntimeError("publish ended")
+                self.cond.wait(1.0)
+
+    def free(self, upto: int) -> None:
+        """Event loop: the first ``upto`` bytes are acknowledged."""
+        with self.cond:
+            self.freed = upto
+            self.cond.notify_all()
+
+    def stop(self) -> None:
+        with self.cond:
+            self.stopped = True
+            self.cond.notify_all()
+
+    def close(self, ok: bool) -> None:
+        """Unmap (after success: nothing refers to the memory any more). After a failure
+        a socket buffer might still hold a slice: the range is replaced by zero pages
+        instead (no memory kept; the address range stays reserved)."""
+        if not self.mapped:
+            return
+        self.mapped = False
+        lib = _lib()
+        if ok:
+            lib.munmap(self.base, self.span)
+        else:
+            lib.mmap(self.base, self.span, self.PROT_RW,
+                     self.MAP_PRIVATE | self.MAP_ANON | self.MAP_FIXED | self.MAP_NORESERVE,
+                     -1, 0)
+
+
+class _RingCache:
+    """Rings of finished publishes, reused by the next one (a trainer publishes every
+    version: the same shard sizes each time). At most :data:`RING_KEEP` are kept."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.free: list[_Ring] = []
+
+    def take(self, size: int, ring: int) -> _Ring:
+        with self.lock:
+            for r in self.free:
+                if r.ring == min(ring, -(-max(1, size) // mmap.PAGESIZE) * mmap.PAGESIZE) \
+                        and size <= r.span:
+                    self.free.remove(r)
+                    r.reset(size)
+                    return r
+        return _Ring(size, ring)
+
+    def give(self, r: _Ring) -> None:
+        with self.lock:
+            self.free.append(r)
+            old = self.free[:-RING_KEEP]
+            del self.free[:-RING_KEEP]
+        for o in old:
+            o.close(True)
+
+    def __del__(self) -> None:
+        for r in self.free:
+            r.close(True)
+
+
+RING_KEEP = 8
 
 
 def _fill_scratch(lay: ShardLayout, sha: Any) -> None:

@@ -56,11 +56,16 @@ class ShardLayout:
         buf: Any,
         sha: Any = None,
         on_filled: Callable[[int], None] | None = None,
+        room: Callable[[int], None] | None = None,
     ) -> None:
         """Write the file into ``buf`` (``size`` bytes, writable) in order; hash each block
         right after copying it when ``sha`` is given; ``on_filled(n)`` after every block:
-        the first ``n`` bytes are final. Numpy and hashlib release the GIL here."""
+        the first ``n`` bytes are final. ``room(n)``, when given, is called (and may block)
+        before a block that ends at byte ``n`` is written: ``buf`` may be a ring whose
+        memory is reused (see :meth:`max_block`). Numpy and hashlib release the GIL here."""
         view = memoryview(buf).cast("B")
+        if room is not None:
+            room(len(self.header))
         view[: len(self.header)] = self.header
         if sha is not None:
             sha.update(self.header)
@@ -74,6 +79,8 @@ class ShardLayout:
             if tiled:  # a transposed view: tiles keep both sides in cache (≈ 3× faster)
                 step = max(TILE, step // TILE * TILE)
             for a in range(0, rows, step):
+                if room is not None:
+                    room(done + (dst[a : a + step].nbytes if src.ndim > 1 else src.nbytes))
                 if tiled:
                     for j in range(0, src.shape[1], TILE):
                         for i in range(a, min(rows, a + step), TILE):
@@ -92,6 +99,20 @@ class ShardLayout:
                 if on_filled is not None:
                     on_filled(done)
         assert done == self.size, (done, self.size)
+
+    def max_block(self) -> int:
+        """The most bytes :meth:`fill` writes between two ``room`` calls."""
+        most = len(self.header)
+        for _, src, _ in self.parts:
+            if src.ndim > 1:
+                rows = src.shape[0]
+                step = max(1, FILL_BLOCK // max(1, src.nbytes // max(rows, 1)))
+                if src.ndim == 2 and not src.flags.c_contiguous:
+                    step = max(TILE, step // TILE * TILE)
+                most = max(most, src.nbytes // rows * min(rows, step))
+            else:
+                most = max(most, src.nbytes)
+        return most
 
 
 def plan_shards(

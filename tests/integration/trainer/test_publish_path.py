@@ -75,6 +75,39 @@ async def test_state_dict_round_trip_bytes_and_sha_identical(nats_url: str) -> N
         await pub.apublish(model, "v1", other, tp=2, config=CFG)
 
 
+async def test_ring_smaller_than_shard_round_trip(
+    nats_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each shard is written into a ring of reused memory far smaller than the shard
+    (here as small as it may be: one fill block plus one chunk); what arrives is still
+    byte for byte the reference, and the ring's memory was really reused."""
+    rings: list[tuple[int, int]] = []
+
+    def tight(lay: shards.ShardLayout) -> int:
+        size = -(-(lay.max_block() + objstore.CHUNK_SIZE) // MIB) * MIB
+        rings.append((size, lay.size))
+        return size
+
+    monkeypatch.setattr(publisher, "_ring_size", tight)
+    cfg = ModelConfig.from_hf(CFG)
+    hf = sharding.init_weights(cfg, 7)
+    model = f"ring-{uuid.uuid4().hex[:6]}"
+    pub = CheckpointPublisher(nats_url)
+    res = await pub.apublish(model, "r1", names.to_training(hf, cfg), tp=2, config=CFG)
+    assert res.uploaded
+    assert len(rings) == 2 and all(r * 3 // 2 < size for r, size in rings)  # wraps around
+    kept = {id(r) for r in pub._rings.free}
+    assert len(kept) == 2
+    hf2 = sharding.init_weights(cfg, 8)  # the next version: the same rings, reused
+    await pub.apublish(model, "r2", names.to_training(hf2, cfg), tp=2, config=CFG)
+    assert {id(r) for r in pub._rings.free} == kept
+    for version, state in (("r1", hf), ("r2", hf2)):
+        man, got = await _read_all(nats_url, model, version)
+        want = _plain_blobs(cfg, state, 2)
+        assert got == want
+        assert [s.sha256 for s in man.shards] == [hashlib.sha256(b).hexdigest() for b in want]
+
+
 async def test_model_dir_round_trip_from_mapped_files(nats_url: str, tmp_path: Path) -> None:
     d = create_model_dir(tmp_path / "hf", CFG, seed=9)
     cfg, state = __import__("services.trainer.publisher", fromlist=["x"]).read_model_dir(d)
@@ -197,14 +230,17 @@ async def test_failed_fill_publishes_nothing(
 ) -> None:
     real_fill = shards.ShardLayout.fill
 
-    def broken(self: shards.ShardLayout, buf: Any, sha: Any = None, on_filled: Any = None) -> None:
+    def broken(
+        self: shards.ShardLayout, buf: Any, sha: Any = None, on_filled: Any = None,
+        room: Any = None,
+    ) -> None:
         def half(n: int) -> None:
             if on_filled:
                 on_filled(n)
             if self.rank == 1 and n > self.size // 2:
                 raise OSError("source tensor unreadable")
 
-        real_fill(self, buf, sha, half)
+        real_fill(self, buf, sha, half, room)
 
     monkeypatch.setattr(shards.ShardLayout, "fill", broken)
     cfg = ModelConfig.from_hf(CFG)
