@@ -1,6 +1,8 @@
 """Markdown tables from ``bench.json``; ``--readme`` rewrites the README's benchmark section.
 
-``python -m tests.bench.report bench.json`` prints the tables;
+``python -m tests.bench.report bench.json`` prints the tables; several files (parts run
+separately, e.g. ``control`` then ``generation checkpoint``) are rendered one after the
+other, each with its own header (command, date, load, targets missed);
 ``python -m tests.bench.report bench.json --readme README.md`` replaces everything
 between ``<!-- bench:begin -->`` and ``<!-- bench:end -->`` with them.
 
@@ -97,10 +99,10 @@ def rewrite(readme: str, body: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tests.bench.report")
-    ap.add_argument("json", type=Path)
+    ap.add_argument("json", type=Path, nargs="+")
     ap.add_argument("--readme", type=Path, help="rewrite this file's benchmark section")
     args = ap.parse_args(argv)
-    body = render(json.loads(args.json.read_text()))
+    body = "\n".join(render(json.loads(p.read_text())) for p in args.json)
     if args.readme:
         try:
             args.readme.write_text(rewrite(args.readme.read_text(), body))
