@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 HEADER = 64  # bytes: seq (int64), pid (int64), padding to a cache line
-SPIN_S = 1e-3  # spin (sched_yield: the GIL and the core stay free) this long, then sleep
+SPIN_S = 200e-6  # spin (sched_yield: the GIL and the core stay free) this long, then sleep
 SLEEP_S = 50e-6
 PID_CHECK_S = 0.5  # how often a waiting rank checks that its peers' processes exist
 
