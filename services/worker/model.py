@@ -247,7 +247,7 @@ class TPModel:
             if not t.is_contiguous():  # _linear's output is a transposed view
                 t = t.contiguous()
             shm = self.shm
-            if shm is not None and t.dtype == paddle.float32 and shm.fits(t.numel() * 4):
+            if shm is not None and t.dtype == paddle.float32 and shm.fits(math.prod(t.shape) * 4):
                 return paddle.to_tensor(shm.reduce(t.numpy()))
             dist.all_reduce(t, group=self.group)
         return t
