@@ -78,7 +78,8 @@ def build_rank(settings: Settings, rank: int) -> control.Rank:
     model_dir = settings.model_dir
     cfg = load_config(model_dir)
     cfg.validate_tp(settings.tp)
-    comm = CommGroup(rank, settings.tp, shm_bytes(settings, cfg), hang_bound(settings))
+    # the shm wait's own bound lies past the step watchdog's (which exits with code 4)
+    comm = CommGroup(rank, settings.tp, shm_bytes(settings, cfg), hang_bound(settings) + 5)
     try:
         comm.init()
     except Exception as e:  # e.g. gloo's full-mesh connect refused: worth a restart

@@ -25,6 +25,7 @@ the same shapes, so all take the same path.
 from __future__ import annotations
 
 import hashlib
+import logging
 import mmap
 import os
 import stat
@@ -34,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+log = logging.getLogger(__name__)
 HEADER = 64  # bytes: seq (int64), pid (int64), padding to a cache line
 SPIN_S = 200e-6  # spin (sched_yield: the GIL and the core stay free) this long, then sleep
 SLEEP_S = 50e-6
@@ -146,6 +148,7 @@ class ShmAllReduce:
     def _wait(self, k: int) -> None:
         start = time.perf_counter()
         next_pid_check = start + PID_CHECK_S
+        warned = False
         for r in range(self.tp):
             if r == self.rank:
                 continue
@@ -166,6 +169,9 @@ class ShmAllReduce:
                 if now >= next_pid_check:
                     next_pid_check = now + PID_CHECK_S
                     self._check_alive(r)
+                if not warned and now - start > self.timeout_s / 2:
+                    warned = True
+                    log.warning("all-reduce call %d: waiting for rank %d (%.0fs)", k, r, now - start)
                 if now - start > self.timeout_s:
                     raise ShmReduceError(
                         f"tensor-parallel all-reduce: rank {r} did not arrive within "
