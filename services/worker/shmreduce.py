@@ -171,7 +171,7 @@ class ShmAllReduce:
                     self._check_alive(r)
                 if not warned and now - start > self.timeout_s / 2:
                     warned = True
-                    log.warning("all-reduce call %d: waiting for rank %d (%.0fs)", k, r, now - start)
+                    log.warning("all-reduce call %d: waiting for rank %d", k, r)
                 if now - start > self.timeout_s:
                     raise ShmReduceError(
                         f"tensor-parallel all-reduce: rank {r} did not arrive within "
