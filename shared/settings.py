@@ -71,6 +71,10 @@ class Settings(BaseSettings):
     dtype: Literal["float32", "auto"] = Field(
         "auto", description="compute dtype; auto = the checkpoint's on GPU, float32 on CPU"
     )
+    tp_allreduce: Literal["shm", "gloo"] = Field(
+        "shm",
+        description="CPU TP all-reduce: shm (shared memory; ranks on this host) or gloo",
+    )
 
     # limits and backpressure (README "Limits")
     max_n: int = Field(64, ge=1, le=4096, description="largest `n` (choices) of one request")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from services.worker.shmreduce import ShmAllReduce, default_root, segment_dir
 from shared.device import DeviceError, comm_env, gpu_problem, paddle_device
 
 
@@ -45,11 +46,23 @@ def configure_env(rank: int, tp: int, endpoints: list[str], device: str = "cpu")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 
+def local_endpoints(endpoints: list[str]) -> bool:
+    """Every endpoint is on this host (loopback): the ranks can share memory."""
+    hosts = [e.rsplit(":", 1)[0].strip("[]") for e in endpoints]
+    return bool(hosts) and all(h in ("localhost", "::1") or h.startswith("127.") for h in hosts)
+
+
 class CommGroup:
-    def __init__(self, rank: int, tp: int) -> None:
+    def __init__(
+        self, rank: int, tp: int, shm_bytes: int = 0, shm_timeout_s: float = 600.0
+    ) -> None:
+        """``shm_bytes`` > 0: after joining, also map a same-host shared-memory all-reduce
+        (:mod:`services.worker.shmreduce`) with slots of that size."""
         self.rank, self.tp = rank, tp
         self.group: Any = None
         self._initialized = False
+        self.shm_bytes, self.shm_timeout_s = shm_bytes, shm_timeout_s
+        self.shm: ShmAllReduce | None = None
 
     @property
     def alive(self) -> bool:
@@ -65,6 +78,16 @@ class CommGroup:
             dist.init_parallel_env()
             self._initialized = True
         self.build()
+        if self.shm_bytes > 0 and self.shm is None:
+            key = os.environ.get("PADDLE_TRAINER_ENDPOINTS", "")  # unique per live rank set
+            self.shm = ShmAllReduce(
+                self.rank,
+                self.tp,
+                self.shm_bytes,
+                segment_dir(default_root(), key),
+                dist.barrier,
+                self.shm_timeout_s,
+            )
 
     def build(self) -> None:
         if self.tp == 1 or self.group is not None:

@@ -27,7 +27,7 @@ import paddle
 
 from services.worker import control, readout
 from services.worker import model as mdl
-from services.worker.comm import CommGroup, configure_env, place
+from services.worker.comm import CommGroup, configure_env, local_endpoints, place
 from services.worker.sources import make_source
 from services.worker.stepper import Stepper, Watermark
 from services.worker.weights import WeightStore
@@ -36,7 +36,7 @@ from shared import readout as ro
 from shared.bus import RANK, Bus
 from shared.device import DeviceError
 from shared.errors import INTERNAL, ControlError
-from shared.model_config import load_config
+from shared.model_config import ModelConfig, load_config
 from shared.settings import Settings, settings_or_exit
 from shared.subjects import Subjects
 from shared.tasks import Supervisor
@@ -78,7 +78,8 @@ def build_rank(settings: Settings, rank: int) -> control.Rank:
     model_dir = settings.model_dir
     cfg = load_config(model_dir)
     cfg.validate_tp(settings.tp)
-    comm = CommGroup(rank, settings.tp)
+    # the shm wait's own bound lies past the step watchdog's (which exits with code 4)
+    comm = CommGroup(rank, settings.tp, shm_bytes(settings, cfg), hang_bound(settings) + 5)
     try:
         comm.init()
     except Exception as e:  # e.g. gloo's full-mesh connect refused: worth a restart
@@ -87,7 +88,7 @@ def build_rank(settings: Settings, rank: int) -> control.Rank:
     weights = WeightStore(rank, source)
     weights.load_initial(model_dir_version(model_dir))
     kv = mdl.KVCache(cfg, settings.kv_cache_blocks, settings.kv_block_size, settings.tp)
-    model = mdl.TPModel(cfg, rank, settings.tp, comm.group)
+    model = mdl.TPModel(cfg, rank, settings.tp, comm.group, comm.shm)
     return control.Rank(rank, settings.tp, cfg, weights, kv, comm, settings.load_strategy, model)
 
 
@@ -239,6 +240,15 @@ async def amain(settings: Settings, rank: int) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def shm_bytes(settings: Settings, cfg: ModelConfig) -> int:
+    """Slot size of the shared-memory all-reduce (one step's [tokens, hidden] float32), or 0
+    for gloo: ``TP_ALLREDUCE=gloo``, a GPU, or a rank set not all on this host."""
+    eps = os.environ.get("PADDLE_TRAINER_ENDPOINTS", "").split(",")
+    if settings.tp == 1 or settings.device != "cpu" or settings.tp_allreduce != "shm":
+        return 0
+    return settings.max_step_tokens * cfg.hidden_size * 4 if local_endpoints(eps) else 0
 
 
 def hang_bound(settings: Settings) -> float:

@@ -123,11 +123,14 @@ class _Plan:
 
 
 class TPModel:
-    def __init__(self, cfg: ModelConfig, rank: int, tp: int, group: Any = None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, rank: int, tp: int, group: Any = None, shm: Any = None
+    ) -> None:
         cfg.validate_tp(tp)
         if not 0 <= rank < tp:
             raise ValueError(f"rank {rank} out of range for tp={tp}")
         self.cfg, self.rank, self.tp, self.group = cfg, rank, tp, group
+        self.shm = shm  # a ShmAllReduce (same-host CPU ranks) or None: gloo/NCCL
         self.heads = cfg.num_attention_heads // tp
         self.kv_heads = local_kv_heads(cfg, tp)
         self._names = shard_names(cfg)
@@ -243,6 +246,9 @@ class TPModel:
         if self.tp > 1:
             if not t.is_contiguous():  # _linear's output is a transposed view
                 t = t.contiguous()
+            shm = self.shm
+            if shm is not None and t.dtype == paddle.float32 and shm.fits(math.prod(t.shape) * 4):
+                return paddle.to_tensor(shm.reduce(t.numpy()))
             dist.all_reduce(t, group=self.group)
         return t
 

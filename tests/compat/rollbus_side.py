@@ -11,6 +11,7 @@ per job; the test imports :func:`greedy` to run TP=1 in process.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import numpy as np
 import paddle
 
 from services.worker import model as mdl
+from services.worker.shmreduce import ShmAllReduce, default_root, segment_dir
 from services.worker.weights import SnapshotSource, to_paddle
 from shared.model_config import load_config
 from shared.tokenizer import config_eos_ids
@@ -29,7 +31,7 @@ BLOCK = 4
 
 def greedy(
     model_dir: Path, prompt: list[int], new_tokens: int, rank: int = 0, tp: int = 1,
-    group: Any = None, chunk: int = 0,
+    group: Any = None, chunk: int = 0, shm: Any = None,
 ) -> dict[str, np.ndarray]:
     """Greedy tokens, their logprobs and every step's log_softmax [steps, vocab].
     ``chunk`` > 0 feeds the prompt in chunks of that many tokens (chunked prefill)."""
@@ -41,7 +43,7 @@ def greedy(
     blocks = -(-total // BLOCK)
     kv = mdl.KVCache(cfg, blocks + 3, BLOCK, tp)
     table = list(range(blocks + 3))[::-1][:blocks]  # non-contiguous, reversed
-    model = mdl.TPModel(cfg, rank, tp, group)
+    model = mdl.TPModel(cfg, rank, tp, group, shm)
     stops = set(config_eos_ids(model_dir))
     seq, cached = list(prompt), 0
     tokens: list[int] = []
@@ -77,10 +79,13 @@ def main() -> None:
     jobs = json.loads(Path(sys.argv[1]).read_text())
     group = dist.init_parallel_env()
     rank, tp = dist.get_rank(), dist.get_world_size()
+    # the worker's same-host all-reduce (4 MiB slots; a larger prefill falls back to gloo)
+    where = segment_dir(default_root(), os.environ.get("PADDLE_TRAINER_ENDPOINTS", ""))
+    shm = ShmAllReduce(rank, tp, 4 << 20, where, dist.barrier, 600.0) if tp > 1 else None
     for job in jobs:
         result = greedy(
             Path(job["model_dir"]), job["prompt"], job["new_tokens"], rank, tp, group,
-            job.get("chunk", 0),
+            job.get("chunk", 0), shm,
         )
         np.savez(Path(f"{job['out']}.rank{rank}.npz"), **result)
 
