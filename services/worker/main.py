@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import logging
 import os
+import platform
 import signal
 import sys
 from collections.abc import Callable
@@ -42,6 +43,7 @@ from shared.subjects import Subjects
 from shared.tasks import Supervisor
 from shared.versions import model_dir_version
 
+X86 = ("x86_64", "amd64", "i686", "i386")  # total store order: see shm_bytes
 log = logging.getLogger("rollbus.worker")
 
 # method -> (handler, argument type)
@@ -244,9 +246,13 @@ async def amain(settings: Settings, rank: int) -> int:
 
 def shm_bytes(settings: Settings, cfg: ModelConfig) -> int:
     """Slot size of the shared-memory all-reduce (one step's [tokens, hidden] float32), or 0
-    for gloo: ``TP_ALLREDUCE=gloo``, a GPU, or a rank set not all on this host."""
+    for gloo: ``TP_ALLREDUCE=gloo``, a GPU, a rank set not all on this host, or a CPU whose
+    stores may be reordered (the segment publishes data then sequence number with plain
+    stores, which only x86's total store order keeps in order)."""
     eps = os.environ.get("PADDLE_TRAINER_ENDPOINTS", "").split(",")
     if settings.tp == 1 or settings.device != "cpu" or settings.tp_allreduce != "shm":
+        return 0
+    if platform.machine().lower() not in X86:
         return 0
     return settings.max_step_tokens * cfg.hidden_size * 4 if local_endpoints(eps) else 0
 

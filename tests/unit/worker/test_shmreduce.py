@@ -120,3 +120,28 @@ def test_a_directory_open_to_others_is_refused(tmp_path: Path) -> None:
     os.chmod(d, 0o755)
     with pytest.raises(ShmReduceError, match="not a private directory"):
         ShmAllReduce(0, 2, SLOT, d, lambda: None, timeout_s=1)
+
+
+@pytest.mark.parametrize(
+    ("machine", "tp", "endpoints", "mode", "shared"),
+    [
+        ("x86_64", 2, "127.0.0.1:1,127.0.0.1:2", "shm", True),
+        ("aarch64", 2, "127.0.0.1:1,127.0.0.1:2", "shm", False),  # stores may be reordered
+        ("x86_64", 2, "127.0.0.1:1,10.0.0.2:2", "shm", False),  # a rank on another host
+        ("x86_64", 2, "127.0.0.1:1,127.0.0.1:2", "gloo", False),
+        ("x86_64", 1, "127.0.0.1:1", "shm", False),
+    ],
+)
+def test_shared_memory_only_where_it_is_safe(
+    monkeypatch: pytest.MonkeyPatch, machine: str, tp: int, endpoints: str, mode: str,
+    shared: bool,
+) -> None:
+    from types import SimpleNamespace
+
+    from services.worker import main
+
+    monkeypatch.setattr(main.platform, "machine", lambda: machine)
+    monkeypatch.setenv("PADDLE_TRAINER_ENDPOINTS", endpoints)
+    settings = SimpleNamespace(tp=tp, device="cpu", tp_allreduce=mode, max_step_tokens=8)
+    got = main.shm_bytes(settings, SimpleNamespace(hidden_size=4))  # type: ignore[arg-type]
+    assert got == (8 * 4 * 4 if shared else 0)
