@@ -35,6 +35,7 @@ import json
 import logging
 import socket
 import ssl
+import struct
 import time
 from collections.abc import Callable
 from typing import Any
@@ -144,11 +145,8 @@ class _Frames(asyncio.BufferedProtocol):
             line = bytes(buf[pos:end])
             body = end + 2
             if line.startswith(b"HMSG "):
-                args = line.split()
-                if len(args) not in (5, 6):
-                    raise ValueError(f"malformed HMSG line {line[:80]!r}")
-                hlen, total = int(args[-2]), int(args[-1])
-                if not 0 < hlen <= total or hlen > MAX_FRAME:
+                _, hlen, total = _msg_line(line)
+                if hlen > MAX_FRAME:
                     raise ValueError(f"bad HMSG sizes {hlen} {total}")
                 if self.slen - body < hlen:
                     break  # headers not all here yet
@@ -178,10 +176,7 @@ class _Frames(asyncio.BufferedProtocol):
                 pos = self.slen  # the rest of this payload is received straight into dest
                 break
             if line.startswith(b"MSG "):
-                args = line.split()
-                if len(args) not in (4, 5):
-                    raise ValueError(f"malformed MSG line {line[:80]!r}")
-                plen = int(args[-1])
+                _, _, plen = _msg_line(line)
                 if plen > MAX_FRAME:
                     raise ValueError(f"a {plen}-byte message without headers")
                 if self.slen - body < plen:
@@ -217,6 +212,21 @@ class _Frames(asyncio.BufferedProtocol):
         self.pong = asyncio.get_running_loop().create_future()
         self._write(b"PING\r\n")
         await asyncio.wait_for(self.pong, timeout)
+
+
+def _msg_line(line: bytes) -> tuple[list[bytes], int, int]:
+    """``MSG <subj> <sid> [reply] <size>`` or ``HMSG <subj> <sid> [reply] <hlen> <size>``:
+    (args, header bytes, total bytes); ValueError for a wrong arity or sizes that are not
+    ``0 <= hlen <= total`` (a negative size would move the parser backwards)."""
+    args = line.split()
+    hmsg = line.startswith(b"HMSG ")
+    if len(args) not in ((5, 6) if hmsg else (4, 5)):
+        raise ValueError(f"malformed {'HMSG' if hmsg else 'MSG'} line {line[:80]!r}")
+    total = int(args[-1])
+    hlen = int(args[-2]) if hmsg else 0
+    if not 0 <= hlen <= total or (hmsg and hlen == 0):
+        raise ValueError(f"bad message sizes {hlen} {total} in {line[:80]!r}")
+    return args, hlen, total
 
 
 def _headers(raw: bytes) -> dict[str, str]:
@@ -337,8 +347,9 @@ class _Read:
             self.done.set_result(None)
 
 
-def _connect_opts(nc: Client) -> dict[str, Any]:
-    """CONNECT options with ``nc``'s credentials (user/password, token, or the URL's)."""
+def _connect_opts(nc: Client, info: dict[str, Any]) -> dict[str, Any]:
+    """CONNECT options, with ``nc``'s credentials (user/password, token, or the URL's)
+    only when the server's ``INFO`` says ``auth_required`` (as nats-py does)."""
     opts = getattr(nc, "options", None) or {}
     uri = nc._current_server.uri  # type: ignore[union-attr]
     conn: dict[str, Any] = {
@@ -346,6 +357,8 @@ def _connect_opts(nc: Client) -> dict[str, Any]:
         "protocol": 1, "headers": True, "no_responders": True, "echo": False,
         "name": f"{opts.get('name') or 'rollbus'}-fastwire",
     }
+    if not info.get("auth_required"):
+        return conn
     user, password, token = opts.get("user"), opts.get("password"), opts.get("token")
     if callable(user) or callable(password) or callable(token):
         raise ValueError("credentials from a callback: not spoken here")
@@ -372,25 +385,31 @@ async def connect(nc: Client, timeout: float = 5.0) -> _Frames | None:
     if getattr(nc, "_signature_cb", None) or getattr(nc, "_user_jwt_cb", None):
         return None  # nkeys / JWT: not spoken here
     loop = asyncio.get_running_loop()
+    tls_ctx: ssl.SSLContext | None = None
+    host = opts.get("tls_hostname") or getattr(srv, "tls_name", None) or uri.hostname
+    if uri.scheme == "tls" or opts.get("tls"):
+        tls_ctx = opts.get("tls") or ssl.create_default_context()  # as nats-py does
+    first = bool(opts.get("tls_handshake_first")) and tls_ctx is not None
     frames: _Frames | None = None
     try:
         transport, fr = await asyncio.wait_for(
-            loop.create_connection(_Frames, uri.hostname, uri.port or 4222), timeout
+            loop.create_connection(  # handshake_first: TLS before the server's INFO
+                _Frames, uri.hostname, uri.port or 4222,
+                ssl=tls_ctx if first else None, server_hostname=host if first else None,
+            ),
+            timeout,
         )
         frames = fr
         info = await asyncio.wait_for(fr.info, timeout)
-        if info.get("tls_required") or uri.scheme == "tls" or opts.get("tls"):
-            tls_ctx = opts.get("tls") or ssl.create_default_context()  # as nats-py does
-            if opts.get("tls_handshake_first"):
-                transport.close()
-                return None
-            host = opts.get("tls_hostname") or getattr(srv, "tls_name", None) or uri.hostname
+        if not first and (info.get("tls_required") or tls_ctx is not None):
             new = await asyncio.wait_for(
-                loop.start_tls(transport, fr, tls_ctx, server_hostname=host), timeout
+                loop.start_tls(transport, fr, tls_ctx or ssl.create_default_context(),
+                               server_hostname=host),
+                timeout,
             )
             assert new is not None
             fr.transport = new  # type: ignore[assignment]
-        fr._write(b"CONNECT %s\r\n" % json.dumps(_connect_opts(nc)).encode())
+        fr._write(b"CONNECT %s\r\n" % json.dumps(_connect_opts(nc, info)).encode())
         await fr.ping(timeout)  # the server accepted CONNECT (else -ERR closed us)
         return fr
     except (OSError, TimeoutError, ObjectReadError, ssl.SSLError, ValueError) as e:
@@ -398,6 +417,10 @@ async def connect(nc: Client, timeout: float = 5.0) -> _Frames | None:
         if frames is not None and frames.transport is not None:
             frames.transport.abort()
         return None
+    except BaseException:  # cancelled mid-handshake: the socket is not left open
+        if frames is not None and frames.transport is not None:
+            frames.transport.abort()
+        raise
 
 
 async def read_into(
@@ -433,6 +456,10 @@ async def read_into(
         frames.reader = None
         if frames.transport is not None:
             frames.transport.abort()
+        if frames.dest is not None:  # no slice of the caller's buffer outlives the read
+            frames.dest.release()
+            frames.dest, frames.need = None, 0
+        view.release()
 
 
 # --------------------------------------------------------------------------- writer
@@ -444,11 +471,15 @@ class Link:
     in user space; asyncio's transport copies whatever the socket does not take at once,
     and nats-py's publish copies every chunk twice before that). Frames from the server
     are parsed by a reader task: ``on_msg(subject, payload, status)`` for every message,
-    ``PING`` answered; a closed connection or ``-ERR`` sets :attr:`error` and calls
-    ``on_close``."""
+    ``PING`` answered; a closed connection, ``-ERR``, a frame that does not parse or an
+    exception raised by ``on_msg`` end the link: :attr:`error` is set, ``on_close`` is
+    called and the socket is shut down (a blocked :meth:`send` fails at once). A frame
+    the server has not taken within :attr:`send_timeout` s (a server that stopped
+    reading) ends the link the same way."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, send_timeout: float = 30.0) -> None:
         self.sock = sock
+        self.send_timeout = send_timeout
         self.lock = asyncio.Lock()  # one frame at a time on the wire
         self.on_msg: Callable[[str, bytes, str], None] = lambda s, p, st: None
         self.on_close: Callable[[Exception], None] = lambda e: None
@@ -470,11 +501,19 @@ class Link:
                     if n >= len(p):
                         n -= len(p)
                         continue
-                    await loop.sock_sendall(self.sock, memoryview(p)[n:] if n else p)
+                    async with asyncio.timeout(self.send_timeout):  # armed only when waiting
+                        await loop.sock_sendall(self.sock, memoryview(p)[n:] if n else p)
                     n = 0
+            except TimeoutError:
+                self._end(ObjectReadError(
+                    f"the server took no data for {self.send_timeout:g}s (not reading?)"))
+                raise self.error from None  # type: ignore[misc]
             except OSError as e:
                 self._end(ObjectReadError(f"connection lost: {e!r}"))
                 raise self.error from None  # type: ignore[misc]
+            except asyncio.CancelledError:  # a frame may be half sent: nothing may follow it
+                self._end(ObjectReadError("a send was cancelled"))
+                raise
 
     async def ping(self, timeout: float) -> None:
         self.pong = asyncio.get_running_loop().create_future()
@@ -484,6 +523,8 @@ class Link:
     def _end(self, exc: Exception) -> None:
         if self.error is None:
             self.error = exc
+            with contextlib.suppress(OSError):  # a send blocked on the socket fails now
+                self.sock.shutdown(socket.SHUT_RDWR)
             if self.pong is not None and not self.pong.done():
                 self.pong.set_exception(exc)
             self.on_close(exc)
@@ -507,15 +548,10 @@ class Link:
                         break
                     line = bytes(buf[pos:end])
                     if line.startswith((b"MSG ", b"HMSG ")):
-                        args = line.split()
-                        hmsg = line.startswith(b"H")
-                        if len(args) not in ((5, 6) if hmsg else (4, 5)):
-                            raise ObjectReadError(f"protocol error: {line[:80]!r}")
-                        total = int(args[-1])
-                        hlen = int(args[-2]) if hmsg else 0
-                        if total > MAX_FRAME or len(buf) - (end + 2) < total + 2:
-                            if total > MAX_FRAME:
-                                raise ObjectReadError(f"protocol error: {total}-byte frame")
+                        args, hlen, total = _msg_line(line)
+                        if total > MAX_FRAME:
+                            raise ObjectReadError(f"protocol error: {total}-byte frame")
+                        if len(buf) - (end + 2) < total + 2:
                             break
                         body = bytes(buf[end + 2 : end + 2 + total])
                         status = _headers(body[:hlen]).get("Status", "") if hlen else ""
@@ -538,8 +574,20 @@ class Link:
         except asyncio.CancelledError:
             self._end(ObjectReadError("connection closed"))
             raise
-        except (OSError, ValueError, ObjectReadError) as e:
+        except (OSError, ObjectReadError) as e:
             self._end(e if isinstance(e, ObjectReadError) else ObjectReadError(repr(e)))
+        except ValueError as e:
+            self._end(ObjectReadError(f"protocol error: {e}"))
+        except Exception as e:  # a bug (e.g. in on_msg) ends the link loudly, never silently
+            log.error("fast writer: reader failed: %r", e, exc_info=True)
+            self._end(ObjectReadError(f"reader failed: {e!r}"))
+
+    def abort(self) -> None:
+        """End the link now, discarding what the kernel has not sent yet (a reset, not
+        a graceful close: no frame still buffered here reaches the server later)."""
+        with contextlib.suppress(OSError):  # close() then resets the connection
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self._end(ObjectReadError("aborted"))
 
     async def close(self) -> None:
         if self.task is not None:
@@ -549,7 +597,7 @@ class Link:
         self.sock.close()
 
 
-async def link(nc: Client, timeout: float = 5.0) -> Link | None:
+async def link(nc: Client, timeout: float = 5.0, send_timeout: float = 30.0) -> Link | None:
     """A plain-TCP connection to ``nc``'s current server with its credentials, or None
     (TLS, nkeys/JWT, websocket, or the connection refused: the caller uses nats-py)."""
     srv = getattr(nc, "_current_server", None)
@@ -561,6 +609,7 @@ async def link(nc: Client, timeout: float = 5.0) -> Link | None:
         return None
     loop = asyncio.get_running_loop()
     sock: socket.socket | None = None
+    lk: Link | None = None
     try:
         sock = await asyncio.wait_for(loop.run_in_executor(
             None, socket.create_connection, (uri.hostname, uri.port or 4222), timeout), timeout)
@@ -577,13 +626,22 @@ async def link(nc: Client, timeout: float = 5.0) -> Link | None:
         info = json.loads(bytes(head[5 : head.index(CRLF)]))
         if info.get("tls_required"):
             raise ObjectReadError("the server wants TLS")
-        lk = Link(sock)
-        await loop.sock_sendall(sock, b"CONNECT %s\r\n" % json.dumps(_connect_opts(nc)).encode())
+        lk = Link(sock, send_timeout)
+        await lk.send(b"CONNECT %s\r\n" % json.dumps(_connect_opts(nc, info)).encode())
         lk.task = asyncio.ensure_future(lk._read_loop())
         await lk.ping(timeout)  # the server accepted CONNECT (else -ERR and closed)
         return lk
     except (OSError, TimeoutError, ObjectReadError, ValueError) as e:
         log.debug("fast writer: cannot connect (%r); nats-py writes instead", e)
-        if sock is not None:
-            sock.close()
+        await _drop(sock, lk)
         return None
+    except BaseException:  # cancelled mid-handshake: no socket or reader task left behind
+        await asyncio.shield(_drop(sock, lk))
+        raise
+
+
+async def _drop(sock: socket.socket | None, lk: Link | None) -> None:
+    if lk is not None:
+        await lk.close()
+    elif sock is not None:
+        sock.close()

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import ctypes
 import hashlib
 import json
@@ -71,6 +72,7 @@ HASH_STRIDE = 8 << 20  # hash the filled prefix in strides this large
 READ_BATCH = 16  # chunks per direct-get batch (MiB in flight): well under 64 MiB
 FAST_READ_MIN = 4 << 20  # objects this large are read by shared._fastwire
 FAST_PUT_MIN = 4 << 20  # and written through a shared._fastwire.Link
+PURGE_SETTLE = 5.0  # a failed put waits this long for in-flight acks before it purges
 DIGEST_PREFIX = "SHA-256="
 MSG_ID = "Nats-Msg-Id"
 
@@ -262,10 +264,6 @@ async def put_object(
     loop = asyncio.get_running_loop()
     pool: ThreadPoolExecutor | None = None
     hashed: asyncio.Future[str] | None = None
-    if digest is None:
-        pool = ThreadPoolExecutor(1, thread_name_prefix="sha256")
-        hashed = loop.run_in_executor(pool, _sha256_hex, view)
-
     inbox = nc.new_inbox()
     inflight: dict[str, int] = {}  # reply subject -> chunk size
     window = asyncio.Semaphore(PUT_WINDOW)
@@ -280,9 +278,9 @@ async def put_object(
         if n is None:
             return
         window.release()
-        if not body or b'"error"' in body:
-            err = json.loads(body or b"{}").get("error", "no ack (no JetStream stream?)")
-            errors.append(str(err))
+        err = _ack_error(body, status)
+        if err is not None:
+            errors.append(err)
             if not all_acked.done():
                 all_acked.set_exception(ObjectReadError(f"put {bucket}/{name}: {err}"))
             return
@@ -293,25 +291,27 @@ async def put_object(
             all_acked.set_result(None)
 
     async def on_msg(msg: Msg) -> None:
-        on_ack(msg.subject, msg.data or b"")
+        on_ack(msg.subject, msg.data or b"", (msg.headers or {}).get("Status", ""))
 
-    link = None
-    if fast and size >= FAST_PUT_MIN:
-        from shared import _fastwire
+    def on_close(exc: Exception) -> None:
+        if not all_acked.done():
+            all_acked.set_exception(ObjectReadError(f"put {bucket}/{name}: {exc}"))
 
-        link = await _fastwire.link(nc)
+    link: Any = None
     sub = None
-    if link is not None:
+    try:  # everything that holds a resource is inside: a failure or a cancel frees it
+        if digest is None:
+            pool = ThreadPoolExecutor(1, thread_name_prefix="sha256")
+            hashed = loop.run_in_executor(pool, _sha256_hex, view)
+        if fast and size >= FAST_PUT_MIN:
+            from shared import _fastwire
 
-        def on_close(exc: Exception) -> None:
-            if not all_acked.done():
-                all_acked.set_exception(ObjectReadError(f"put {bucket}/{name}: {exc}"))
-
-        link.on_msg, link.on_close = on_ack, on_close
-        await link.send(b"SUB %s.* 1\r\n" % inbox.encode())  # before any PUB: in order
-    else:
-        sub = await nc.subscribe(inbox + ".*", cb=on_msg)
-    try:
+            link = await _fastwire.link(nc, send_timeout=ack_timeout)
+        if link is not None:
+            link.on_msg, link.on_close = on_ack, on_close
+            await link.send(b"SUB %s.* 1\r\n" % inbox.encode())  # before any PUB: in order
+        else:
+            sub = await nc.subscribe(inbox + ".*", cb=on_msg)
         if size == 0:
             all_acked.set_result(None)
         for i in range(n_chunks):
@@ -372,7 +372,19 @@ async def put_object(
             all_acked.cancel()
         elif not all_acked.cancelled():
             all_acked.exception()  # retrieved: the error raised is the one that matters
+        if hashed is not None and hashed.done() and not hashed.cancelled():
+            hashed.exception()
         try:
+            # chunks sent and not yet acknowledged would be stored after the purge: wait
+            # for their acks (briefly), else reset the link so its unsent bytes are dropped
+            deadline = loop.time() + min(ack_timeout, PURGE_SETTLE)
+            while (inflight and not nc.is_closed and loop.time() < deadline
+                   and (link is None or link.error is None)):
+                await asyncio.sleep(0.02)
+            if link is not None:
+                if inflight:
+                    link.abort()
+                await link.close()
             await js.purge_stream(_stream(bucket), subject=subj)
         except Exception:  # noqa: BLE001 - the original error is what matters
             pass
@@ -387,6 +399,24 @@ async def put_object(
     if old is not None:
         await js.purge_stream(_stream(bucket), subject=_chunk_subject(bucket, old.nuid))
     return ObjectMeta(name, size, n_chunks, nuid, hexd)
+
+
+def _ack_error(body: bytes, status: str) -> str | None:
+    """None for a JetStream publish ack (``{"stream": ..., "seq": n}``), else what is
+    wrong with it: an error ack, no ack (a status, e.g. no stream), or no ack at all."""
+    if not body:
+        return f"no ack{f' (status {status})' if status else ''} (no JetStream stream?)"
+    try:
+        ack = json.loads(body)
+    except ValueError:
+        ack = None
+    if not isinstance(ack, dict):
+        return f"not a JetStream ack: {body[:80]!r}"
+    if "error" in ack:
+        return str(ack["error"])
+    if not ack.get("stream") or not isinstance(ack.get("seq"), int):
+        return f"not a JetStream ack: {body[:80]!r}"
+    return None
 
 
 def _direct_writer(nc: Client) -> asyncio.StreamWriter | None:
@@ -452,7 +482,10 @@ class _Hasher:
     def feed(self, upto: int, final: bool = False) -> None:
         if upto - self.hashed >= HASH_STRIDE or (final and upto > self.hashed):
             a, self.hashed = self.hashed, upto
-            self.last = self.pool.submit(self.sha.update, self.view[a:upto])
+            self.last = self.pool.submit(self._update, a, upto)
+
+    def _update(self, a: int, b: int) -> None:
+        self.sha.update(self.view[a:b])  # the slice lives only while it is hashed
 
     async def hexdigest(self) -> str:
         loop = asyncio.get_running_loop()
@@ -502,6 +535,20 @@ async def read_object(
         return await _read_nats_py(
             nc, bucket, meta, buf, view, hasher, progress, stall_timeout, expect_sha256
         )
+    except BaseException:  # nothing is returned: the buffer is unmapped now, not at GC
+
+        def close(_: Any = None) -> None:
+            view.release()
+            with contextlib.suppress(BufferError):  # still exported (prefault): GC frees it
+                buf.close()
+
+        if hasher:
+            hasher.pool.shutdown(wait=False, cancel_futures=True)
+            if hasher.last is not None and not hasher.last.done():
+                hasher.last.add_done_callback(close)  # after the stride being hashed
+                raise
+        close()
+        raise
     finally:
         if hasher:
             hasher.pool.shutdown(wait=False)

@@ -45,6 +45,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -365,8 +366,12 @@ class CheckpointPublisher:
 
             async def one(i: int, lay: ShardLayout) -> None:
                 # the shard's bytes at their offsets, in a small ring of reused memory
-                ring = await loop.run_in_executor(pool, self._rings.take, lay.size,
-                                                  _ring_size(lay))
+                took = pool.submit(self._rings.take, lay.size, _ring_size(lay))
+                try:
+                    ring = await asyncio.wrap_future(took)
+                except asyncio.CancelledError:  # the ring still comes: back to the cache
+                    took.add_done_callback(self._rings.give_back)
+                    raise
                 filled = [0]
                 wake = asyncio.Event()
 
@@ -406,13 +411,15 @@ class CheckpointPublisher:
                     ok = True
                 finally:
                     ring.stop()  # a fill waiting for room ends
-                    if not fill.done():
-                        with contextlib.suppress(Exception):
-                            await fill
-                    if ok:
-                        self._rings.give(ring)  # nothing refers to its memory any more
-                    else:
-                        ring.close(False)
+                    try:
+                        if not fill.done():
+                            with contextlib.suppress(Exception):
+                                await fill
+                    finally:  # even when cancelled again while the fill ends
+                        if ok and fill.done():
+                            self._rings.give(ring)  # nothing refers to its memory any more
+                        else:
+                            ring.close(False)
 
             tasks = [asyncio.ensure_future(one(i, lay)) for i, lay in enumerate(layouts)]
             try:
@@ -643,12 +650,6 @@ class _Ring:
         self.mapped = True
         self.reset(size)
 
-    def reset(self, size: int) -> None:
-        """Ready for a shard of ``size`` bytes (at most :attr:`span`)."""
-        assert size <= self.span
-        self.size, self.freed, self.stopped = size, 0, False
-        self.buf = (ctypes.c_char * max(1, size)).from_address(self.base)
-
     def room(self, upto: int) -> None:
         """Fill thread: wait until bytes up to ``upto`` may be written."""
         need = upto - self.ring
@@ -673,8 +674,9 @@ class _Ring:
 
     def close(self, ok: bool) -> None:
         """Unmap (after success: nothing refers to the memory any more). After a failure
-        a socket buffer might still hold a slice: the range is replaced by zero pages
-        instead (no memory kept; the address range stays reserved)."""
+        a socket buffer or a fill thread might still hold a slice: the range is replaced
+        by zero pages at once (no memory kept) and unmapped when the last reference to
+        :attr:`buf` (every slice refers to it) is gone."""
         if not self.mapped:
             return
         self.mapped = False
@@ -685,6 +687,27 @@ class _Ring:
             lib.mmap(self.base, self.span, self.PROT_RW,
                      self.MAP_PRIVATE | self.MAP_ANON | self.MAP_FIXED | self.MAP_NORESERVE,
                      -1, 0)
+            weakref.finalize(self.buf, lib.munmap, self.base, self.span)
+            del self.buf
+
+    def reset(self, size: int) -> None:
+        """Ready for a shard of ``size`` bytes (at most :attr:`span`)."""
+        assert size <= self.span
+        self.size, self.freed, self.stopped = size, 0, False
+        self.buf = _Buf.at(self.base, max(1, size))
+
+
+class _Buf:
+    """``ctypes.c_char * n`` arrays that can be weakly referenced (:meth:`_Ring.close`)."""
+
+    types: dict[int, Any] = {}
+
+    @classmethod
+    def at(cls, addr: int, n: int) -> Any:
+        t: Any = cls.types.get(n)
+        if t is None:
+            t = cls.types[n] = type(f"Buf{n}", (ctypes.c_char * n,), {})
+        return t.from_address(addr)
 
 
 class _RingCache:
@@ -704,6 +727,11 @@ class _RingCache:
                     r.reset(size)
                     return r
         return _Ring(size, ring)
+
+    def give_back(self, took: Any) -> None:
+        """A ``take`` whose caller was cancelled: its ring is kept for the next one."""
+        if not took.cancelled() and took.exception() is None:
+            self.give(took.result())
 
     def give(self, r: _Ring) -> None:
         with self.lock:

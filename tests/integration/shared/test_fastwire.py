@@ -6,8 +6,13 @@ stream, no second connection possible (then nats-py reads), and TLS with credent
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import hashlib
 import os
+import socket
+import threading
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -29,34 +34,70 @@ class Proxy:
     """Forwards TCP to the server. Connection 0 is nats-py's; from connection 1 on (the
     fast path's) ``mode`` applies: ``refuse`` (closed at once), ``cut`` (closed after
     ``after`` bytes from the server), ``garble`` (bytes that are no frame inserted into
-    the server's stream after ``after`` bytes)."""
+    the server's stream after ``after`` bytes), ``hold`` (nothing forwarded: a server
+    that never sends INFO), ``stall`` (the client's bytes no longer read after
+    ``after`` of them: a server that stopped reading), ``badack`` (``inject`` sent to the
+    client as the ack of its first chunk, before that chunk goes on), ``pongjunk`` (bytes
+    that are no frame right after the first PONG), ``delay`` (the
+    client's bytes forwarded ``after`` ms late). ``sent`` keeps what the fast
+    connections sent."""
 
-    def __init__(self, host: str, port: int, mode: str = "", after: int = 0) -> None:
-        self.host, self.port, self.mode, self.after = host, port, mode, after
+    def __init__(self, host: str, port: int, mode: str = "", after: int = 0,
+                 inject: bytes = b"") -> None:
+        self.host, self.port, self.mode, self.after, self.inject = host, port, mode, after, inject
         self.count = 0
+        self.sent = bytearray()
         self.server: asyncio.Server | None = None
+        self.stopped = asyncio.Event()
+        self.writers: list[asyncio.StreamWriter] = []
 
     async def start(self) -> str:
         self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
         return f"nats://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
 
     async def stop(self) -> None:
+        self.stopped.set()
+        for w in self.writers:
+            w.close()
         if self.server is not None:
             self.server.close()
 
     async def _handle(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         idx, self.count = self.count, self.count + 1
         mode = self.mode if idx >= 1 else ""
+        self.writers.append(w)
         if mode == "refuse":
             w.close()
             return
+        if mode == "hold":
+            await self.stopped.wait()
+            return
         ur, uw = await asyncio.open_connection(self.host, self.port)
+        self.writers.append(uw)
 
         async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, down: bool) -> None:
             n, done = 0, False
             try:
                 while data := await src.read(1 << 16):
-                    if down and mode and not done and n + len(data) > self.after:
+                    if not down and mode:
+                        self.sent += data
+                    if not down and mode == "delay":
+                        await asyncio.sleep(self.after / 1000)
+                    if not down and mode == "badack" and not done and b"\r\nPUB " in data:
+                        done = True  # the ack inbox is in the SUB line that came before
+                        inbox = self.sent.split(b"SUB ", 1)[1].split(b".*", 1)[0]
+                        w.write(b"MSG %s.0 1 %d\r\n%s\r\n" % (inbox, len(self.inject),
+                                                                 self.inject))
+                        await w.drain()
+                    if not down and mode == "stall" and n + len(data) > self.after:
+                        uw.write(data[: self.after - n])
+                        await self.stopped.wait()  # never reads the client again
+                        break
+                    if down and mode == "pongjunk" and not done and b"PONG\r\n" in data:
+                        done = True
+                        data = data.replace(b"PONG\r\n", b"PONG\r\nXMSG junk\r\n", 1)
+                    if down and mode in ("cut", "garble") and not done \
+                            and n + len(data) > self.after:
                         done = True
                         k = self.after - n
                         if mode == "cut":
@@ -93,10 +134,11 @@ async def _put(nc: Client, size: int) -> tuple[str, bytes, int]:
     return name, data, info.state.last_seq + 1
 
 
-async def _via(nats_url: str, mode: str = "", after: int = 0) -> tuple[Proxy, Client]:
+async def _via(nats_url: str, mode: str = "", after: int = 0, inject: bytes = b"",
+               **kw: Any) -> tuple[Proxy, Client]:
     host, port = nats_url.rsplit("//", 1)[1].rsplit(":", 1)
-    proxy = Proxy(host, int(port), mode, after)
-    nc = await nats.connect(await proxy.start(), max_reconnect_attempts=0)
+    proxy = Proxy(host, int(port), mode, after, inject)
+    nc = await nats.connect(await proxy.start(), max_reconnect_attempts=0, **kw)
     return proxy, nc
 
 
@@ -233,3 +275,103 @@ async def test_tls_and_role_credentials(
         for b in (worker, trainer, engine):
             await b.close()
         srv.stop()
+
+
+# --------------------------------------------------------------------------- failure paths
+
+
+def _open_sockets_to(port: int) -> int:
+    """Open client sockets of this process whose peer is ``port`` (the proxy)."""
+    n = 0
+    for o in gc.get_objects():
+        if isinstance(o, socket.socket) and o.fileno() != -1 and o.family == socket.AF_INET:
+            with contextlib.suppress(OSError):
+                n += o.getpeername()[1] == port
+    return n
+
+
+def _threads(prefix: str) -> int:
+    return sum(t.name.startswith(prefix) for t in threading.enumerate())
+
+
+async def _settle(cond: Any, wait: float = 5.0) -> None:
+    deadline = time.monotonic() + wait
+    while not cond() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+
+
+async def test_writer_link_server_stops_reading_is_an_error(
+    nats_url: str, direct: Client
+) -> None:
+    """The server stops reading the writer's connection mid-object: the send blocked on
+    the socket ends after ``ack_timeout`` with ObjectReadError, nothing is stored."""
+    proxy, nc = await _via(nats_url, "stall", after=3 * MIB)
+    name = f"m/{uuid.uuid4().hex}"
+    try:
+        with pytest.raises(objstore.ObjectReadError, match="took no data for 2s"):
+            await asyncio.wait_for(
+                objstore.put_object(nc, BUCKET, name, os.urandom(96 * MIB), ack_timeout=2),
+                30,  # without the bound on the send: hangs (TimeoutError here)
+            )
+        assert nc.is_connected
+        with pytest.raises(objstore.ObjectMissing):
+            await objstore.get_meta(direct, BUCKET, name)
+    finally:
+        await nc.close()
+        await proxy.stop()
+
+
+async def test_put_whose_link_fails_after_connect_leaks_nothing(
+    nats_url: str, direct: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer's connection is set up, then ended by bytes that are no frame (right
+    after the handshake's PONG): the put fails with ObjectReadError and its socket, its
+    reader task and its SHA-256 thread are gone."""
+    proxy, nc = await _via(nats_url, "pongjunk")
+    links: list[Any] = []
+    real = _fastwire.link
+
+    async def spy(*a: Any, **kw: Any) -> Any:
+        links.append(await real(*a, **kw))
+        return links[-1]
+
+    monkeypatch.setattr(_fastwire, "link", spy)
+    tasks, threads = asyncio.all_tasks(), _threads("sha256")
+    try:
+        with pytest.raises(objstore.ObjectReadError, match="protocol error") as exc:
+            await objstore.put_object(nc, BUCKET, f"m/{uuid.uuid4().hex}", os.urandom(8 * MIB))
+        assert len(links) == 1 and links[0] is not None
+        assert links[0].sock.fileno() == -1 and links[0].task.done()  # closed, not at GC
+        await _settle(lambda: _threads("sha256") == threads)
+        ours = [t for t in asyncio.all_tasks() - tasks
+                if t.get_coro().cr_code.co_filename.endswith(  # type: ignore[union-attr]
+                    ("shared/_fastwire.py", "shared/objstore.py"))]
+        assert not ours and _threads("sha256") == threads
+        del exc
+    finally:
+        await nc.close()
+        await proxy.stop()
+
+
+@pytest.mark.parametrize("side", ["writer", "reader"])
+async def test_cancel_mid_handshake_closes_the_socket(nats_url: str, side: str) -> None:
+    """Cancelled while waiting for INFO from a server that never sends it: the socket of
+    the fast connection (the writer's Link, the reader's) is closed."""
+    proxy, nc = await _via(nats_url, "hold")
+    port = int(proxy.server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+    socks = _open_sockets_to(port)
+    try:
+        fn = _fastwire.link if side == "writer" else _fastwire.connect
+        t = asyncio.ensure_future(fn(nc))  # type: ignore[operator]
+        await _settle(lambda: proxy.count == 2)
+        await asyncio.sleep(0.2)
+        assert _open_sockets_to(port) == socks + 1
+        t.cancel()
+        with pytest.raises(asyncio.CancelledError) as exc:  # its traceback keeps the frames
+            await t
+        await asyncio.sleep(0.05)  # an aborted transport closes its socket on the next turn
+        assert _open_sockets_to(port) == socks  # closed, not left to the GC
+        del exc
+    finally:
+        await nc.close()
+        await proxy.stop()
