@@ -375,3 +375,50 @@ async def test_cancel_mid_handshake_closes_the_socket(nats_url: str, side: str) 
     finally:
         await nc.close()
         await proxy.stop()
+
+
+@pytest.mark.parametrize("ack", [b'"error"', b"[]", b'{"seq": 1}'], ids=["str", "list", "noseq"])
+async def test_writer_ack_that_is_not_a_pub_ack_fails_the_put(
+    nats_url: str, direct: Client, ack: bytes
+) -> None:
+    """The ack of a chunk is not a JetStream publish ack (not a JSON object, or one without
+    stream and sequence): the put fails at once with ObjectReadError, nothing is stored."""
+    proxy, nc = await _via(nats_url, "badack", inject=ack)
+    name = f"m/{uuid.uuid4().hex}"
+    try:
+        with pytest.raises(objstore.ObjectReadError, match="not a JetStream ack"):
+            await objstore.put_object(nc, BUCKET, name, os.urandom(8 * MIB), ack_timeout=5)
+        with pytest.raises(objstore.ObjectMissing):
+            await objstore.get_meta(direct, BUCKET, name)
+    finally:
+        await nc.close()
+        await proxy.stop()
+
+
+async def test_link_reader_exception_ends_the_link_loudly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Any exception from ``on_msg`` ends the link (its error reaches ``on_close`` and a
+    blocked sender) and is logged at ERROR, never a reader that died silently."""
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    lk = _fastwire.Link(a)
+    closed: asyncio.Future[Exception] = asyncio.get_running_loop().create_future()
+    lk.on_close = closed.set_result
+
+    def boom(subject: str, payload: bytes, status: str) -> None:
+        raise KeyError("a bug in on_msg")
+
+    lk.on_msg = boom
+    lk.task = asyncio.ensure_future(lk._read_loop())
+    try:
+        b.sendall(b"MSG _INBOX.x.0 1 2\r\n{}\r\n")
+        exc = await asyncio.wait_for(closed, 5)
+        assert isinstance(exc, objstore.ObjectReadError) and "KeyError" in str(exc)
+        assert any(r.levelname == "ERROR" and "reader failed" in r.getMessage()
+                   for r in caplog.records)
+        with pytest.raises(objstore.ObjectReadError):
+            await lk.send(b"PING\r\n")
+    finally:
+        await lk.close()
+        b.close()
