@@ -422,3 +422,32 @@ async def test_link_reader_exception_ends_the_link_loudly(
     finally:
         await lk.close()
         b.close()
+
+
+async def test_tls_handshake_first_reads_on_its_own_connection(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server with ``handshake_first`` (TLS before INFO): the reader's connection does
+    the TLS handshake first too, instead of waiting for an INFO that never comes."""
+    import ssl
+
+    from tests.integration.test_nats_tls import make_ca_and_server_cert
+
+    ca, cert, key = make_ca_and_server_cert(tmp_path)
+    real_conf = natsd.server_config
+    monkeypatch.setattr(natsd, "server_config", lambda *a, **kw: real_conf(*a, **kw).replace(
+        'tls {"cert_file"', 'tls {"handshake_first": true, "cert_file"'))
+    srv = natsd.start(tmp_path / "nats", port=0, tls_cert=str(cert), tls_key=str(key))
+    used = _spy_connect(monkeypatch)
+    ctx = ssl.create_default_context(cafile=str(ca))
+    nc = await nats.connect(srv.url, tls=ctx, tls_handshake_first=True)
+    try:
+        await objstore.ensure_bucket(nc, BUCKET)
+        name, data, _ = await _put(nc, 6 * MIB)
+        buf = await objstore.read_object(nc, BUCKET, name,
+                                         expect_sha256=hashlib.sha256(data).hexdigest())
+        assert buf[: len(data)] == data
+        assert len(used) == 1 and used[0] is not None  # its own TLS connection
+    finally:
+        await nc.close()
+        srv.stop()
