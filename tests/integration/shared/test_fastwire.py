@@ -82,7 +82,8 @@ class Proxy:
                     if not down and mode:
                         self.sent += data
                     if not down and mode == "delay":
-                        await asyncio.sleep(self.after / 1000)
+                        late.put_nowait((time.monotonic() + self.after / 1000, data))
+                        continue
                     if not down and mode == "badack" and not done and b"\r\nPUB " in data:
                         done = True  # the ack inbox is in the SUB line that came before
                         inbox = self.sent.split(b"SUB ", 1)[1].split(b".*", 1)[0]
@@ -108,13 +109,34 @@ class Proxy:
                     n += len(data)
                     dst.write(data)
                     await dst.drain()
+                if not down and mode == "delay":  # a clean end: what is held goes first
+                    late.put_nowait((0.0, b""))
+                    await flushed.wait()
             except OSError:
                 pass
             finally:
                 for x in (dst, w, uw):
                     x.close()
 
-        await asyncio.gather(pipe(r, uw, False), pipe(ur, w, True))
+        late: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+        flushed = asyncio.Event()
+
+        async def forward_late() -> None:  # the client's bytes, each ``after`` ms late
+            with contextlib.suppress(OSError):
+                while True:
+                    at, data = await late.get()
+                    if not data:
+                        flushed.set()
+                        return
+                    await asyncio.sleep(at - time.monotonic())
+                    uw.write(data)
+                    await uw.drain()
+
+        fwd = asyncio.ensure_future(forward_late())
+        try:
+            await asyncio.gather(pipe(r, uw, False), pipe(ur, w, True))
+        finally:
+            fwd.cancel()
 
 
 @pytest.fixture
@@ -451,3 +473,29 @@ async def test_tls_handshake_first_reads_on_its_own_connection(
     finally:
         await nc.close()
         srv.stop()
+
+
+async def test_failed_put_leaves_no_chunk_behind_its_purge(nats_url: str, direct: Client) -> None:
+    """A put that fails with chunks still on their way (here held 0.6 s by the proxy)
+    waits for their acks before it purges: no chunk of it is stored after the purge."""
+    proxy, nc = await _via(nats_url, "delay", after=600)
+    data = os.urandom(16 * MIB)
+    js = direct.jetstream()
+    before = (await js.stream_info(f"OBJ_{BUCKET}")).state.messages
+
+    async def ready(n: int) -> None:
+        if n > 10 * MIB:
+            raise RuntimeError("the fill failed")
+
+    async def digest() -> str:
+        return hashlib.sha256(data).hexdigest()
+
+    try:
+        with pytest.raises(RuntimeError, match="fill failed"):
+            await objstore.put_object(nc, BUCKET, f"m/{uuid.uuid4().hex}", data,
+                                      ready=ready, digest=digest)
+        await asyncio.sleep(1.5)  # anything still held by the proxy has landed by now
+        assert (await js.stream_info(f"OBJ_{BUCKET}")).state.messages == before
+    finally:
+        await nc.close()
+        await proxy.stop()
