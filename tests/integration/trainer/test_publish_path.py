@@ -204,8 +204,8 @@ async def test_put_window_is_bounded(
         links: list[Any] = []
         real_link = _fastwire.link
 
-        async def link(c: Any, timeout: float = 5.0) -> Any:
-            lk = await real_link(c, timeout)
+        async def link(c: Any, *a: Any, **kw: Any) -> Any:
+            lk = await real_link(c, *a, **kw)
             links.append(lk)
             return lk
 
