@@ -450,7 +450,7 @@ def _sha256_hex(view: memoryview) -> str:
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 
 
-def _prefault(buf: mmap.mmap, size: int) -> None:
+def _prefault(buf: mmap.mmap, size: int, stop: threading.Event) -> None:
     """Fault the buffer's pages in ahead of the writer, on a helper thread.
 
     First-touch page faults cost about as much as the transfer itself on this kind of VM
@@ -464,6 +464,8 @@ def _prefault(buf: mmap.mmap, size: int) -> None:
         return
     addr = ctypes.addressof(anchor)
     for a in range(0, size, HASH_STRIDE):
+        if stop.is_set():  # the read failed: the buffer is being closed
+            break
         if libc.madvise(addr + a, min(HASH_STRIDE, size - a), MADV_POPULATE_WRITE) != 0:
             break  # not supported here: the writer faults pages itself
     del anchor
@@ -524,7 +526,9 @@ async def read_object(
     buf = mmap.mmap(-1, max(1, meta.size))
     if meta.size == 0:
         return buf
-    threading.Thread(target=_prefault, args=(buf, meta.size), daemon=True).start()
+    stop = threading.Event()
+    prefault = threading.Thread(target=_prefault, args=(buf, meta.size, stop), daemon=True)
+    prefault.start()
     view = memoryview(buf)
     hasher = _Hasher(view) if expect_sha256 else None
     try:
@@ -538,8 +542,10 @@ async def read_object(
     except BaseException:  # nothing is returned: the buffer is unmapped now, not at GC
 
         def close(_: Any = None) -> None:
+            stop.set()
+            prefault.join(1.0)  # at most one stride's madvise away
             view.release()
-            with contextlib.suppress(BufferError):  # still exported (prefault): GC frees it
+            with contextlib.suppress(BufferError):  # still exported: the GC frees it
                 buf.close()
 
         if hasher:

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import gc
 import hashlib
+import mmap
 import os
 import socket
 import threading
@@ -39,8 +40,8 @@ class Proxy:
     ``after`` of them: a server that stopped reading), ``badack`` (``inject`` sent to the
     client as the ack of its first chunk, before that chunk goes on), ``pongjunk`` (bytes
     that are no frame right after the first PONG), ``delay`` (the
-    client's bytes forwarded ``after`` ms late). ``sent`` keeps what the fast
-    connections sent."""
+    client's bytes forwarded ``after`` ms late), ``record`` (nothing but ``sent``).
+    ``sent`` keeps what the fast connections sent."""
 
     def __init__(self, host: str, port: int, mode: str = "", after: int = 0,
                  inject: bytes = b"") -> None:
@@ -222,16 +223,27 @@ async def test_falls_back_to_nats_py_when_it_cannot_connect(
 
 @pytest.mark.parametrize("mode", ["cut", "garble"])
 async def test_broken_stream_mid_object_is_a_read_error(
-    nats_url: str, direct: Client, mode: str
+    nats_url: str, direct: Client, mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The server's side closed mid-object, or bytes that are no frame (a short or
-    shifted frame): ObjectReadError, nothing returned."""
+    shifted frame): ObjectReadError, nothing returned, the buffer unmapped at once."""
     name, _, _ = await _put(direct, 12 * MIB)
     proxy, nc = await _via(nats_url, mode, after=5 * MIB + 777)
+    made: list[mmap.mmap] = []
+    real = mmap.mmap
+
+    def rec(*a: Any) -> mmap.mmap:
+        made.append(real(*a))
+        return made[-1]
+
+    monkeypatch.setattr(mmap, "mmap", rec)
     try:
         with pytest.raises(objstore.ObjectReadError):
-            await objstore.read_object(nc, BUCKET, name, stall_timeout=3.0)
+            await objstore.read_object(nc, BUCKET, name, stall_timeout=3.0,
+                                       expect_sha256="0" * 64)
         assert proxy.count == 2 and nc.is_connected  # nats-py's connection untouched
+        await _settle(lambda: made[-1].closed)  # after the stride being hashed, if any
+        assert len(made) == 1 and made[0].closed
     finally:
         await nc.close()
         await proxy.stop()
@@ -496,6 +508,25 @@ async def test_failed_put_leaves_no_chunk_behind_its_purge(nats_url: str, direct
                                       ready=ready, digest=digest)
         await asyncio.sleep(1.5)  # anything still held by the proxy has landed by now
         assert (await js.stream_info(f"OBJ_{BUCKET}")).state.messages == before
+    finally:
+        await nc.close()
+        await proxy.stop()
+
+
+async def test_credentials_only_when_the_server_asks(nats_url: str, direct: Client) -> None:
+    """A server without auth (its INFO says no ``auth_required``): the fast connections
+    send no credentials, though the client has some (as nats-py does)."""
+    host, port = nats_url.rsplit("//", 1)[1].rsplit(":", 1)
+    proxy = Proxy(host, int(port), "record")
+    url = (await proxy.start()).replace("//", "//someone:secret@")
+    nc = await nats.connect(url, max_reconnect_attempts=0)
+    try:
+        name = f"m/{uuid.uuid4().hex}"
+        data = os.urandom(6 * MIB)
+        await objstore.put_object(nc, BUCKET, name, data)  # the writer's Link
+        buf = await objstore.read_object(nc, BUCKET, name)  # the reader's connection
+        assert buf[: len(data)] == data and proxy.count == 3
+        assert proxy.sent.count(b"CONNECT ") == 2 and b"secret" not in proxy.sent
     finally:
         await nc.close()
         await proxy.stop()
