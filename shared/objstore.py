@@ -480,6 +480,7 @@ class _Hasher:
         self.hashed = 0
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="sha256")
         self.last: Any = None
+        self.dead = False  # the read failed: strides still queued are skipped
 
     def feed(self, upto: int, final: bool = False) -> None:
         if upto - self.hashed >= HASH_STRIDE or (final and upto > self.hashed):
@@ -487,7 +488,8 @@ class _Hasher:
             self.last = self.pool.submit(self._update, a, upto)
 
     def _update(self, a: int, b: int) -> None:
-        self.sha.update(self.view[a:b])  # the slice lives only while it is hashed
+        if not self.dead:
+            self.sha.update(self.view[a:b])  # the slice lives only while it is hashed
 
     async def hexdigest(self) -> str:
         loop = asyncio.get_running_loop()
@@ -541,7 +543,7 @@ async def read_object(
         )
     except BaseException:  # nothing is returned: the buffer is unmapped now, not at GC
 
-        def close(_: Any = None) -> None:
+        def close() -> None:
             stop.set()
             prefault.join(1.0)  # at most one stride's madvise away
             view.release()
@@ -549,11 +551,10 @@ async def read_object(
                 buf.close()
 
         if hasher:
-            hasher.pool.shutdown(wait=False, cancel_futures=True)
-            if hasher.last is not None and not hasher.last.done():
-                hasher.last.add_done_callback(close)  # after the stride being hashed
-                raise
-        close()
+            hasher.dead = True
+            hasher.pool.submit(close)  # after the stride being hashed, if any
+        else:
+            close()
         raise
     finally:
         if hasher:
