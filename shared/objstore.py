@@ -333,8 +333,12 @@ async def put_object(
             reply = f"{inbox}.{i}"
             inflight[reply] = end - off
             if link is not None:
-                await link.send(b"PUB %s %s %d\r\n" % (subj.encode(), reply.encode(), end - off),
-                                view[off:end], b"\r\n")
+                try:
+                    await link.send(
+                        b"PUB %s %s %d\r\n" % (subj.encode(), reply.encode(), end - off),
+                        view[off:end], b"\r\n")
+                except ObjectReadError as e:  # the link ended: say which put
+                    raise ObjectReadError(f"put {bucket}/{name}: {e}") from None
                 continue
             w = _direct_writer(nc)
             if w is not None:  # straight from our buffer to the socket
