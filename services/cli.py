@@ -40,8 +40,28 @@ def settings_from(ns: argparse.Namespace) -> Settings:
     return Settings(**overrides)
 
 
-def creds_cmd(role: str, s: Settings) -> int:
-    """``rollbus creds ROLE``: the URL for ``nats.connect(url)`` / ``nats --server URL``."""
+def _first_reachable(urls: list[str]) -> str:
+    """The first of ``urls`` whose server accepts a TCP connection (else the first): one
+    cluster node is enough for a client, it learns the others from the server."""
+    import socket
+    from urllib.parse import urlsplit
+
+    for u in urls:
+        parts = urlsplit(u if "://" in u else f"nats://{u}")
+        try:
+            with socket.create_connection((parts.hostname or "", parts.port or 4222), 1.0):
+                return u
+        except (OSError, ValueError):
+            continue
+    return urls[0]
+
+
+def creds_cmd(role: str, s: Settings, all_servers: bool = False) -> int:
+    """``rollbus creds ROLE``: the URL for ``nats.connect(url)`` / ``nats --server URL``.
+
+    With several servers (``NATS_URL`` a comma-separated list) it prints one, the first
+    that accepts a connection (nats-py does not take a comma-separated string); ``--all``
+    prints the whole list (what the nats CLI takes)."""
     from shared import creds
 
     base = s.nats_url or creds.local_server_url(s)
@@ -50,6 +70,9 @@ def creds_cmd(role: str, s: Settings) -> int:
     except creds.CredsError as e:
         print(f"rollbus creds: {e}", file=sys.stderr)
         return 2
+    urls = [u.strip() for u in base.split(",") if u.strip()]
+    if not all_servers and len(urls) > 1:
+        base = _first_reachable(urls)
     print(creds.with_creds(base, user, password))
     return 0
 
@@ -76,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
 
     cr = sub.add_parser("creds", help="print a NATS URL carrying a role's credentials")
     cr.add_argument("role", help="api, engine, worker, trainer or operator")
+    cr.add_argument(
+        "--all", action="store_true", dest="all_servers",
+        help="every server of a comma-separated NATS_URL (the nats CLI's form)",
+    )
     _settings_flags(cr)
 
     from services import fleetcli
@@ -87,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "fleet":
             return fleetcli.run(args, Settings())
         if args.cmd == "creds":
-            return creds_cmd(args.role, settings_from(args))
+            return creds_cmd(args.role, settings_from(args), args.all_servers)
         if args.cmd == "serve":
             from services.launcher import serve
 

@@ -42,9 +42,8 @@ from typing import Any
 import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.micro import add_service
 from nats.micro.request import Request
-from nats.micro.service import Service
+from nats.micro.service import Service, ServiceConfig
 
 from shared import creds
 from shared.errors import UNAVAILABLE, BusUnreachable, ControlError, NoResponders, Timeout
@@ -440,11 +439,28 @@ class Bus:
         description: str = "",
         metadata: dict[str, str] | None = None,
     ) -> Service:
-        svc = await add_service(
-            self.nc, name=name, version=version, description=description, metadata=metadata
+        svc = Service(
+            self.nc,
+            ServiceConfig(name=name, version=version, description=description, metadata=metadata),
         )
+        # nats micro answers `$SRV.PING/INFO/STATS` into whatever reply subject the caller
+        # names, with this process's publish permissions (the engine's: events, its KV,
+        # `worker.>`): only into an inbox, like every other request (the module doc)
+        for verb in ("ping", "info", "stats"):
+            attr = f"_handle_{verb}_request"
+            setattr(svc, attr, self._inbox_only(getattr(svc, attr), f"$SRV.{verb.upper()}"))
+        await svc.start()
         self._services.append(svc)
         return svc
+
+    def _inbox_only(
+        self, handler: Callable[[Msg], Awaitable[None]], subject: str
+    ) -> Callable[[Msg], Awaitable[None]]:
+        async def only_inbox(msg: Msg) -> None:
+            if not self._foreign(msg, subject):
+                await handler(msg)
+
+        return only_inbox
 
     async def serve(
         self,

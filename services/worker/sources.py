@@ -202,6 +202,12 @@ def check_owner(st: os.stat_result, uids: frozenset[int], where: str, is_dir: bo
         raise ControlError(UNPROCESSABLE, f"{where}: not a directory: refused")
     if not is_dir and not stat.S_ISREG(st.st_mode):
         raise ControlError(UNPROCESSABLE, f"{where}: not a regular file: refused")
+    if not is_dir and st.st_nlink != 1:
+        # a hard link: the same bytes are writable through a path outside the version dir
+        # (the trainer writes each file fresh: one link)
+        raise ControlError(
+            UNPROCESSABLE, f"{where}: has {st.st_nlink} hard links (one expected): refused"
+        )
     if st.st_uid not in uids:
         raise ControlError(
             UNPROCESSABLE,
@@ -243,7 +249,7 @@ class IpcSource:
     Trust rules (else 422 naming the file): every directory from the ipc root down to
     the version dir and every file read is opened without following symlinks
     (``O_NOFOLLOW``, one component at a time relative to its parent), is a real
-    directory / regular file, is owned by this service's uid or
+    directory / regular file with one link (no hard link), is owned by this service's uid or
     ``ROLLBUS_IPC_TRAINER_UID``, and is not writable by others; the manifest names
     plain files inside the version dir only, with sizes that fit the served tensors.
     """

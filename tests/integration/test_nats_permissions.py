@@ -777,6 +777,37 @@ async def test_reflected_messages_reach_no_handler(server: Server, as_role: obje
         await engine.close()
 
 
+async def test_micro_discovery_answers_only_into_an_inbox(server: Server, as_role: object) -> None:
+    """nats micro answers `$SRV.PING/INFO/STATS` with the responder's own permissions: an
+    operator (or the api) naming the events stream, the engine's KV or a rank's subject as
+    reply would make the engine publish there (a forged event, a KV entry, a purge). The
+    bus answers discovery only into an inbox."""
+    engine = await Bus.connect(server.url("engine"), "engine")
+    try:
+        await engine.add_service("rollbus-engine", "0.1.0")
+        await engine.flush()
+        op = await as_role("operator", inbox="_INBOX")  # type: ignore[operator]
+        forged: list[str] = []
+
+        async def on_event(msg: nats.aio.msg.Msg) -> None:
+            forged.append(msg.subject)
+
+        await op.nc.subscribe(f"rollbus.{I}.events.>", cb=on_event)
+        await op.nc.flush()
+        for verb in ("PING", "INFO", "STATS"):
+            for subject in (f"$SRV.{verb}", f"$SRV.{verb}.rollbus-engine"):
+                await op.nc.publish(subject, b"", reply=f"rollbus.{I}.events.forged")
+        await until(lambda: engine.dropped_requests >= 6, "forged discovery dropped")
+        # discovery into an inbox still answers (after it, anything forged would be here)
+        rep = await op.nc.request("$SRV.PING.rollbus-engine", b"", timeout=10)
+        assert json.loads(rep.data)["name"] == "rollbus-engine"
+        await op.nc.flush()
+        assert forged == []
+        assert op.errors == []
+    finally:
+        await engine.close()
+
+
 async def test_a_jetstream_ack_in_a_request_inbox_is_dropped(nats_url: str) -> None:
     """Bypass 2's second half: a stream that captures a request's subject sends its
     publish ack to the request's reply inbox. The bus drops and counts it; the request

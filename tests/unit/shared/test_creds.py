@@ -113,3 +113,27 @@ def test_trainer_finds_its_credentials_beside_the_stack(
     # credentials given explicitly win
     given = "nats://me:pw@h:1"
     assert nats_url_of(argparse.Namespace(nats_url=given), s) == given
+
+
+async def test_rollbus_creds_of_several_servers_is_one_url_nats_py_connects_to(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], nats_url: str
+) -> None:
+    """`NATS_URL` a comma-separated list (a cluster): nats-py refuses a comma-separated
+    string, so `rollbus creds` prints one server, the first that answers (a node that is
+    down is skipped); `--all` prints the list for the nats CLI."""
+    import nats
+
+    from services.cli import main
+    from services.serveproc import free_port
+
+    users = creds.ensure(tmp_path / "creds")
+    down = f"nats://127.0.0.1:{free_port()}"
+    urls = f"{down},{nats_url}"
+    argv = ["creds", "operator", "--data-dir", str(tmp_path), "--nats-url", urls]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.strip()
+    assert out == creds.with_creds(nats_url, *users["operator"])
+    nc = await nats.connect(out, allow_reconnect=False, connect_timeout=5)
+    await nc.close()
+    assert main([*argv, "--all"]) == 0
+    assert capsys.readouterr().out.strip() == creds.with_creds(urls, *users["operator"])

@@ -95,6 +95,18 @@ def test_symlinked_shard_is_refused(ipc: tuple[Path, mf.Manifest], tmp_path: Pat
     assert "rank1-of-2.safetensors" in msg and "symlink" in msg
 
 
+def test_hardlinked_shard_is_refused(ipc: tuple[Path, mf.Manifest], tmp_path: Path) -> None:
+    """Same bytes, same owner, but a second name outside the version dir: whoever can
+    write there changes the served weights after the check."""
+    ipc_dir, man = ipc
+    f = ipc_version_dir(ipc_dir, MODEL, "s1") / "rank0-of-2.safetensors"
+    os.link(f, tmp_path / "outside.safetensors")
+    msg = refused(ipc_dir, man, 0)
+    assert "rank0-of-2.safetensors" in msg and "hard link" in msg, msg
+    (tmp_path / "outside.safetensors").unlink()
+    assert load(ipc_dir, man, 0) is not None
+
+
 def test_symlinked_version_dir_is_refused(ipc: tuple[Path, mf.Manifest], tmp_path: Path) -> None:
     ipc_dir, man = ipc
     d = ipc_version_dir(ipc_dir, MODEL, "s1")
