@@ -86,6 +86,7 @@ def create_app(settings: Settings, bus: Bus | None = None) -> Starlette:
         owned = deps.bus is None
         if owned:
             deps.bus = await Bus.connect(settings.nats_url, "rollbus-api")
+            deps.bus.fail_when_disconnected = True  # 503 at once while NATS is away
         try:
             yield
         finally:
