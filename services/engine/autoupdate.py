@@ -21,8 +21,9 @@ sequence is above the highest sequence of any version this engine has served. Th
 engine never moves back.
 
 An event is acked only once it is applied, ignored as not newer, or failed for good
-(400/404/422: the version itself is bad — recorded as an ``auto_update`` event). A
-transient failure (409, 5xx, a rank not answering) keeps it: it is retried with backoff
+(400/422: the version itself is bad — recorded as an ``auto_update`` event). Any other
+failure (404: its files or objects are not there yet; 409, 5xx, a rank not answering)
+keeps it: it is retried with backoff
 (``RETRY_S`` doubling up to ``RETRY_MAX_S``) until it applies or a newer event replaces
 it; an engine that dies meanwhile gets it again from its durable. A sleeping engine is
 updated too: its ranks validate and record the version, and wakeup loads it. A failed
@@ -46,7 +47,7 @@ from services.engine import control, staleness
 from services.engine.state import State
 from shared import messages as m
 from shared import objstore
-from shared.errors import BAD_REQUEST, NOT_FOUND, UNPROCESSABLE, ControlError
+from shared.errors import BAD_REQUEST, UNPROCESSABLE, ControlError
 from shared.messages import VersionPublished
 
 if TYPE_CHECKING:
@@ -58,8 +59,10 @@ T = TypeVar("T")
 ACTOR = "auto_update"
 RETRY_S = 1.0
 RETRY_MAX_S = 60.0
-# the version itself is bad: retrying cannot help (versions are immutable)
-PERMANENT = frozenset({BAD_REQUEST, NOT_FOUND, UNPROCESSABLE})
+# the version itself is bad: retrying cannot help (versions are immutable). A 404 is
+# kept and retried: the announced version's files may appear later (a snapshot dir
+# copied after the event, a replica catching up)
+PERMANENT = frozenset({BAD_REQUEST, UNPROCESSABLE})
 
 
 @dataclass
