@@ -27,9 +27,10 @@ keeps it: it is retried with backoff
 (``RETRY_S`` doubling up to ``RETRY_MAX_S``) until it applies or a newer event replaces
 it; an engine that dies meanwhile gets it again from its durable. A sleeping engine is
 updated too: its ranks validate and record the version, and wakeup loads it. A failed
-update resumes on the previous weights (``update_weights`` is all-or-nothing). At start
-it catches up: if a version newer than the served one was published while the engine
-was down, it updates to the newest.
+update resumes on the previous weights (``update_weights`` is all-or-nothing). At a fresh
+start it catches up: if a version newer than the served one was published, it updates to
+the newest. An engine restarted with its stored state gets what was published while it
+was down from its durable (un-acked) instead, so a deliberate rollback survives it.
 """
 
 from __future__ import annotations
@@ -247,8 +248,11 @@ async def follow(engine: Engine) -> None:
     past = await _until_ok("auto-update", setup)
     for seq, ev in past:
         _learn(engine, seq, ev.version)
-    # the pending target (catch-up first) and the events it answers, acked once settled
-    target = newest(past, idx)
+    # the pending target (catch-up first) and the events it answers, acked once settled.
+    # An engine that restored its state catches up through its durable only (what was
+    # published while it was down is not acked yet): the newest version may be one an
+    # operator rolled back from, which a catch-up would undo
+    target = None if getattr(engine, "restored", False) else newest(past, idx)
     if target and not idx.is_newer(target[1].version, engine.state.weight_version):
         target = None
     held: list[Any] = []
