@@ -46,6 +46,8 @@ from shared.subjects import Subjects
 
 RANK = "worker rank"
 ENGINE_FRESH_START = "ROLLBUS_ENGINE_FRESH_START"  # services.engine.main.FRESH_START_ENV
+LAUNCHER_PID = "ROLLBUS_LAUNCHER_PID"  # services.api.app.LAUNCHER_PID_ENV
+READY_SIGNAL = signal.SIGUSR1  # services.api.app.READY_SIGNAL: the API's first /health 200
 RANK_RETRIES = 2
 RANK_INIT_FAILED = 3  # services.worker.main.INIT_FAILED: transient (gloo connect refused)
 RANK_CONFIG_ERROR = 2  # services.worker.main.CONFIG_ERROR: never retried
@@ -249,6 +251,7 @@ class Launcher:
         self.joined: EmbeddedOwner | None = None
         self.role_urls: dict[str, str] = {}
         self._stopping = False
+        self._api_ready = False  # the API answered /health 200 (READY_SIGNAL)
         self.rank_retries = 0
         self.budget = RestartBudget(settings.restart_limit, settings.restart_window_s)
         self.restarts = 0
@@ -363,7 +366,7 @@ class Launcher:
         # a new stack starts fresh; an engine restarted later restores its stored state
         self.spawn("engine", ["services.engine"], {ENGINE_FRESH_START: "1"})
         self._spawn_ranks()
-        self.spawn("api", ["services.api"])
+        self.spawn("api", ["services.api"], {LAUNCHER_PID: str(os.getpid())})
 
     def _spawn_ranks(self) -> None:
         ports: list[int] = []
@@ -399,7 +402,7 @@ class Launcher:
         children list."""
         i = self.children.index(c)
         self.children.remove(c)
-        self.spawn(c.name, c.args)
+        self.spawn(c.name, c.args, {LAUNCHER_PID: str(os.getpid())} if c.name == "api" else None)
         self.children.insert(i, self.children.pop())
 
     def _restart_nats(self) -> bool:
@@ -466,16 +469,18 @@ class Launcher:
         embedded nats-server is restarted; more than ``ROLLBUS_RESTART_LIMIT`` restarts of one
         process within ``ROLLBUS_RESTART_WINDOW_S`` stop the stack, naming the process.
         """
-        ready = ready_once = False
+        ready = ready_once = announced = False
         next_probe = next_owner_check = 0.0
         while not self._stopping:
+            # a stack that answered /health 200 was ready even if our own probe (every
+            # 0.5 s) had not seen it yet: a user may kill a process right after that 200
+            # (the API signals its first 200 before the reply leaves)
+            ready_once = ready_once or self._api_ready
             for c in list(self.children):
                 code = c.proc.poll()
                 if code is None or self._stopping:
                     continue
-                # a stack that answered /health 200 was ready even if our own probe (every
-                # 0.5 s) had not seen it yet: a user may kill a rank right after that 200
-                ready_once = ready_once or self._health()
+                ready_once = ready_once or self._api_ready or self._health()
                 exit_code, why = self._child_died(c, code, ready_once)
                 if why:
                     _say(why)
@@ -501,11 +506,11 @@ class Launcher:
                 if ready:
                     s = self.settings
                     _say(
-                        f"{'recovered' if ready_once else 'ready'}: http://{s.api_host}:"
+                        f"{'recovered' if announced else 'ready'}: http://{s.api_host}:"
                         f"{s.api_port} (model {s.served_model_name}, tp={s.tp}, "
                         f"nats {creds.redact(s.nats_url)})"
                     )
-                    ready_once = True
+                    ready_once = announced = True
             time.sleep(0.1)
         return 0
 
@@ -545,9 +550,13 @@ class Launcher:
         def on_signal(signum: int, _frame: object) -> None:
             self._stopping = True  # a second Ctrl-C changes nothing: the stop is bounded
 
+        def on_ready(signum: int, _frame: object) -> None:
+            self._api_ready = True
+
         def handle_signals() -> None:
             for sig in _signals.STOP_SIGNALS:
                 signal.signal(sig, on_signal)
+            signal.signal(READY_SIGNAL, on_ready)
 
         handle_signals()
         if _signals.received:  # Ctrl-C while still importing: stop before starting

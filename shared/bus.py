@@ -13,6 +13,12 @@ One :class:`Bus` per process. It owns:
 * ``request`` (one reply) and ``scatter`` (exactly ``expected`` replies, one per rank,
   or a timeout naming the ranks that did not answer). No-responder markers
   (``Status: 503``) fail a request at once and are ignored by a scatter;
+* a lost connection (nats-py then reconnects by itself) fails every request, scatter
+  and stream still waiting at once with a 503 saying so (``ConnectionLost``; a scatter
+  names the ranks that had not answered): a reply published while our inbox was away is
+  gone, so waiting for it would only end at the timeout. The API's bus
+  (``fail_when_disconnected``) also refuses new requests while reconnecting
+  (``NotConnected``), so nothing waits for the server to come back;
 * late or unknown replies are dropped and counted (``dropped_replies``), never kept; so
   is a reply carrying another request's ``Rollbus-Request-Id`` and a JetStream publish
   ack or API answer sent to our inbox (a stream capturing a request's subject acks it);
@@ -46,7 +52,15 @@ from nats.micro.request import Request
 from nats.micro.service import Service, ServiceConfig
 
 from shared import creds
-from shared.errors import UNAVAILABLE, BusUnreachable, ControlError, NoResponders, Timeout
+from shared.errors import (
+    UNAVAILABLE,
+    BusUnreachable,
+    ConnectionLost,
+    ControlError,
+    NoResponders,
+    NotConnected,
+    Timeout,
+)
 from shared.tasks import guarded
 
 log = logging.getLogger("rollbus.bus")
@@ -90,6 +104,12 @@ class _Gather:
         self.replies: dict[int, Reply] = {}
         self.done = asyncio.get_running_loop().create_future()
         self.on_reply = on_reply
+        self.lost = False  # the connection dropped: replies not yet here never come
+
+    def fail(self) -> None:
+        self.lost = True
+        if not self.done.done():
+            self.done.set_result(None)
 
     def add(self, rank: int, reply: Reply) -> None:
         first = rank not in self.replies
@@ -171,6 +191,12 @@ class Bus:
         self.dropped_replies = 0
         self.dropped_requests = 0  # messages on served subjects that are no request
         self._rids: dict[str, str] = {}  # reply token -> the request id it was sent with
+        self._subjects: dict[str, str] = {}  # reply token -> the subject it was sent on
+        self.lost_connections = 0
+        # the API (the edge) answers 503 at once while NATS is away; the engine's own
+        # requests (e.g. a rollback after a failed commit) wait in nats-py's buffer and
+        # go out once it has reconnected
+        self.fail_when_disconnected = False
         self.callback_errors: dict[str, int] = {}  # by subject, see shared.tasks.guarded
 
     # ------------------------------------------------------------------ lifecycle
@@ -198,6 +224,12 @@ class Bus:
             else:
                 log.error("nats callback error: %r", e, exc_info=e)
 
+        holder: list[Bus] = []
+
+        async def _disconnected() -> None:
+            if holder:
+                holder[0].connection_lost()
+
         servers = [u.strip() for u in url.split(",") if u.strip()]
         tls = tls or creds.client_tls_from_env()
         opts: dict[str, Any] = {"tls": tls} if tls else {}
@@ -212,6 +244,7 @@ class Bus:
                     max_reconnect_attempts=-1,
                     reconnect_time_wait=0.5,
                     error_cb=_quiet,
+                    disconnected_cb=_disconnected,
                     pending_size=256 * 1024 * 1024,
                 ),
                 timeout,
@@ -219,6 +252,7 @@ class Bus:
         except (TimeoutError, OSError, nats.errors.Error) as e:
             raise BusUnreachable(creds.redact(url), _why(e, seen)) from None
         bus = cls(nc, name)
+        holder.append(bus)
         bus.url = creds.public(url)  # shown by /v1/status: no credentials
         await bus._start()
         return bus
@@ -265,6 +299,22 @@ class Bus:
                 continue
             n += 1
         return n
+
+    def connection_lost(self) -> None:
+        """The connection to NATS dropped (nats-py reconnects by itself): a reply to a
+        request sent before cannot be relied on any more (published while our inbox was
+        gone, or the request itself lost), so every waiting request, scatter and stream
+        fails now with a 503 saying so, instead of at its timeout."""
+        self.lost_connections += 1
+        for token, waiter in list(self._pending.items()):
+            if isinstance(waiter, _Gather):
+                waiter.fail()
+                continue
+            err = ConnectionLost(self._subjects.get(token, "NATS"))
+            if isinstance(waiter, _Stream):
+                waiter.put(err)
+            elif not waiter.done():
+                waiter.set_exception(err)
 
     @property
     def pending(self) -> int:
@@ -314,8 +364,13 @@ class Bus:
         self, subject: str, data: bytes, token: str, rid: str, extra: dict[str, str] | None
     ) -> None:
         """Publish a request whose replies come to our inbox under ``token``."""
+        if self.fail_when_disconnected and not self.nc.is_connected:
+            # reconnecting: a request would wait in nats-py's buffer for the server to
+            # come back, maybe past its caller's timeout; fail it now, nothing sent
+            raise NotConnected(subject)
         headers = {REQUEST_ID: rid, **(extra or {})}
         self._rids[token] = headers[REQUEST_ID]
+        self._subjects[token] = subject
         await self.nc.publish(
             subject, data, reply=f"{self._inbox_prefix}.{token}", headers=headers
         )
@@ -341,6 +396,7 @@ class Bus:
         finally:
             self._pending.pop(token, None)
             self._rids.pop(token, None)
+            self._subjects.pop(token, None)
 
     async def scatter(
         self,
@@ -365,15 +421,20 @@ class Bus:
         try:
             await self._send(subject, data, token, request_id or token, headers)
             await asyncio.wait_for(asyncio.shield(gather.done), timeout)
-            return gather.replies
+            if not gather.lost or len(gather.replies) >= expected:
+                return gather.replies
+            raise TimeoutError  # the connection dropped: the missing ranks are named
         except TimeoutError:
             missing = [r for r in range(expected) if r not in gather.replies]
             err = Timeout(subject, timeout, missing)
+            if gather.lost:
+                err = Timeout(subject, timeout, missing, lost=True)
             err.result = {"missing_ranks": missing, "replies": gather.replies}
             raise err from None
         finally:
             self._pending.pop(token, None)
             self._rids.pop(token, None)
+            self._subjects.pop(token, None)
 
     async def stream(
         self,
@@ -409,6 +470,7 @@ class Bus:
         finally:
             self._pending.pop(token, None)
             self._rids.pop(token, None)
+            self._subjects.pop(token, None)
 
     async def publish(
         self, subject: str, data: bytes, headers: dict[str, str] | None = None

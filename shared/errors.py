@@ -46,13 +46,35 @@ class BusUnreachable(ControlError):
 
 
 class Timeout(ControlError):
-    def __init__(self, subject: str, timeout: float, missing: list[int] | None = None) -> None:
+    def __init__(
+        self, subject: str, timeout: float, missing: list[int] | None = None, lost: bool = False
+    ) -> None:
         msg = f"no reply on {subject} within {timeout:g}s"
         if missing:
             msg = f"ranks {missing} did not answer on {subject} within {timeout:g}s"
+        if lost:  # a scatter cut short by a lost NATS connection
+            msg = f"ranks {missing} did not answer on {subject}: {LOST}"
         super().__init__(UNAVAILABLE, msg, {"missing_ranks": missing} if missing else None)
         self.missing = missing or []
         self.timeout = timeout
+        self.lost = lost
+
+
+LOST = "the NATS connection was lost while waiting (the call may have run)"
+
+
+class ConnectionLost(ControlError):
+    """The NATS connection dropped while a reply was awaited (nats-py reconnects)."""
+
+    def __init__(self, subject: str) -> None:
+        super().__init__(UNAVAILABLE, f"no reply on {subject}: {LOST}")
+
+
+class NotConnected(ControlError):
+    """A request while the NATS connection is down (reconnecting): nothing was sent."""
+
+    def __init__(self, subject: str) -> None:
+        super().__init__(UNAVAILABLE, f"NATS not connected (reconnecting): {subject} not sent")
 
 
 class NoResponders(ControlError):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import os
+import signal
 from collections.abc import AsyncIterator
 
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -31,9 +33,27 @@ def _loopback(host: str) -> bool:
         return False
 
 
+# set by the launcher (``rollbus serve``) on the API it starts: its pid. The API's first
+# /health 200 is signalled to it (SIGUSR1) before the reply leaves, so the launcher knows
+# the stack was ready even when a process dies before its own probe saw it.
+LAUNCHER_PID_ENV = "ROLLBUS_LAUNCHER_PID"
+READY_SIGNAL = signal.SIGUSR1
+
+
+def _tell_launcher_ready() -> None:
+    try:
+        pid = int(os.environ.get(LAUNCHER_PID_ENV, "0"))
+    except ValueError:
+        return
+    if pid > 1 and pid == os.getppid():  # never a stranger (e.g. a reused pid)
+        with contextlib.suppress(OSError):
+            os.kill(pid, READY_SIGNAL)
+
+
 def create_app(settings: Settings, bus: Bus | None = None) -> Starlette:
     """The app; connects its own bus at startup when none is given."""
     deps = Deps(settings, bus)
+    told_ready = False
 
     async def health(request: Request) -> Response:
         """200 only when the engine is ready, every rank answers and the engine lists no
@@ -43,6 +63,10 @@ def create_app(settings: Settings, bus: Bus | None = None) -> Starlette:
         body = reply.result or {}
         problems = list(body.get("problems") or [])
         if reply.ok and body.get("ready") and body.get("ranks_alive") and not problems:
+            nonlocal told_ready
+            if not told_ready:
+                told_ready = True
+                _tell_launcher_ready()
             return JSONResponse({"status": "ok", **body})
         error = "; ".join(problems) or reply.error_message or "ranks not ready"
         return JSONResponse({"status": "unavailable", "error": error, **body}, status_code=503)
@@ -62,6 +86,7 @@ def create_app(settings: Settings, bus: Bus | None = None) -> Starlette:
         owned = deps.bus is None
         if owned:
             deps.bus = await Bus.connect(settings.nats_url, "rollbus-api")
+            deps.bus.fail_when_disconnected = True  # 503 at once while NATS is away
         try:
             yield
         finally:

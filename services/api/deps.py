@@ -22,6 +22,12 @@ def bearer_ok(header: str, token: str) -> bool:
     return scheme.lower() == "bearer" and ok
 
 
+# engine methods bounded by one CONTROL_TIMEOUT_S (an in-flight step at most): the API
+# waits CONTROL_TIMEOUT_S + 5 s for them, twice that for the others (sleep, wakeup,
+# update_weights: a scatter after the pause, or stage then commit)
+ONE_HOP = frozenset({"pause", "resume", "is_paused", "status", "health", "model_config"})
+
+
 @dataclass
 class Deps:
     settings: Settings
@@ -38,8 +44,10 @@ class Deps:
     ) -> m.ControlReply:
         """Request ``ctl.<method>`` from the engine. Bus failures become a 503 reply."""
         assert self.bus is not None, "bus not connected"
-        # an op may scatter twice (stage, then commit), each bounded by the control timeout
-        t = timeout or 2 * self.settings.control_timeout_s + 5.0
+        # an op may scatter twice (stage, then commit), each bounded by the control timeout;
+        # the others wait for one step at most (pause, resume) or answer from the engine
+        ct = self.settings.control_timeout_s
+        t = timeout or (ct if method in ONE_HOP else 2 * ct) + 5.0
         try:
             with self.metrics.control_latency.labels(method).time():
                 reply = await self.bus.request(

@@ -21,14 +21,16 @@ sequence is above the highest sequence of any version this engine has served. Th
 engine never moves back.
 
 An event is acked only once it is applied, ignored as not newer, or failed for good
-(400/404/422: the version itself is bad — recorded as an ``auto_update`` event). A
-transient failure (409, 5xx, a rank not answering) keeps it: it is retried with backoff
+(400/422: the version itself is bad — recorded as an ``auto_update`` event). Any other
+failure (404: its files or objects are not there yet; 409, 5xx, a rank not answering)
+keeps it: it is retried with backoff
 (``RETRY_S`` doubling up to ``RETRY_MAX_S``) until it applies or a newer event replaces
 it; an engine that dies meanwhile gets it again from its durable. A sleeping engine is
 updated too: its ranks validate and record the version, and wakeup loads it. A failed
-update resumes on the previous weights (``update_weights`` is all-or-nothing). At start
-it catches up: if a version newer than the served one was published while the engine
-was down, it updates to the newest.
+update resumes on the previous weights (``update_weights`` is all-or-nothing). At a fresh
+start it catches up: if a version newer than the served one was published, it updates to
+the newest. An engine restarted with its stored state gets what was published while it
+was down from its durable (un-acked) instead, so a deliberate rollback survives it.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from services.engine import control, staleness
 from services.engine.state import State
 from shared import messages as m
 from shared import objstore
-from shared.errors import BAD_REQUEST, NOT_FOUND, UNPROCESSABLE, ControlError
+from shared.errors import BAD_REQUEST, UNPROCESSABLE, ControlError
 from shared.messages import VersionPublished
 
 if TYPE_CHECKING:
@@ -58,8 +60,10 @@ T = TypeVar("T")
 ACTOR = "auto_update"
 RETRY_S = 1.0
 RETRY_MAX_S = 60.0
-# the version itself is bad: retrying cannot help (versions are immutable)
-PERMANENT = frozenset({BAD_REQUEST, NOT_FOUND, UNPROCESSABLE})
+# the version itself is bad: retrying cannot help (versions are immutable). A 404 is
+# kept and retried: the announced version's files may appear later (a snapshot dir
+# copied after the event, a replica catching up)
+PERMANENT = frozenset({BAD_REQUEST, UNPROCESSABLE})
 
 
 @dataclass
@@ -244,8 +248,11 @@ async def follow(engine: Engine) -> None:
     past = await _until_ok("auto-update", setup)
     for seq, ev in past:
         _learn(engine, seq, ev.version)
-    # the pending target (catch-up first) and the events it answers, acked once settled
-    target = newest(past, idx)
+    # the pending target (catch-up first) and the events it answers, acked once settled.
+    # An engine that restored its state catches up through its durable only (what was
+    # published while it was down is not acked yet): the newest version may be one an
+    # operator rolled back from, which a catch-up would undo
+    target = None if getattr(engine, "restored", False) else newest(past, idx)
     if target and not idx.is_newer(target[1].version, engine.state.weight_version):
         target = None
     held: list[Any] = []

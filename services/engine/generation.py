@@ -40,7 +40,7 @@ from services.engine import autoupdate, staleness
 from services.engine.scheduler import Output, Scheduler, Seq
 from shared import messages as m
 from shared.bus import REQUEST_ID
-from shared.errors import BAD_REQUEST, TOO_MANY_REQUESTS, UNAVAILABLE, ControlError
+from shared.errors import BAD_REQUEST, TOO_MANY_REQUESTS, UNAVAILABLE, ControlError, Timeout
 from shared.model_config import max_model_len, vocab_size
 from shared.tasks import Supervisor
 
@@ -268,13 +268,32 @@ class Generation:
                 self.drained.set()
             return
         self.drained.clear()
+        pids = self.engine.rank_pids  # replaced, never changed in place, by a reconcile
         try:
             outputs = await self._step(plan)
         except ControlError as e:
-            await self._fail_all(e)
+            await self._fail_all(self._naming_silent_ranks(e, pids))
             return
         self.last_progress = time.monotonic()
         await self._publish(outputs)
+
+    def _naming_silent_ranks(self, e: ControlError, pids: dict[int, int]) -> ControlError:
+        """A step without a reply (only rank 0 answers, and it waits in the all-reduce for
+        a peer that is stopped or gone) names the ranks the engine's view has silent, or
+        restarted meanwhile (another pid than the ones ``pids`` the step was sent to)."""
+        if not isinstance(e, Timeout):
+            return e
+        silent, restarted = [], []
+        for r in self.engine.ranks.view.entries():
+            if not r.get("alive"):
+                silent.append(r["rank"])
+            elif pids.get(r["rank"]) and r.get("pid") != pids[r["rank"]]:
+                restarted.append(r["rank"])
+        why = [f"ranks {silent} not answering"] if silent else []
+        why += [f"ranks {restarted} restarted"] if restarted else []
+        if not why:
+            return e
+        return ControlError(e.code, f"{e.message}: {'; '.join(why)}", e.result)
 
     def _staleness_gate(self) -> tuple[int | None, int]:
         """``(ROLLBUS_MAX_STALENESS, versions behind)`` for this step's admissions; the

@@ -87,6 +87,9 @@ class Engine:
         self.lock = asyncio.Lock()
         self.ready = False
         self.ranks_alive = False
+        # took its state back from the KV bucket (restarted beside live ranks): its
+        # auto-update resumes from its durable, with no catch-up to the newest version
+        self.restored = False
         self.latest_published = ""
         self.max_model_len = 0
         self.supervisor = Supervisor("engine")
@@ -239,6 +242,7 @@ class Engine:
         record = None if fresh else await self.persist.load()
         update = persist.apply(self, record) if record is not None else None
         restored = update
+        self.restored = record is not None
         while True:
             try:
                 replies = await self.ranks.poll(timeout=1.0)

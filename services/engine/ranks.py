@@ -12,7 +12,7 @@ import msgspec
 
 from shared import messages as m
 from shared.bus import Bus, Reply
-from shared.errors import UNAVAILABLE, ControlError, Timeout
+from shared.errors import LOST, UNAVAILABLE, ControlError, Timeout
 from shared.subjects import Subjects
 
 log = logging.getLogger("rollbus.engine")
@@ -106,8 +106,8 @@ class Ranks:
         failing rank's code with every failing rank's message.
         """
         t = timeout or self.timeout
-        raw, missing = await self._scatter(method, args, t, request_id)
-        return self._check(method, t, raw, missing)
+        raw, missing, lost = await self._scatter(method, args, t, request_id)
+        return self._check(method, t, raw, missing, lost)
 
     async def _scatter(
         self,
@@ -116,8 +116,9 @@ class Ranks:
         t: float,
         request_id: str | None = None,
         on_reply: Callable[[int, Reply], None] | None = None,
-    ) -> tuple[dict[int, Reply], list[int]]:
-        """Raw replies by rank (undecoded) and the silent ranks."""
+    ) -> tuple[dict[int, Reply], list[int], bool]:
+        """Raw replies by rank (undecoded), the silent ranks, and whether the wait was cut
+        short by a lost NATS connection."""
         data = m.json_encode(args) if args is not None else b"{}"
         try:
             raw = await self.bus.scatter(
@@ -128,20 +129,23 @@ class Ranks:
                 request_id=request_id,
                 on_reply=on_reply,
             )
-            return raw, []
+            return raw, [], False
         except Timeout as e:
-            return (e.result or {}).get("replies", {}), e.missing
+            return (e.result or {}).get("replies", {}), e.missing, e.lost
 
     def _check(
-        self, method: str, t: float, raw: dict[int, Reply], missing: list[int]
+        self,
+        method: str,
+        t: float,
+        raw: dict[int, Reply],
+        missing: list[int],
+        lost: bool = False,
     ) -> dict[int, m.WorkerReply]:
         replies = {r: m.json_decode(rep.data, type=m.WorkerReply) for r, rep in raw.items()}
         if missing:
-            raise RankError(
-                UNAVAILABLE,
-                f"{method}: ranks {missing} did not answer within {t:g}s",
-                replies,
-            )
+            # cut short: the engine's NATS connection dropped meanwhile
+            why = f"({LOST})" if lost else f"within {t:g}s"
+            raise RankError(UNAVAILABLE, f"{method}: ranks {missing} did not answer {why}", replies)
         failed = sorted((r, rep) for r, rep in replies.items() if rep.error_code != 200)
         if failed:
             by_msg: dict[str, list[int]] = {}
@@ -180,10 +184,10 @@ class Ranks:
             else:
                 view.miss(rnd, rank, f"status failed: {rep.error_message}")
 
-        raw, missing = await self._scatter("status", None, t, on_reply=arrived)
+        raw, missing, lost = await self._scatter("status", None, t, on_reply=arrived)
         for r in missing:
             view.miss(rnd, r, f"did not answer status within {t:g} s")
-        return self._check("status", t, raw, missing)
+        return self._check("status", t, raw, missing, lost)
 
     async def refresh(self, timeout: float | None = None) -> None:
         """:meth:`poll`, never raising (it ends operations, also in their ``finally``):

@@ -7,6 +7,7 @@ import asyncio
 import os
 import shutil
 import signal
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -137,3 +138,29 @@ def test_transient_failure_is_kept_and_retried(ustack: Stack) -> None:
         os.kill(pid, signal.SIGCONT)
     wait_for(lambda: serving(ustack, "k1"), timeout=60)
     assert digests(ustack) == want
+
+
+def test_operator_rollback_survives_an_engine_restart(ustack: Stack) -> None:
+    """Auto-update never re-applies the newest version after a deliberate rollback; nor
+    does an engine the launcher restarts (it takes its state back and follows its durable,
+    with no catch-up to the newest published)."""
+    earlier = publish(ustack, "o1", seed=90, ipc=True)
+    publish(ustack, "o2", seed=91, ipc=True)
+    wait_for(lambda: serving(ustack, "o2"))
+    assert post(ustack, "/v1/pause").status_code == 200
+    assert post(ustack, "/v1/update_weights", json={"version": "o1"}).status_code == 200
+    assert post(ustack, "/v1/resume").status_code == 200
+    old = ustack.status()["engine_pid"]
+    os.kill(old, signal.SIGKILL)
+
+    def new_engine_serving() -> bool:
+        try:
+            st = ustack.status()
+        except Exception:  # noqa: BLE001 - 503 while it restarts
+            return False
+        return st["engine_pid"] != old and st["ranks_ready"] and st["state"] == "running"
+
+    wait_for(new_engine_serving, timeout=90)
+    time.sleep(3)  # a catch-up would have started by now
+    assert serving(ustack, "o1") and digests(ustack) == earlier
+    assert not [e for e in auto_events(ustack, "o2") if e["action"] == "updated"][1:]

@@ -56,6 +56,30 @@ def test_engine_killed_comes_back_in_its_state_and_version(faults: Faults) -> No
     c.assert_consistent(f.stack, "v2")
 
 
+def test_engine_stopped_one_hop_calls_answer_within_the_control_timeout(faults: Faults) -> None:
+    """A stopped engine is not dead (nothing restarts it): a call that needs one hop
+    answers 503 naming the engine within CONTROL_TIMEOUT_S + 5 s (not the bound of the
+    two-scatter calls), /health is 503, and once continued it serves, unchanged."""
+    f = faults
+    pid = _engine_pid(f)
+    c.signal_quietly(pid, signal.SIGSTOP)
+    try:
+        calls = [c.Call(f.stack, p) for p in ("/v1/pause", "/v1/resume")]
+        t0 = time.monotonic()
+        r = c.get(f.stack, "/v1/is_paused", timeout=c.CONTROL_BOUND)
+        assert r.status_code == 503 and "engine: no reply" in r.text, r.text
+        assert time.monotonic() - t0 < c.CT + 5 + 2
+        for call in calls:
+            r = call.result(c.CT + 5 + 2)
+            assert r.status_code == 503 and "engine: no reply" in r.text, r.text
+        assert c.get(f.stack, "/health").status_code == 503
+    finally:
+        c.signal_quietly(pid, signal.SIGCONT)
+    # continued: the same engine serves again (the fixture resumes and checks the output)
+    st = c.wait_recovered(f.stack)
+    assert st["engine_pid"] == pid, st
+
+
 def test_engine_killed_during_commit_rolls_back_everywhere(faults: Faults) -> None:
     """Killed while every rank sits in its commit window: the ranks commit with no
     engine left to roll them back; the restarted engine finds the update in progress in

@@ -1,7 +1,9 @@
 """``rollbus serve`` with its embedded nats-server (authentication and per-role
 permissions on): the launcher restarts a dead nats-server (same port, same store, same
 config), API and engine (which comes back in its state); over the restart budget
-(``ROLLBUS_RESTART_LIMIT``, 1 here) it stops the stack, naming the process."""
+(``ROLLBUS_RESTART_LIMIT``, 1 here) it stops the stack, naming the process. A process
+killed right after the first ``/health`` 200, before the launcher's own probe saw it, is
+restarted too (the API tells the launcher of its first 200)."""
 
 from __future__ import annotations
 
@@ -10,9 +12,12 @@ import subprocess
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
-from tests.e2e.stack import free_port, start_stack
+from services.serveproc import serve_env, spawn
+from services.serveproc import stop as stop_serve
+from tests.e2e.stack import Stack, free_port, start_stack
 from tests.faults import common as c
 
 pytestmark = pytest.mark.faults
@@ -24,6 +29,53 @@ def _child(launcher: int, pattern: str) -> int:
     ).stdout.split()
     assert len(out) == 1, (pattern, out)
     return int(out[0])
+
+
+def test_killed_right_after_the_first_200_is_restarted(tmp_path: Path) -> None:
+    """The launcher is stopped (SIGSTOP) from the API's first answer on, so its own
+    /health probe can never see the 200 a client saw; nats-server is killed right after
+    that 200. The stack was ready: the launcher restarts it instead of stopping."""
+    api = free_port()
+    env = serve_env(
+        ROLLBUS_API_PORT=str(api),
+        ROLLBUS_NATS_PORT=str(free_port()),
+        ROLLBUS_DATA_DIR=str(tmp_path / "data"),
+        ROLLBUS_TP="1",
+        ROLLBUS_LOG_LEVEL="warning",
+    )
+    log = tmp_path / "serve.log"
+    proc = spawn(env, log)
+    base = f"http://127.0.0.1:{api}"
+    stopped = False
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            try:
+                code = httpx.get(base + "/health", timeout=2).status_code
+            except httpx.HTTPError:
+                time.sleep(0.05)
+                continue
+            if not stopped:  # every child is running once the API answers
+                c.signal_quietly(proc.pid, signal.SIGSTOP)
+                stopped = True
+            if code == 200:
+                break
+            time.sleep(0.05)
+        c.signal_quietly(_child(proc.pid, "nats-server"), signal.SIGKILL)
+        time.sleep(0.5)
+        c.signal_quietly(proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 120
+        while "rollbus: ready:" not in log.read_text():
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        assert "nats-server exited with code -9; restarting it" in log.read_text()
+        stack = Stack(proc, base, "default", tmp_path / "data" / "models" / "tiny", "", log)
+        c.assert_consistent(stack, "v0")
+    finally:
+        c.signal_quietly(proc.pid, signal.SIGCONT)
+        stop_serve(proc)
 
 
 def test_launcher_restarts_children_then_stops_over_budget(tmp_path: Path) -> None:

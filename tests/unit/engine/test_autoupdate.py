@@ -70,7 +70,7 @@ def test_newest_of_a_burst_by_first_sequence() -> None:
 
 
 def test_only_bad_versions_are_permanent_failures() -> None:
-    assert PERMANENT == {400, 404, 422}  # 409 / 5xx / timeouts are retried
+    assert PERMANENT == {400, 422}  # 404 (not there yet) / 409 / 5xx / timeouts are retried
 
 
 # --------------------------------------------------------------------------- apply()
@@ -147,7 +147,7 @@ def test_update_while_sleeping_stays_asleep_and_records_the_version() -> None:
 
 
 def test_transient_failures_are_retried_bad_versions_are_not() -> None:
-    for code, retry in [(503, True), (409, True), (500, True), (422, False), (404, False)]:
+    for code, retry in [(503, True), (409, True), (500, True), (422, False), (404, True)]:
         eng = FakeEngine("b1", fail={"stage": (code, "rank 1: no")})
         _known(eng)
         rec = asyncio.run(apply(eng, 2, _ev("b2")))
