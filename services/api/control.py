@@ -128,7 +128,9 @@ async def _body(deps: Deps, request: Request) -> bytes:
     before the body is even looked at)."""
     admin_check(deps, request)
     try:
-        body = await read_body(request, deps.settings.max_body_bytes)
+        body = await read_body(
+            request, deps.settings.max_body_bytes, deps.settings.body_timeout_s
+        )
         doc = parse_json(body)
     except BadRequest as e:
         raise ControlError(BAD_REQUEST, e.message, {"param": e.param}) from None

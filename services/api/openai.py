@@ -599,7 +599,7 @@ class OpenAIRoutes:
         s = self.deps.settings
         try:
             self._auth(request)
-            raw = await read_body(request, s.max_body_bytes)
+            raw = await read_body(request, s.max_body_bytes, s.body_timeout_s)
             # off the event loop: a chat template (untrusted jinja) or a long prompt's
             # tokenization is CPU work that would stall every other request and stream
             job = await asyncio.to_thread(self.parse, parse_json(raw, empty={}), chat)

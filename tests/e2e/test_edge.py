@@ -25,6 +25,7 @@ from tests.e2e.stack import Stack, start_stack
 MAX_WAITING = 3
 STREAM_BUFFER = 128  # small enough for the slow-reader test, big enough that a CPU-starved API
 # process (2 loaded cores) does not drop a stream that is being read
+BODY_TIMEOUT_S = 2
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +38,7 @@ def stack(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S
             "ROLLBUS_KV_CACHE_BLOCKS": "2048",
             "ROLLBUS_MAX_WAITING": str(MAX_WAITING),
             "ROLLBUS_STREAM_BUFFER": str(STREAM_BUFFER),
+            "ROLLBUS_BODY_TIMEOUT_S": str(BODY_TIMEOUT_S),
         },
     )
     try:
@@ -161,6 +163,29 @@ def test_body_over_the_limit_is_400(stack: Stack) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "body"
     r = post(stack, "/v1/update_weights", big)
     assert r.status_code == 400 and r.json()["result"]["param"] == "body"
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/pause"])
+def test_a_body_shorter_than_its_content_length_is_400_not_held_forever(
+    stack: Stack, path: str
+) -> None:
+    port = int(stack.base_url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=BODY_TIMEOUT_S + 30) as s:
+        s.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            "Content-Length: 100\r\n\r\n{\"prompt\": \"hi\"".encode()
+        )  # 15 of the 100 bytes announced; the connection stays open
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+            data = s.recv(65536)
+            if not data:
+                break
+            reply += data
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), reply
+    doc = json.loads(body)
+    param = doc["error"]["param"] if path == "/v1/completions" else doc["result"]["param"]
+    assert param == "body" and "incomplete" in str(doc)
 
 
 def test_bad_control_arguments_name_the_field(stack: Stack) -> None:
