@@ -65,11 +65,12 @@ class UpdateWeightsArgs(msgspec.Struct, forbid_unknown_fields=True):
     verify_checksum: bool | None = None  # None: verify wherever a manifest exists
 
 
-class NoArgs(msgspec.Struct):
-    pass
+class NoArgs(msgspec.Struct, forbid_unknown_fields=True):
+    """Methods without arguments (``resume``, ``is_paused``, ``health``, ...): ``{}`` or
+    an empty body; any field is a 400 naming it, as for every other control method."""
 
 
-class StatusArgs(msgspec.Struct):
+class StatusArgs(msgspec.Struct, forbid_unknown_fields=True):
     """``status`` arguments. ``fresh``: ask every rank now (two hops) instead of
     answering from the engine's view of the ranks (refreshed every ``RANK_REFRESH_S``)."""
 

@@ -198,6 +198,8 @@ def test_bad_control_arguments_name_the_field(stack: Stack) -> None:
         assert r.status_code == 400 and r.json()["result"]["param"] == "version"
         r = c.post("/v1/update_weights", content=b'{"version": NaN}')
         assert r.status_code == 400 and r.json()["result"]["param"] == "version"
+        r = c.post("/v1/resume", json={"mode": "keep"})  # resume takes no argument
+        assert r.status_code == 400 and r.json()["result"]["param"] == "mode"
         assert not c.get("/v1/is_paused").json()["is_paused"]  # none reached the engine
 
 
