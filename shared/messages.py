@@ -178,13 +178,17 @@ class SelfBenchArgs(msgspec.Struct):
     prefill: bool = False  # time the prompts' prefill too (the first token comes from it)
 
 
+# what a rank frees / restores; a rank refuses any other tag (400) like the engine does
+WorkerTag = Literal["weight", "kv_cache"]
+
+
 class SleepWorkerArgs(msgspec.Struct):
-    tags: list[str]
+    tags: list[WorkerTag]
     shutdown_comm_group: bool = False
 
 
 class WakeupWorkerArgs(msgspec.Struct):
-    tags: list[str]
+    tags: list[WorkerTag]
     version: str
     strategy: str = "snapshot"
 
