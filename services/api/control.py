@@ -66,11 +66,25 @@ async def call(deps: Deps, request: Request, method: str, args: dict[str, Any] |
     return _echo(request, reply_response(await call_reply(deps, request, method, args)))
 
 
+def client_request_id(request: Request) -> str:
+    """The client's ``X-Request-Id`` as the reply body's ``request_id`` (else a new id).
+    Header bytes arrive as latin-1; an id sent as UTF-8 (``ünï``) is given back as sent,
+    not as mojibake. The response header echoes the raw bytes either way."""
+    rid = request.headers.get("x-request-id")
+    if not rid:
+        return new_request_id()
+    if not rid.isascii():
+        try:
+            rid = rid.encode("latin-1").decode("utf-8")
+        except UnicodeError:
+            pass  # latin-1 text (what `requests` sends for "ü"): already right
+    return rid
+
+
 async def call_reply(
     deps: Deps, request: Request, method: str, args: dict[str, Any] | bytes
 ) -> m.ControlReply:
-    client_id = request.headers.get("x-request-id")
-    rid = client_id or new_request_id()
+    rid = client_request_id(request)
     try:
         admin_check(deps, request)
         data = args if isinstance(args, bytes) else json.dumps(args).encode()
@@ -140,7 +154,7 @@ async def _body(deps: Deps, request: Request) -> bytes:
 
 
 def _refused(request: Request, e: ControlError) -> Response:
-    rid = request.headers.get("x-request-id") or new_request_id()
+    rid = client_request_id(request)
     return _echo(request, reply_response(m.ControlReply(rid, e.code, e.message, e.result)))
 
 

@@ -139,3 +139,22 @@ def test_status_fresh_param_repeated_is_400_naming_it(
     assert r.status_code == 400, r.text
     assert r.json()["result"] == {"param": "fresh"} and "'fresh'" in r.json()["error_message"]
     assert calls == []
+
+
+
+@pytest.mark.parametrize(
+    "sent, want",
+    [
+        ("ünï©ødé".encode(), "ünï©ødé"),  # UTF-8 bytes, as curl or a browser send them
+        ("ü".encode("latin-1"), "ü"),  # latin-1, as `requests` sends it
+        (b"a.b *>", "a.b *>"),
+    ],
+)
+def test_a_control_reply_names_the_client_id_as_sent(sent: bytes, want: str) -> None:
+    from starlette.requests import Request
+
+    from services.api.control import client_request_id
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/pause", "query_string": b"",
+             "headers": [(b"x-request-id", sent)]}
+    assert client_request_id(Request(scope)) == want
