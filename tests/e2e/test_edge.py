@@ -247,6 +247,45 @@ def test_hostile_gen_messages_over_raw_nats_fail_alone(stack: Stack) -> None:
     assert stack.status()["requests"] == 0
 
 
+async def _json_gen(stack: Stack, data: bytes) -> list[dict[str, Any]]:
+    """``data`` on ``gen`` as a raw JSON client: every reply chunk (JSON) to the last."""
+    nc = await nats.connect(stack.nats_url)
+    try:
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        await nc.publish(Subjects(stack.instance).gen, data, reply=inbox)
+        chunks: list[dict[str, Any]] = []
+        while not chunks or chunks[-1].get("finish_reason") is None:
+            chunks.append(json.loads((await sub.next_msg(timeout=30)).data))
+        return chunks
+    finally:
+        await nc.close()
+
+
+def test_gen_over_raw_nats_takes_json_and_answers_json(stack: Stack) -> None:
+    """`nats req rollbus.<i>.gen '{...}'` works: checked like msgpack, answered in JSON."""
+    long = LongStream(stack, tokens=300)
+    long.start()
+    assert long.started.wait(60)
+    gen = {"request_id": "json-1", "prompt_token_ids": [1, 2, 3], "max_tokens": 4,
+           "temperature": 0}
+    chunks = asyncio.run(_json_gen(stack, json.dumps(gen).encode()))
+    assert chunks[0]["heartbeat"] and chunks[-1]["finish_reason"] == "length"
+    assert sum(len(c["token_ids"]) for c in chunks) == 4
+    assert {c["request_id"] for c in chunks} == {"json-1"}
+    cases = [
+        (json.dumps(dict(gen, temperature=math.nan)).encode(), "temperature", "json-1"),
+        (json.dumps(dict(gen, n=10**6)).encode(), "n", "json-1"),
+        (b'{"request_id": "\\ud800", "prompt_token_ids": [1], "max_tokens": 1}', "request_id",
+         ""),
+    ]
+    for data, param, rid in cases:
+        (chunk,) = asyncio.run(_json_gen(stack, data))
+        assert chunk["error_code"] == 400 and chunk["error_param"] == param, chunk
+        assert chunk["request_id"] == rid
+    long.assert_complete()
+
+
 async def _publish(stack: Stack, subject: str, data: bytes) -> None:
     nc = await nats.connect(stack.nats_url)
     try:
