@@ -22,6 +22,7 @@ from services.api.deps import Deps, bearer_ok
 from shared import messages as m
 from shared.bus import new_request_id
 from shared.errors import BAD_REQUEST, NOT_FOUND, UNAUTHORIZED, ControlError
+from shared.versions import check_version_arg
 
 
 def admin_check(deps: Deps, request: Request) -> None:
@@ -46,6 +47,7 @@ ARGS: dict[str, type] = {
     "sleep": m.TagArgs,
     "wakeup": m.TagArgs,
     "update_weights": m.UpdateWeightsArgs,
+    "resume": m.NoArgs,
 }
 
 
@@ -55,6 +57,8 @@ def check_args(method: str, data: bytes) -> None:
     if kind is None:
         return
     args = m.decode_args(data, kind)
+    if isinstance(args, m.UpdateWeightsArgs) and args.version is not None:
+        check_version_arg(args.version)
     if isinstance(args, m.TagArgs):
         try:
             args.tag_set()

@@ -201,6 +201,12 @@ def test_bad_control_arguments_name_the_field(stack: Stack) -> None:
         r = c.post("/v1/resume", json={"mode": "keep"})  # resume takes no argument
         assert r.status_code == 400 and r.json()["result"]["param"] == "mode"
         assert not c.get("/v1/is_paused").json()["is_paused"]  # none reached the engine
+        # over raw NATS the engine checks the same (a version is a path component)
+        assert c.post("/v1/pause").status_code == 200
+        for data in (b'{"version": "../x"}', b'{"version": "a\\u0000b"}'):
+            rep = json.loads(asyncio.run(_raw(stack, Subjects(stack.instance).ctl("update_weights"),
+                                              data)))
+            assert rep["error_code"] == 400 and rep["result"]["param"] == "version", rep
 
 
 async def _raw(stack: Stack, subject: str, data: bytes) -> bytes:

@@ -88,6 +88,12 @@ def test_bearer_scheme_is_case_insensitive(calls: list[tuple[str, dict[str, Any]
         ("/v1/resume", b"{bad", "body"),
         ("/v1/resume", b'{"x": "\xff"}', "body"),
         ("/v1/sleep", b'{"tags": 5}', "tags"),
+        ("/v1/resume", b'{"mode": "keep"}', "mode"),  # resume takes no argument
+        # a version is a path component: refused here, before the engine or a rank
+        ("/v1/update_weights", b'{"version": "../x"}', "version"),
+        ("/v1/update_weights", b'{"version": ".."}', "version"),
+        ("/v1/update_weights", b'{"version": "a\\u0000b"}', "version"),
+        ("/v1/update_weights", b'{"version": "v1\\n"}', "version"),
     ],
 )
 def test_bad_control_bodies_are_400_naming_the_field(
