@@ -65,11 +65,12 @@ class UpdateWeightsArgs(msgspec.Struct, forbid_unknown_fields=True):
     verify_checksum: bool | None = None  # None: verify wherever a manifest exists
 
 
-class NoArgs(msgspec.Struct):
-    pass
+class NoArgs(msgspec.Struct, forbid_unknown_fields=True):
+    """Methods without arguments (``resume``, ``is_paused``, ``health``, ...): ``{}`` or
+    an empty body; any field is a 400 naming it, as for every other control method."""
 
 
-class StatusArgs(msgspec.Struct):
+class StatusArgs(msgspec.Struct, forbid_unknown_fields=True):
     """``status`` arguments. ``fresh``: ask every rank now (two hops) instead of
     answering from the engine's view of the ranks (refreshed every ``RANK_REFRESH_S``)."""
 
@@ -177,13 +178,17 @@ class SelfBenchArgs(msgspec.Struct):
     prefill: bool = False  # time the prompts' prefill too (the first token comes from it)
 
 
+# what a rank frees / restores; a rank refuses any other tag (400) like the engine does
+WorkerTag = Literal["weight", "kv_cache"]
+
+
 class SleepWorkerArgs(msgspec.Struct):
-    tags: list[str]
+    tags: list[WorkerTag]
     shutdown_comm_group: bool = False
 
 
 class WakeupWorkerArgs(msgspec.Struct):
-    tags: list[str]
+    tags: list[WorkerTag]
     version: str
     strategy: str = "snapshot"
 

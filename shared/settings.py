@@ -84,6 +84,9 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(
         4 * 1024 * 1024, ge=1024, description="largest HTTP request body (else 400)"
     )
+    body_timeout_s: float = Field(
+        10.0, gt=0, le=3600, description="a request body that sends nothing this long: 400"
+    )
     stream_buffer: int = Field(
         256, ge=16, description="unread chunks per choice the API keeps before dropping a stream"
     )

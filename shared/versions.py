@@ -3,8 +3,8 @@
 A version is an opaque label (its order is publish order, see DESIGN.md). It becomes a
 path component (``<model>/versions/<V>/``, ``<ipc_dir>/<model>/<V>/``) and an object-name
 component, so it must be non-empty, at most :data:`MAX_VERSION_LEN` characters, contain
-no ``/`` and not be ``.`` or ``..``. The model dir itself holds the version named in its
-``version.txt`` (``v0`` without one).
+no ``/`` and no control character (NUL, newline, ...) and not be ``.`` or ``..``. The
+model dir itself holds the version named in its ``version.txt`` (``v0`` without one).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ class BadVersionName(ControlError, ValueError):
     def __init__(self, version: str) -> None:
         super().__init__(
             BAD_REQUEST,
-            f"bad version name {version!r} (non-empty, no '/', not '.' or '..', "
+            f"bad version name {version!r} (non-empty, no '/' or control character, "
+            "not '.' or '..', "
             f"at most {MAX_VERSION_LEN} characters)",
         )
 
@@ -38,9 +39,18 @@ def check_version_name(version: str) -> str:
         or len(version) > MAX_VERSION_LEN
         or "/" in version
         or version in (".", "..")
+        or any(ord(c) < 32 or ord(c) == 127 for c in version)
     ):
         raise BadVersionName(str(version))
     return version
+
+
+def check_version_arg(version: str) -> str:
+    """:func:`check_version_name` for a control argument: the 400 names ``version``."""
+    try:
+        return check_version_name(version)
+    except BadVersionName as e:
+        raise ControlError(e.code, e.message, {"param": "version"}) from None
 
 
 def read_version_txt(model_dir: Path) -> str | None:

@@ -9,6 +9,7 @@ Python writes them, so such a value is refused naming its field rather than as
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from typing import Any
@@ -24,15 +25,30 @@ class BadRequest(Exception):
         self.message, self.param, self.code = message, param, code
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The raw body, refused once it passes ``limit`` bytes (never buffered past it)."""
+async def read_body(request: Request, limit: int, idle_s: float = 10.0) -> bytes:
+    """The raw body, refused once it passes ``limit`` bytes (never buffered past it), or
+    when nothing of it arrives for ``idle_s`` (a Content-Length larger than what is sent,
+    a stalled upload: ``ROLLBUS_BODY_TIMEOUT_S``) instead of holding the request forever."""
     too_big = f"body is larger than {limit} bytes (ROLLBUS_MAX_BODY_BYTES)"
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise BadRequest(too_big, "body")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
+    stream = request.stream()
+    while True:
+        try:
+            async with asyncio.timeout(idle_s):
+                chunk = await anext(stream)
+        except StopAsyncIteration:
+            break
+        except TimeoutError:
+            expected = f" of {declared}" if declared.isdigit() else ""
+            raise BadRequest(
+                f"body incomplete: {size}{expected} bytes arrived, then nothing for {idle_s:g} s"
+                " (ROLLBUS_BODY_TIMEOUT_S)",
+                "body",
+            ) from None
         size += len(chunk)
         if size > limit:
             raise BadRequest(too_big, "body")

@@ -22,6 +22,7 @@ from services.api.deps import Deps, bearer_ok
 from shared import messages as m
 from shared.bus import new_request_id
 from shared.errors import BAD_REQUEST, NOT_FOUND, UNAUTHORIZED, ControlError
+from shared.versions import check_version_arg
 
 
 def admin_check(deps: Deps, request: Request) -> None:
@@ -46,6 +47,7 @@ ARGS: dict[str, type] = {
     "sleep": m.TagArgs,
     "wakeup": m.TagArgs,
     "update_weights": m.UpdateWeightsArgs,
+    "resume": m.NoArgs,
 }
 
 
@@ -55,6 +57,8 @@ def check_args(method: str, data: bytes) -> None:
     if kind is None:
         return
     args = m.decode_args(data, kind)
+    if isinstance(args, m.UpdateWeightsArgs) and args.version is not None:
+        check_version_arg(args.version)
     if isinstance(args, m.TagArgs):
         try:
             args.tag_set()
@@ -66,11 +70,25 @@ async def call(deps: Deps, request: Request, method: str, args: dict[str, Any] |
     return _echo(request, reply_response(await call_reply(deps, request, method, args)))
 
 
+def client_request_id(request: Request) -> str:
+    """The client's ``X-Request-Id`` as the reply body's ``request_id`` (else a new id).
+    Header bytes arrive as latin-1; an id sent as UTF-8 (``ünï``) is given back as sent,
+    not as mojibake. The response header echoes the raw bytes either way."""
+    rid = request.headers.get("x-request-id")
+    if not rid:
+        return new_request_id()
+    if not rid.isascii():
+        try:
+            rid = rid.encode("latin-1").decode("utf-8")
+        except UnicodeError:
+            pass  # latin-1 text (what `requests` sends for "ü"): already right
+    return rid
+
+
 async def call_reply(
     deps: Deps, request: Request, method: str, args: dict[str, Any] | bytes
 ) -> m.ControlReply:
-    client_id = request.headers.get("x-request-id")
-    rid = client_id or new_request_id()
+    rid = client_request_id(request)
     try:
         admin_check(deps, request)
         data = args if isinstance(args, bytes) else json.dumps(args).encode()
@@ -128,7 +146,9 @@ async def _body(deps: Deps, request: Request) -> bytes:
     before the body is even looked at)."""
     admin_check(deps, request)
     try:
-        body = await read_body(request, deps.settings.max_body_bytes)
+        body = await read_body(
+            request, deps.settings.max_body_bytes, deps.settings.body_timeout_s
+        )
         doc = parse_json(body)
     except BadRequest as e:
         raise ControlError(BAD_REQUEST, e.message, {"param": e.param}) from None
@@ -138,7 +158,7 @@ async def _body(deps: Deps, request: Request) -> bytes:
 
 
 def _refused(request: Request, e: ControlError) -> Response:
-    rid = request.headers.get("x-request-id") or new_request_id()
+    rid = client_request_id(request)
     return _echo(request, reply_response(m.ControlReply(rid, e.code, e.message, e.result)))
 
 

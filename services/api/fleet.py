@@ -15,14 +15,13 @@ from services.api import control
 from services.api.deps import Deps
 from shared import fleet as f
 from shared import messages as m
-from shared.bus import new_request_id
 from shared.errors import INTERNAL, ControlError
 
 log = logging.getLogger("rollbus.api.fleet")
 
 
 async def update_weights(deps: Deps, request: Request) -> Response:
-    rid = request.headers.get("x-request-id") or new_request_id()
+    rid = control.client_request_id(request)
     try:
         body = await control._body(deps, request)  # token first, then size / JSON
         args = m.decode_args(body, f.FleetUpdateArgs)  # unknown or wrong field: 400

@@ -339,6 +339,12 @@ class OpenAIRoutes:
         stop_ids = list(req.stop_token_ids or [])
         if any(t >= self.tokenizer.vocab_size for t in stop_ids):
             raise BadRequest("stop_token_ids: token id out of the vocabulary", "stop_token_ids")
+        for key in req.logit_bias or {}:  # OpenAI's keys: token ids as strings
+            if not (key.isascii() and key.isdigit() and int(key) < self.tokenizer.vocab_size):
+                raise BadRequest(
+                    f"logit_bias: key {key[:32]!r} is not a token id in the vocabulary",
+                    "logit_bias",
+                )
         if not req.ignore_eos:
             stop_ids += self.tokenizer.stop_token_ids  # every eos id of the model's configs
         if isinstance(req, schema.ChatRequest):
@@ -593,7 +599,7 @@ class OpenAIRoutes:
         s = self.deps.settings
         try:
             self._auth(request)
-            raw = await read_body(request, s.max_body_bytes)
+            raw = await read_body(request, s.max_body_bytes, s.body_timeout_s)
             # off the event loop: a chat template (untrusted jinja) or a long prompt's
             # tokenization is CPU work that would stall every other request and stream
             job = await asyncio.to_thread(self.parse, parse_json(raw, empty={}), chat)

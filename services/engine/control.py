@@ -17,7 +17,7 @@ from shared import messages as m
 from shared.bus import new_request_id
 from shared.errors import NOT_FOUND, ControlError
 from shared.model_config import read_hf_config
-from shared.versions import read_version_txt
+from shared.versions import check_version_arg, read_version_txt
 
 if TYPE_CHECKING:
     from services.engine.main import Engine
@@ -136,6 +136,8 @@ async def _update_weights(eng: Engine, args: m.UpdateWeightsArgs, actor: str) ->
     """Paused or sleeping. A rank whose weights sleep validates the version (loads it to
     host memory, checks it, frees it) and records it as current: wakeup loads it."""
     eng.state.check_update()  # the 409 comes before anything else is looked at
+    if args.version is not None:
+        check_version_arg(args.version)  # over NATS too: a path component for the ranks
     version = args.version or default_version(eng)
     uid, previous = await begin_update(eng, version)
     t0 = time.perf_counter()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("rollbus.engine.gen")
 
 HEARTBEAT_S = 5.0
+JSON_REPLY_TTL_S = 60.0  # a JSON client's reply subject is forgotten this long after its end
 
 
 class Refused(Exception):
@@ -58,6 +60,35 @@ class Refused(Exception):
     def __init__(self, code: int, message: str, param: str = "") -> None:
         super().__init__(message)
         self.code, self.message, self.param = code, message, param
+        self.request_id = ""  # the refused request's own id, once it decoded
+
+
+def decode_gen(data: bytes) -> m.GenRequest:
+    """A ``gen`` message: msgpack (the API's), or JSON (a raw NATS client's; ``NaN`` as
+    Python's json writes it is read, then refused naming its field)."""
+    if data.lstrip()[:1] != b"{":
+        return m.unpack(data, type=m.GenRequest)
+    try:
+        return msgspec.json.decode(data, type=m.GenRequest)
+    except msgspec.ValidationError:
+        raise
+    except msgspec.DecodeError:
+        doc = json.loads(data)  # NaN / Infinity literals; ValueError when not JSON at all
+        return msgspec.convert(doc, type=m.GenRequest, strict=True)
+
+
+def peek_request_id(data: bytes) -> str:
+    """The ``request_id`` of a message that failed its check, when it has a usable one
+    (its refusal then names it); else ""."""
+    try:
+        doc = json.loads(data) if data.lstrip()[:1] == b"{" else m.unpack(data)
+        rid = doc.get("request_id") if isinstance(doc, dict) else None
+        if isinstance(rid, str) and 0 < len(rid) <= m.MAX_REQUEST_ID_LEN:
+            rid.encode()
+            return rid
+    except Exception:  # noqa: BLE001, S110 - nothing to name
+        pass
+    return ""
 
 
 class Generation:
@@ -98,6 +129,9 @@ class Generation:
         self.gathered = 0.0  # seconds idle starts waited for more requests (summed)
         self._behind_key: tuple[int, str] | None = None
         self._behind = 0
+        # reply subjects of requests that came as JSON (raw NATS clients, `nats req`): their
+        # chunks go back as JSON too; -> last time seen live (pruned by heartbeats)
+        self._json_replies: dict[str, float] = {}
 
     # ------------------------------------------------------------------ bus side
 
@@ -117,11 +151,14 @@ class Generation:
         if not msg.reply:
             return
         rid = (msg.headers or {}).get(REQUEST_ID, "")  # a refusal names the request too
+        if msg.data.lstrip()[:1] == b"{":  # JSON (msgpack's 0x7b would be the int 123)
+            self._json_replies[msg.reply] = time.monotonic()
         try:
             gen = self.admit_request(msg.data)
             rid = gen.request_id
             self.sched.add(gen, msg.reply)
         except Refused as e:
+            rid = e.request_id or rid
             chunk = m.GenChunk(
                 rid,
                 finish_reason="error",
@@ -130,6 +167,7 @@ class Generation:
                 error_param=e.param,
             )
             await self._send(msg.reply, chunk)
+            self._json_replies.pop(msg.reply, None)
             return
         await self._send(msg.reply, m.GenChunk(rid, heartbeat=True))  # queued
         self.last_arrival = time.monotonic()
@@ -139,12 +177,25 @@ class Generation:
     def admit_request(self, data: bytes) -> m.GenRequest:
         """Decode and check one ``gen`` message against every limit; raises ``Refused``."""
         try:
-            gen = m.unpack(data, type=m.GenRequest)
+            gen = decode_gen(data)
         except msgspec.ValidationError as e:
             param = m.error_param(e) or ""
-            raise Refused(BAD_REQUEST, f"bad request: {e}", param) from None
-        except Exception as e:  # noqa: BLE001 - not msgpack at all
+            refused = Refused(BAD_REQUEST, f"bad request: {e}", param)
+            refused.request_id = peek_request_id(data)
+            raise refused from None
+        except Exception as e:  # noqa: BLE001 - neither msgpack nor JSON
             raise Refused(BAD_REQUEST, f"bad request: not a GenRequest: {e}") from None
+        try:
+            gen.request_id.encode()
+        except UnicodeEncodeError:  # a lone surrogate (JSON "\ud800") cannot go back out
+            raise Refused(BAD_REQUEST, "request_id is not valid unicode", "request_id") from None
+        try:
+            return self._admit(gen)
+        except Refused as e:
+            e.request_id = gen.request_id
+            raise
+
+    def _admit(self, gen: m.GenRequest) -> m.GenRequest:
         s = self.engine.settings
         if gen.n > s.max_n:
             raise Refused(BAD_REQUEST, f"n is {gen.n}; the limit is {s.max_n}", "n")
@@ -178,7 +229,8 @@ class Generation:
         self.work.set()
 
     async def _send(self, reply: str, chunk: m.GenChunk) -> None:
-        await self.engine.bus.publish(reply, m.pack(chunk), headers={REQUEST_ID: chunk.request_id})
+        data = m.json_encode(chunk) if reply in self._json_replies else m.pack(chunk)
+        await self.engine.bus.publish(reply, data, headers={REQUEST_ID: chunk.request_id})
 
     def _chunk(self, out: Output) -> m.GenChunk:
         seq = out.seq
@@ -416,8 +468,14 @@ class Generation:
                     continue
             if not self.active and self.sched.requests:
                 self.work.set()  # a lost wakeup must not leave requests waiting
+            now = time.monotonic()
             for req in list(self.sched.requests.values()):
+                if req.reply in self._json_replies:
+                    self._json_replies[req.reply] = now
                 await self._send(req.reply, m.GenChunk(req.request_id, heartbeat=True))
+            for reply, seen in list(self._json_replies.items()):
+                if now - seen > JSON_REPLY_TTL_S:  # its request ended long ago
+                    del self._json_replies[reply]
 
     # ------------------------------------------------------------------ control hooks
 

@@ -122,7 +122,14 @@ def _sample_row(logits: np.ndarray, p: SamplingParams, gen: np.random.Generator)
     if p.temperature == 0:
         token = int(np.argmax(logits))
         return Sampled(token, float(raw[token]), top)
-    logp = raw if p.temperature == 1 else _log_softmax(logits / p.temperature)
+    if p.temperature == 1:
+        logp = raw
+    else:
+        # Shift first, in float64: a tiny temperature (1e-310) then sends every other
+        # logit to -inf and keeps the best at 0 (greedy), never inf - inf = NaN.
+        x = logits.astype(np.float64)
+        with np.errstate(over="ignore"):
+            logp = _log_softmax((x - x.max()) / p.temperature)
     candidates = _truncate(logp, p.top_k, p.top_p)
     if candidates is None:
         probs, ids = np.exp(logp), None

@@ -25,6 +25,7 @@ from tests.e2e.stack import Stack, start_stack
 MAX_WAITING = 3
 STREAM_BUFFER = 128  # small enough for the slow-reader test, big enough that a CPU-starved API
 # process (2 loaded cores) does not drop a stream that is being read
+BODY_TIMEOUT_S = 2
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +38,7 @@ def stack(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S
             "ROLLBUS_KV_CACHE_BLOCKS": "2048",
             "ROLLBUS_MAX_WAITING": str(MAX_WAITING),
             "ROLLBUS_STREAM_BUFFER": str(STREAM_BUFFER),
+            "ROLLBUS_BODY_TIMEOUT_S": str(BODY_TIMEOUT_S),
         },
     )
     try:
@@ -163,6 +165,29 @@ def test_body_over_the_limit_is_400(stack: Stack) -> None:
     assert r.status_code == 400 and r.json()["result"]["param"] == "body"
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/pause"])
+def test_a_body_shorter_than_its_content_length_is_400_not_held_forever(
+    stack: Stack, path: str
+) -> None:
+    port = int(stack.base_url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=BODY_TIMEOUT_S + 30) as s:
+        s.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            "Content-Length: 100\r\n\r\n{\"prompt\": \"hi\"".encode()
+        )  # 15 of the 100 bytes announced; the connection stays open
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+            data = s.recv(65536)
+            if not data:
+                break
+            reply += data
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), reply
+    doc = json.loads(body)
+    param = doc["error"]["param"] if path == "/v1/completions" else doc["result"]["param"]
+    assert param == "body" and "incomplete" in str(doc)
+
+
 def test_bad_control_arguments_name_the_field(stack: Stack) -> None:
     with stack.client() as c:
         r = c.post("/v1/pause", params={"mode": "sideways"})
@@ -173,7 +198,15 @@ def test_bad_control_arguments_name_the_field(stack: Stack) -> None:
         assert r.status_code == 400 and r.json()["result"]["param"] == "version"
         r = c.post("/v1/update_weights", content=b'{"version": NaN}')
         assert r.status_code == 400 and r.json()["result"]["param"] == "version"
+        r = c.post("/v1/resume", json={"mode": "keep"})  # resume takes no argument
+        assert r.status_code == 400 and r.json()["result"]["param"] == "mode"
         assert not c.get("/v1/is_paused").json()["is_paused"]  # none reached the engine
+        # over raw NATS the engine checks the same (a version is a path component)
+        assert c.post("/v1/pause").status_code == 200
+        for data in (b'{"version": "../x"}', b'{"version": "a\\u0000b"}'):
+            rep = json.loads(asyncio.run(_raw(stack, Subjects(stack.instance).ctl("update_weights"),
+                                              data)))
+            assert rep["error_code"] == 400 and rep["result"]["param"] == "version", rep
 
 
 async def _raw(stack: Stack, subject: str, data: bytes) -> bytes:
@@ -218,6 +251,45 @@ def test_hostile_gen_messages_over_raw_nats_fail_alone(stack: Stack) -> None:
     long.assert_complete()
     assert greedy(stack) == before
     assert stack.status()["requests"] == 0
+
+
+async def _json_gen(stack: Stack, data: bytes) -> list[dict[str, Any]]:
+    """``data`` on ``gen`` as a raw JSON client: every reply chunk (JSON) to the last."""
+    nc = await nats.connect(stack.nats_url)
+    try:
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        await nc.publish(Subjects(stack.instance).gen, data, reply=inbox)
+        chunks: list[dict[str, Any]] = []
+        while not chunks or chunks[-1].get("finish_reason") is None:
+            chunks.append(json.loads((await sub.next_msg(timeout=30)).data))
+        return chunks
+    finally:
+        await nc.close()
+
+
+def test_gen_over_raw_nats_takes_json_and_answers_json(stack: Stack) -> None:
+    """`nats req rollbus.<i>.gen '{...}'` works: checked like msgpack, answered in JSON."""
+    long = LongStream(stack, tokens=300)
+    long.start()
+    assert long.started.wait(60)
+    gen = {"request_id": "json-1", "prompt_token_ids": [1, 2, 3], "max_tokens": 4,
+           "temperature": 0}
+    chunks = asyncio.run(_json_gen(stack, json.dumps(gen).encode()))
+    assert chunks[0]["heartbeat"] and chunks[-1]["finish_reason"] == "length"
+    assert sum(len(c["token_ids"]) for c in chunks) == 4
+    assert {c["request_id"] for c in chunks} == {"json-1"}
+    cases = [
+        (json.dumps(dict(gen, temperature=math.nan)).encode(), "temperature", "json-1"),
+        (json.dumps(dict(gen, n=10**6)).encode(), "n", "json-1"),
+        (b'{"request_id": "\\ud800", "prompt_token_ids": [1], "max_tokens": 1}', "request_id",
+         ""),
+    ]
+    for data, param, rid in cases:
+        (chunk,) = asyncio.run(_json_gen(stack, data))
+        assert chunk["error_code"] == 400 and chunk["error_param"] == param, chunk
+        assert chunk["request_id"] == rid
+    long.assert_complete()
 
 
 async def _publish(stack: Stack, subject: str, data: bytes) -> None:

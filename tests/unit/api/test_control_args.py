@@ -88,6 +88,12 @@ def test_bearer_scheme_is_case_insensitive(calls: list[tuple[str, dict[str, Any]
         ("/v1/resume", b"{bad", "body"),
         ("/v1/resume", b'{"x": "\xff"}', "body"),
         ("/v1/sleep", b'{"tags": 5}', "tags"),
+        ("/v1/resume", b'{"mode": "keep"}', "mode"),  # resume takes no argument
+        # a version is a path component: refused here, before the engine or a rank
+        ("/v1/update_weights", b'{"version": "../x"}', "version"),
+        ("/v1/update_weights", b'{"version": ".."}', "version"),
+        ("/v1/update_weights", b'{"version": "a\\u0000b"}', "version"),
+        ("/v1/update_weights", b'{"version": "v1\\n"}', "version"),
     ],
 )
 def test_bad_control_bodies_are_400_naming_the_field(
@@ -139,3 +145,22 @@ def test_status_fresh_param_repeated_is_400_naming_it(
     assert r.status_code == 400, r.text
     assert r.json()["result"] == {"param": "fresh"} and "'fresh'" in r.json()["error_message"]
     assert calls == []
+
+
+
+@pytest.mark.parametrize(
+    "sent, want",
+    [
+        ("ünï©ødé".encode(), "ünï©ødé"),  # UTF-8 bytes, as curl or a browser send them
+        ("ü".encode("latin-1"), "ü"),  # latin-1, as `requests` sends it
+        (b"a.b *>", "a.b *>"),
+    ],
+)
+def test_a_control_reply_names_the_client_id_as_sent(sent: bytes, want: str) -> None:
+    from starlette.requests import Request
+
+    from services.api.control import client_request_id
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/pause", "query_string": b"",
+             "headers": [(b"x-request-id", sent)]}
+    assert client_request_id(Request(scope)) == want

@@ -79,6 +79,9 @@ def test_non_finite_numbers_are_refused_naming_the_field(
         ({"stop_token_ids": [100000]}, "stop_token_ids"),  # outside the vocabulary
         ({"logit_bias": {"1": 101}}, "logit_bias"),
         ({"logit_bias": {str(i): 0 for i in range(1025)}}, "logit_bias"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),  # keys are token ids
+        ({"logit_bias": {"-1": 1}}, "logit_bias"),
+        ({"logit_bias": {"100000": 1}}, "logit_bias"),  # outside the vocabulary
         ({"frequency_penalty": 2.5}, "frequency_penalty"),
         ({"stream": "yes"}, "stream"),
         ({"stream_options": {"include_usage": 1}}, "stream_options.include_usage"),

@@ -23,7 +23,12 @@ from shared.errors import ControlError
         (b'{"tags": 5}', m.TagArgs, "tags"),
         (b"\xff", m.NoArgs, "body"),
         (b"[1]", m.NoArgs, "body"),
-        (b'{"a": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", m.NoArgs, "body"),
+        (b'{"a": ' + b"[" * 50_000 + b"]" * 50_000 + b"}", m.NoArgs, "a"),
+        (b'{"mode": "keep"}', m.NoArgs, "mode"),  # resume, is_paused, health: no fields
+        (b'{"fersh": true}', m.StatusArgs, "fersh"),
+        (b'{"tags": ["x"]}', m.SleepWorkerArgs, "tags[0]"),  # a rank checks its tags too
+        (b'{"tags": ["weight", 1], "version": "v"}', m.WakeupWorkerArgs, "tags[1]"),
+        (b'{"fresh": "yes"}', m.StatusArgs, "fresh"),
     ],
 )
 def test_bad_control_arguments_name_the_field(data: bytes, kind: type, param: str) -> None:

@@ -160,3 +160,13 @@ def test_invalid_params_rejected(kwargs: dict[str, float]) -> None:
 def test_row_count_mismatch_rejected() -> None:
     with pytest.raises(ValueError):
         sample(logits(n=2), [SamplingParams()], gens(2))
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-310, 1e-45, 1e-30])
+def test_a_tiny_temperature_is_greedy_never_a_nan_token(temperature: float) -> None:
+    x = logits(n=6, seed=2)
+    greedy, _ = sample(x, [SamplingParams(temperature=0)] * 6, gens(6))
+    for seed in range(3):
+        toks, lps = sample(x, [SamplingParams(temperature=temperature)] * 6, gens(6, seed))
+        assert toks == greedy
+        assert all(np.isfinite(lps))
