@@ -339,12 +339,12 @@ async def test_writer_link_server_stops_reading_is_an_error(
 ) -> None:
     """The server stops reading the writer's connection mid-object: the send blocked on
     the socket ends after ``ack_timeout`` with ObjectReadError, nothing is stored."""
-    proxy, nc = await _via(nats_url, "stall", after=3 * MIB)
+    proxy, nc = await _via(nats_url, "stall", after=64 << 10)  # its buffers stay small
     name = f"m/{uuid.uuid4().hex}"
     try:
         with pytest.raises(objstore.ObjectReadError, match=r"put .*: the server took no data"):
             await asyncio.wait_for(
-                objstore.put_object(nc, BUCKET, name, os.urandom(96 * MIB), ack_timeout=2),
+                objstore.put_object(nc, BUCKET, name, os.urandom(32 * MIB), ack_timeout=2),
                 30,  # without the bound on the send: hangs (TimeoutError here)
             )
         assert nc.is_connected
