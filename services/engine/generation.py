@@ -320,7 +320,8 @@ class Generation:
                 self.drained.set()
             return
         self.drained.clear()
-        pids = self.engine.rank_pids  # replaced, never changed in place, by a reconcile
+        # replaced, never changed in place, by a reconcile
+        pids: dict[int, int] = getattr(self.engine, "rank_pids", {})
         try:
             outputs = await self._step(plan)
         except ControlError as e:
@@ -333,10 +334,11 @@ class Generation:
         """A step without a reply (only rank 0 answers, and it waits in the all-reduce for
         a peer that is stopped or gone) names the ranks the engine's view has silent, or
         restarted meanwhile (another pid than the ones ``pids`` the step was sent to)."""
-        if not isinstance(e, Timeout):
+        view = getattr(getattr(self.engine, "ranks", None), "view", None)
+        if not isinstance(e, Timeout) or view is None:
             return e
         silent, restarted = [], []
-        for r in self.engine.ranks.view.entries():
+        for r in view.entries():
             if not r.get("alive"):
                 silent.append(r["rank"])
             elif pids.get(r["rank"]) and r.get("pid") != pids[r["rank"]]:

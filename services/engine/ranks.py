@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 
 from shared import messages as m
+from shared import procs
 from shared.bus import Bus, Reply
 from shared.errors import LOST, UNAVAILABLE, ControlError, Timeout
 from shared.subjects import Subjects
@@ -24,6 +25,15 @@ class RankError(ControlError):
     def __init__(self, code: int, message: str, replies: dict[int, m.WorkerReply]) -> None:
         super().__init__(code, message)
         self.replies = replies
+
+
+def _exited(report: dict[str, Any]) -> bool:
+    """The reporting rank's process has exited (only known when it shares our pid
+    space: same host boot and pid namespace, as ranks ``rollbus serve`` starts)."""
+    space, pid = report.get("pid_space"), report.get("pid")
+    if not space or space != procs.pid_space() or not isinstance(pid, int):
+        return False
+    return procs.gone(pid)
 
 
 class RankView:
@@ -78,6 +88,9 @@ class RankView:
             out["reason"] = (
                 f"no report for {age:.1f} s (status asked every {self.refresh_s:g} s)"
             )
+        elif _exited(rep):
+            out["alive"] = False  # killed: seen at once, not after the bound
+            out["reason"] = f"its process {rep.get('pid')} has exited"
         return out
 
     def entries(self) -> list[dict[str, Any]]:

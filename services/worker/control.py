@@ -17,6 +17,7 @@ from typing import Any
 from services.worker import model as mdl
 from services.worker.comm import CommGroup
 from services.worker.weights import WeightStore, digest
+from shared import procs
 from shared.errors import CONFLICT, ControlError
 from shared.messages import (
     CommitArgs,
@@ -65,6 +66,7 @@ class Rank:
         return {
             "rank": self.rank,
             "pid": os.getpid(),
+            "pid_space": procs.pid_space(),  # the engine sees this pid exit when it shares it
             "version": self.weights.version,
             "weights_loaded": self.weights.current is not None,
             "weight_bytes": self.weights.nbytes,

@@ -176,3 +176,22 @@ def test_ranks_restarted_after_the_engine_version_was_deleted(faults: Faults) ->
         c.assert_consistent(f.stack, "v0")
     finally:
         write_version(f.stack.model_dir, "v2", seed=2)
+
+
+def test_killed_rank_is_seen_at_once(faults: Faults) -> None:
+    """A killed rank shares the engine's pid space: /health and /v1/status say so at
+    once (not after the status bound), before the launcher (stopped here, so the rank
+    stays a zombie) has even restarted anything; then it recovers by itself."""
+    f = faults
+    pid = c.rank_pid(f.stack, 1)
+    c.signal_quietly(f.stack.proc.pid, signal.SIGSTOP)
+    try:
+        c.signal_quietly(pid, signal.SIGKILL)
+        r = c.get(f.stack, "/health")
+        assert r.status_code == 503 and f"its process {pid} has exited" in r.text, r.text
+        rank1 = c.status(f.stack)["ranks"][1]
+        assert not rank1["alive"] and "has exited" in rank1["reason"], rank1
+    finally:
+        c.signal_quietly(f.stack.proc.pid, signal.SIGCONT)
+    st = c.wait_recovered(f.stack)
+    assert pid not in [r["pid"] for r in st["ranks"]]
