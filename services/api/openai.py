@@ -354,6 +354,12 @@ class OpenAIRoutes:
         else:
             assert isinstance(req, schema.CompletionRequest)
             logprobs, top = req.logprobs is not None, req.logprobs or 0
+            if req.echo:
+                raise BadRequest("echo is not supported", "echo")
+            if req.suffix:
+                raise BadRequest("suffix is not supported", "suffix")
+            if req.best_of is not None and req.best_of != n:
+                raise BadRequest("best_of other than n is not supported", "best_of")
         opts = req.stream_options
         gens = [
             m.GenRequest(

@@ -74,7 +74,10 @@ class CompletionRequest(Sampling, kw_only=True):
     # their number times n is bounded by ROLLBUS_MAX_N)
     prompt: str | list[str | TokenId | list[TokenId]]
     logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    # OpenAI's, not supported: a value that would change the answer is a 400 (the route)
     echo: bool | None = None
+    suffix: str | None = None
+    best_of: Annotated[int, Meta(ge=1, le=TOKEN_LIMIT)] | None = None
 
 
 class ContentPart(msgspec.Struct):

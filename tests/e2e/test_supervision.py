@@ -310,7 +310,9 @@ def test_rank_version_mismatch_is_reported_everywhere(stack: Stack) -> None:
     assert stack.status()["version_mismatch"] == []
     assert metric(stack, "rollbus_rank_version_mismatch ") == 0
     events = _events(stack, "version_mismatch")
-    assert [e["data"]["ranks"] for e in events][-2:] == [{"0": "v1", "1": "v1"}, {}]
+    ranks = [e["data"]["ranks"] for e in events]
+    # both reported, then cleared (the rollback may reach one rank first: {"1": "v1"} between)
+    assert {"0": "v1", "1": "v1"} in ranks and ranks[-1] == {}, ranks
 
 
 def _events(stack: Stack, kind: str) -> list[dict[str, Any]]:

@@ -80,6 +80,10 @@ def test_non_finite_numbers_are_refused_naming_the_field(
         ({"logit_bias": {"1": 101}}, "logit_bias"),
         ({"logit_bias": {str(i): 0 for i in range(1025)}}, "logit_bias"),
         ({"logit_bias": {"abc": 1}}, "logit_bias"),  # keys are token ids
+        ({"echo": True}, "echo"),  # not supported: refused, never silently ignored
+        ({"suffix": "x"}, "suffix"),
+        ({"best_of": 3}, "best_of"),
+        ({"echo": 1}, "echo"),
         ({"logit_bias": {"-1": 1}}, "logit_bias"),
         ({"logit_bias": {"100000": 1}}, "logit_bias"),  # outside the vocabulary
         ({"frequency_penalty": 2.5}, "frequency_penalty"),
@@ -138,6 +142,9 @@ def test_valid_requests_pass_and_unknown_fields_are_tolerated(routes: OpenAIRout
             "stop": "x",
             "logprobs": 0,
             "presence_penalty": 0.0,
+            "echo": False,
+            "best_of": 8,  # = n
+            "suffix": None,
             "some_future_openai_field": {"a": [1]},
         },
         False,
