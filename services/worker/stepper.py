@@ -79,6 +79,9 @@ class Stepper:
         self.watermark = watermark or Watermark()
         self.peers = peers  # (ping subject of every rank, tp)
         self.generators: dict[int, np.random.Generator] = {}
+        # tokens sampled in the last step run, by sequence, when it said ``keep``: a
+        # pipelined step's ``prev`` rows continue with them (every rank has them)
+        self.kept: dict[int, int] = {}
         self.last_step = 0  # last step number received (0: none yet)
         self.missed: list[tuple[int, int]] = []  # [lo, hi) ranges of steps never received
 
@@ -145,6 +148,7 @@ class Stepper:
             if error:
                 log.error("%s", error)
         if error:
+            self.kept = {}  # a step not run: the next may not refer to older samples
             reply = m.StepReply(req.step, [], [], [], error=error)
         else:
             loop = asyncio.get_running_loop()
@@ -162,6 +166,7 @@ class Stepper:
     def run(self, req: m.StepRequest) -> m.StepReply:
         t0 = time.perf_counter()
         st = self.state
+        kept, self.kept = self.kept, {}  # only the step just before may be referred to
         for seq_id in req.finished:
             self.generators.pop(seq_id, None)
         if req.version and req.version != st.weights.version:
@@ -178,25 +183,48 @@ class Stepper:
         if not req.rows:
             return m.StepReply(req.step, [], [], [], seconds=time.perf_counter() - t0)
         batch = mdl.Batch(
-            token_ids=[r.token_ids for r in req.rows],
+            token_ids=[self._tokens(r, kept) for r in req.rows],
             start_pos=[r.start_pos for r in req.rows],
             block_tables=[r.block_table for r in req.rows],
         )
         logits = st.model.forward(st.weights.current, st.kv, batch)
-        if self.rank != 0:
-            return m.StepReply(req.step, [], [], [])
-        rows, specs = [], []
-        for i, r in enumerate(req.rows):
-            for spec in r.sample:
-                rows.append(i)
-                specs.append(spec)
-        if not specs:
-            return m.StepReply(req.step, [], [], [], seconds=time.perf_counter() - t0)
+        specs = [(i, spec) for i, r in enumerate(req.rows) for spec in r.sample]
+        reply = m.StepReply(req.step, [], [], [])
+        tokens = [0] * len(specs)  # what rank 0 sampled, per spec (-1: its sampling failed)
+        try:
+            if self.rank == 0 and specs:
+                reply, tokens = self._sample(req, logits, specs)
+        finally:
+            if req.keep and specs:  # every rank, even when sampling raised: no rank waits alone
+                shared = st.model.share_tokens(tokens)
+                self.kept = {s.seq_id: t for (_, s), t in zip(specs, shared, strict=True)}
+        if self.rank == 0:
+            reply.seconds = time.perf_counter() - t0
+        return reply
+
+    @staticmethod
+    def _tokens(row: m.StepRow, kept: dict[int, int]) -> list[int]:
+        """The row's new tokens: ``token_ids``, then for ``prev`` the one kept from the
+        step before (a failed sample's -1 becomes 0: the engine drops what it gives)."""
+        if not row.prev:
+            return row.token_ids
+        tok = kept.get(row.seq_id)
+        if tok is None:  # the same on every rank (kept tokens are shared): all refuse
+            raise RuntimeError(
+                f"sequence {row.seq_id} continues with a token sampled in the step before, "
+                "which this rank did not keep"
+            )
+        return [*row.token_ids, max(tok, 0)]
+
+    def _sample(
+        self, req: m.StepRequest, logits: Any, specs: list[tuple[int, m.SamplingSpec]]
+    ) -> tuple[m.StepReply, list[int]]:
+        """Rank 0: sample every spec; the reply, and the token per spec (-1: failed)."""
         host = logits.numpy()
         # a bad sampling spec fails its own sequence only (reported in ``failed``)
         good: list[tuple[int, m.SamplingSpec, SamplingParams]] = []
         failed: list[tuple[int, int, str]] = []
-        for row, s in zip(rows, specs, strict=True):
+        for row, s in specs:
             try:
                 p = SamplingParams(
                     s.temperature, s.top_p, s.top_k, s.seed, s.logprobs, s.top_logprobs
@@ -227,15 +255,9 @@ class Stepper:
                 top.append(m.TopLogprobs(res.top[0].tolist(), res.top[1].astype("<f4").tobytes()))
             elif top:
                 top.append(m.TopLogprobs([]))
-        return m.StepReply(
-            req.step,
-            seq_ids,
-            tokens,
-            logprobs,
-            seconds=time.perf_counter() - t0,
-            failed=failed,
-            top=top,
-        )
+        by_seq = dict(zip(seq_ids, tokens, strict=True))
+        reply = m.StepReply(req.step, seq_ids, tokens, logprobs, failed=failed, top=top)
+        return reply, [by_seq.get(s.seq_id, -1) for _, s in specs]
 
     def _generator(self, spec: m.SamplingSpec) -> np.random.Generator:
         gen = self.generators.get(spec.seq_id)
