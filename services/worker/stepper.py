@@ -40,6 +40,7 @@ from shared.errors import BAD_REQUEST, INTERNAL, Timeout
 log = logging.getLogger("rollbus.worker.step")
 
 T = TypeVar("T")
+QUEUED_STEPS = 2  # steps a rank takes before its replies: the one running and the next
 
 
 class Watermark:
@@ -82,6 +83,8 @@ class Stepper:
         # tokens sampled in the last step run, by sequence, when it said ``keep``: a
         # pipelined step's ``prev`` rows continue with them (every rank has them)
         self.kept: dict[int, int] = {}
+        self.kept_step = -1  # the step those come from
+        self._replying: set[asyncio.Future[None]] = set()  # steps queued, reply to come
         self.last_step = 0  # last step number received (0: none yet)
         self.missed: list[tuple[int, int]] = []  # [lo, hi) ranges of steps never received
 
@@ -148,17 +151,32 @@ class Stepper:
             if error:
                 log.error("%s", error)
         if error:
-            self.kept = {}  # a step not run: the next may not refer to older samples
-            reply = m.StepReply(req.step, [], [], [], error=error)
-        else:
-            loop = asyncio.get_running_loop()
-            try:
-                reply = await loop.run_in_executor(
-                    self.pool, self.watermark.run, f"step {req.step}", self.run, req
-                )
-            except Exception as e:  # the engine must learn of it, not time out
-                log.exception("rank %d: step %d failed", self.rank, req.step)
-                reply = m.StepReply(req.step, [], [], [], error=f"rank {self.rank}: {e!r}")
+            await self._answer(msg, m.StepReply(req.step, [], [], [], error=error))
+            return
+        # queued on the compute thread now, behind a step still running: the handler
+        # returns at once, so the next step message is read and queued meanwhile and the
+        # compute thread goes from one step to the next (pipelined steps) without a hop
+        # through the event loop; the reply goes out when the step is done
+        while len(self._replying) >= QUEUED_STEPS:  # bounded (the engine sends 2 at most)
+            await asyncio.wait(self._replying, return_when=asyncio.FIRST_COMPLETED)
+        fut = asyncio.get_running_loop().run_in_executor(
+            self.pool, self.watermark.run, f"step {req.step}", self.run, req
+        )
+        task = asyncio.ensure_future(self._reply_when_done(msg, req, fut))
+        self._replying.add(task)
+        task.add_done_callback(self._replying.discard)
+
+    async def _reply_when_done(
+        self, msg: Msg, req: m.StepRequest, fut: asyncio.Future[m.StepReply]
+    ) -> None:
+        try:
+            reply = await fut
+        except Exception as e:  # the engine must learn of it, not time out
+            log.exception("rank %d: step %d failed", self.rank, req.step)
+            reply = m.StepReply(req.step, [], [], [], error=f"rank {self.rank}: {e!r}")
+        await self._answer(msg, reply)
+
+    async def _answer(self, msg: Msg, reply: m.StepReply) -> None:
         if (self.rank == 0 or reply.error) and msg.reply:
             headers = {REQUEST_ID: (msg.headers or {}).get(REQUEST_ID, ""), RANK: str(self.rank)}
             await self.bus.publish(msg.reply, m.pack(reply), headers=headers)
@@ -166,7 +184,10 @@ class Stepper:
     def run(self, req: m.StepRequest) -> m.StepReply:
         t0 = time.perf_counter()
         st = self.state
-        kept, self.kept = self.kept, {}  # only the step just before may be referred to
+        # only the step just before (by number) may be referred to: a step refused or
+        # missed in between breaks the chain
+        kept = self.kept if self.kept_step == req.step - 1 else {}
+        self.kept, self.kept_step = {}, -1
         for seq_id in req.finished:
             self.generators.pop(seq_id, None)
         if req.version and req.version != st.weights.version:
@@ -198,6 +219,7 @@ class Stepper:
             if req.keep and specs:  # every rank, even when sampling raised: no rank waits alone
                 shared = st.model.share_tokens(tokens)
                 self.kept = {s.seq_id: t for (_, s), t in zip(specs, shared, strict=True)}
+                self.kept_step = req.step
         if self.rank == 0:
             reply.seconds = time.perf_counter() - t0
         return reply

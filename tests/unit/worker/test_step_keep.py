@@ -58,6 +58,10 @@ def test_prev_rows_continue_with_the_token_kept_from_the_step_before() -> None:
     st.run(m.StepRequest(3, [row(0, [6], 3)]))
     with pytest.raises(RuntimeError, match="did not keep"):
         st.run(m.StepRequest(4, [row(0, [], 4, prev=True)], keep=True))
+    # nor does a step that is not the one just before (a step refused in between)
+    st.run(m.StepRequest(5, [row(0, [6], 3)], keep=True))
+    with pytest.raises(RuntimeError, match="did not keep"):
+        st.run(m.StepRequest(7, [row(0, [], 4, prev=True)], keep=True))
 
 
 def test_a_failed_sample_is_kept_as_a_placeholder_the_engine_drops() -> None:
