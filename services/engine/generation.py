@@ -293,6 +293,7 @@ class Generation:
                 self.drained.set()
             return
         self.drained.clear()
+        sent: Sent | None = None
         nxt: tuple[Plan, Sent] | None = None
         try:
             sent = await self._send_step(plan, self._may_pipeline())
@@ -310,8 +311,9 @@ class Generation:
         except ControlError as e:
             await self._fail_all(e)
         finally:
-            if nxt is not None:
-                nxt[1].drop()  # a reply that still comes is dropped; its requests failed
+            for left in (sent, nxt[1] if nxt else None):
+                if left is not None:  # not waited for (a failure): a late reply is dropped
+                    left.drop()
             self._sent_at.clear()
 
     def _staleness_gate(self) -> tuple[int | None, int]:

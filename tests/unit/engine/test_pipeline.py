@@ -23,15 +23,17 @@ VERSIONS = {"v0": 0, "v1": 100}  # a token's range says which weights computed i
 
 class Sent:
     def __init__(self, ranks: Ranks, reply: m.StepReply) -> None:
-        self.ranks, self.data = ranks, m.pack(reply)
+        self.ranks, self.data, self.done = ranks, m.pack(reply), False
 
     async def reply(self, timeout: float) -> Any:
         await asyncio.sleep(0.001)  # a step takes time: the next one can be sent meanwhile
-        self.ranks.in_flight -= 1
+        self.drop()
         return SimpleNamespace(data=self.data)
 
     def drop(self) -> None:
-        self.ranks.in_flight -= 1
+        if not self.done:
+            self.done = True
+            self.ranks.in_flight -= 1
 
 
 class Ranks:
