@@ -72,3 +72,57 @@ def test_a_failed_sample_is_kept_as_a_placeholder_the_engine_drops() -> None:
     assert model.shared == [[2, -1]]
     st.run(m.StepRequest(2, [row(0, [], 1, prev=True), row(1, [], 1, prev=True)], keep=True))
     assert model.fed[-1] == [[2], [0]]
+
+
+class Bus:
+    def __init__(self) -> None:
+        self.replies: list[m.StepReply] = []
+
+    async def publish(self, subject: str, data: bytes, headers: Any = None) -> None:
+        self.replies.append(m.unpack(data, type=m.StepReply))
+
+
+async def test_a_step_handler_returns_once_queued_and_replies_in_order() -> None:
+    """The next step is read while one computes (at most 2 taken), replies in order."""
+    import asyncio
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from services.worker.stepcheck import StepLimits
+
+    gate = threading.Event()
+    st, model = stepper()
+    forward = model.forward
+
+    def slow(*args: Any) -> Any:
+        gate.wait(10)
+        return forward(*args)
+
+    model.forward = slow  # type: ignore[method-assign]
+    bus = Bus()
+    pool = ThreadPoolExecutor(max_workers=1)
+    st.bus, st.pool = bus, pool  # type: ignore[assignment]
+    st.__dict__["limits"] = StepLimits(VOCAB, 4, 16, 64)
+
+    def msg(step: int) -> Any:
+        req = m.StepRequest(step, [row(0, [1], step - 1)], keep=True)
+        return SimpleNamespace(data=m.pack(req), reply="inbox", headers={})
+
+    try:
+        await st.on_step(msg(1))
+        await st.on_step(msg(2))  # returned although step 1 still computes
+        assert st.watermark.job == "step 1" and not bus.replies
+        third = asyncio.ensure_future(st.on_step(msg(3)))
+        await asyncio.sleep(0.05)
+        assert not third.done()  # a third waits until one of the two is answered
+        gate.set()
+        await asyncio.wait_for(third, 10)
+        for _ in range(500):
+            if len(bus.replies) == 3:
+                break
+            await asyncio.sleep(0.01)
+        assert [r.step for r in bus.replies] == [1, 2, 3]
+        assert not any(r.error for r in bus.replies)
+    finally:
+        gate.set()
+        pool.shutdown(wait=True)
