@@ -313,8 +313,8 @@ class Scheduler:
             while not self._ensure_blocks(seq, upto):
                 victim = self.running[-1]
                 self._preempt(victim)
-                if victim in seqs:  # it had a row in this step already: not any more
-                    i = seqs.index(victim)
+                had = [i for i, q in enumerate(seqs) if q is victim]
+                for i in had:  # it had a row in this step already: not any more
                     budget += rows[i].num_new
                     del rows[i], seqs[i]
                 if victim is seq:
