@@ -120,6 +120,30 @@ class _Gather:
             self.on_reply(rank, reply)
 
 
+class Sent:
+    """One request published by :meth:`Bus.send`, its reply still to come."""
+
+    def __init__(self, bus: Bus, subject: str, token: str, fut: asyncio.Future[Reply]) -> None:
+        self.bus, self.subject, self.token, self.fut = bus, subject, token, fut
+
+    async def reply(self, timeout: float) -> Reply:
+        """The one reply, within ``timeout`` from now; ``Timeout`` or ``NoResponders``."""
+        try:
+            return await asyncio.wait_for(self.fut, timeout)
+        except TimeoutError:
+            raise Timeout(self.subject, timeout) from None
+        finally:
+            self.drop()
+
+    def drop(self) -> None:
+        """Forget it: a reply that still comes is dropped as unknown."""
+        self.bus._pending.pop(self.token, None)
+        self.bus._rids.pop(self.token, None)
+        self.bus._subjects.pop(self.token, None)
+        if not self.fut.done():
+            self.fut.cancel()
+
+
 class StreamOverflow(ControlError):
     """A streamed request's reader fell ``limit`` replies behind: its stream is dropped."""
 
@@ -385,18 +409,30 @@ class Bus:
         request_id: str | None = None,
     ) -> Reply:
         """Publish and wait for one reply; ``Timeout`` or ``NoResponders`` on failure."""
+        sent = await self.send(subject, data, headers=headers, request_id=request_id)
+        return await sent.reply(timeout)
+
+    async def send(
+        self,
+        subject: str,
+        data: bytes,
+        *,
+        headers: dict[str, str] | None = None,
+        request_id: str | None = None,
+    ) -> Sent:
+        """Publish a request now and wait for its reply later (:meth:`Sent.reply`), so a
+        caller can have several out at once; messages go out in the order sent. A
+        :class:`Sent` not waited for must be dropped (:meth:`Sent.drop`)."""
         token = _token()
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._pending[token] = fut  # registered before the publish
+        sent = Sent(self, subject, token, fut)
         try:
             await self._send(subject, data, token, request_id or token, headers)
-            return await asyncio.wait_for(fut, timeout)
-        except TimeoutError:
-            raise Timeout(subject, timeout) from None
-        finally:
-            self._pending.pop(token, None)
-            self._rids.pop(token, None)
-            self._subjects.pop(token, None)
+        except BaseException:
+            sent.drop()
+            raise
+        return sent
 
     async def scatter(
         self,
@@ -460,10 +496,14 @@ class Bus:
         try:
             await self._send(subject, data, token, request_id or token, headers)
             while True:
-                try:
-                    item = await asyncio.wait_for(stream.queue.get(), idle_timeout)
-                except TimeoutError:
-                    raise Timeout(subject, idle_timeout) from None
+                try:  # a reply already there (a step's replies come together): no timer
+                    item = stream.queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    try:
+                        async with asyncio.timeout(idle_timeout):  # no task per reply
+                            item = await stream.queue.get()
+                    except TimeoutError:
+                        raise Timeout(subject, idle_timeout) from None
                 if isinstance(item, Exception):
                     raise item
                 yield item

@@ -288,13 +288,22 @@ class GenCancel(msgspec.Struct):
 
 class StepRow(msgspec.Struct, array_like=True):
     """One sequence's part of a step: new tokens from ``start_pos``, its block table, and
-    the sequences to sample from its last position (empty for a mid-prefill chunk)."""
+    the sequences to sample from its last position (empty for a mid-prefill chunk).
+
+    ``prev``: one more new token follows ``token_ids`` — the one the ranks sampled for
+    this sequence in the step just before (kept because that step said ``keep``), which
+    the engine had not received when it sent this one (pipelined steps)."""
 
     seq_id: int
     token_ids: list[int]
     start_pos: int
     block_table: list[int]
     sample: list[SamplingSpec]
+    prev: bool = False
+
+    @property
+    def num_new(self) -> int:
+        return len(self.token_ids) + self.prev
 
 
 class StepRequest(msgspec.Struct, array_like=True):
@@ -303,6 +312,7 @@ class StepRequest(msgspec.Struct, array_like=True):
     copies: list[tuple[int, int]] = msgspec.field(default_factory=list)  # KV block src->dst
     finished: list[int] = msgspec.field(default_factory=list)  # seq ids rank 0 may forget
     version: str = ""  # the engine's weight version: a rank serving another refuses the step
+    keep: bool = False  # every rank keeps the tokens sampled here: the next step may use them
 
 
 class StepReply(msgspec.Struct, array_like=True):

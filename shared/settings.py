@@ -65,6 +65,11 @@ class Settings(BaseSettings):
         description="an idle engine waits up to this long for requests arriving together "
         "(README 'Admission'); 0 = start at once",
     )
+    step_pipeline: bool = Field(
+        True,
+        description="send the next decode step before the last one's reply (README "
+        "'Pipelined steps'); false = one step at a time",
+    )
     device: Literal["cpu", "gpu"] = Field(
         "cpu", description="where ranks compute: cpu (gloo) or gpu (rank r on gpu:r, NCCL)"
     )

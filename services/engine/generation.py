@@ -11,9 +11,12 @@ Gates: ``admit`` (start waiting requests) and ``run`` (step running ones).
   re-prefilled (recomputed) first if the weights or the KV cache changed meanwhile.
 * Requests that arrive while paused or asleep wait in the queue.
 
-One step at a time holds ``step_lock``; every scheduler change (cancel, abort, resume,
-KV drop, weights changed) and every rank-state change (update_weights, sleep, wakeup:
-:meth:`Generation.quiet`) takes it too, so none happens while a step is in flight.
+The step loop holds ``step_lock`` while steps are in flight; every scheduler change
+(cancel, abort, resume, KV drop, weights changed) and every rank-state change
+(update_weights, sleep, wakeup: :meth:`Generation.quiet`) takes it too, so none happens
+while a step is in flight. Decode steps are pipelined (``ROLLBUS_STEP_PIPELINE``): the
+next step goes out before the reply of the one in flight; a control call waiting for
+the lock ends such a run after the steps already sent (see :meth:`Generation._one`).
 
 Supervision: the step loop and the heartbeats run under the engine's
 :class:`~shared.tasks.Supervisor`. A loop failure ends every live request with 503 and
@@ -38,9 +41,9 @@ from nats.aio.msg import Msg
 from nats.micro.service import Service
 
 from services.engine import autoupdate, staleness
-from services.engine.scheduler import Output, Scheduler, Seq
+from services.engine.scheduler import Output, Plan, Scheduler, Seq
 from shared import messages as m
-from shared.bus import REQUEST_ID
+from shared.bus import REQUEST_ID, Sent
 from shared.errors import BAD_REQUEST, TOO_MANY_REQUESTS, UNAVAILABLE, ControlError, Timeout
 from shared.model_config import max_model_len, vocab_size
 from shared.tasks import Supervisor
@@ -118,6 +121,8 @@ class Generation:
         self.steps = 0
         self.rows = 0  # rows stepped, summed over steps
         self._last_reply = 0.0  # when the last reply came (0: the loop went idle since)
+        self._sent_at: list[float] = []  # when each step in flight was sent, oldest first
+        self._lock_wanted = 0  # control calls waiting for the step lock (ends a pipeline)
         # progress watermark: set when the loop takes the step lock and after each step
         self.active = False  # the loop holds the step lock (a step may be in flight)
         self.last_progress = time.monotonic()
@@ -305,14 +310,34 @@ class Generation:
                 await asyncio.wait_for(self.arrived.wait(), left)
         self.gathered += time.monotonic() - t0
 
-    async def _one(self) -> None:
+    async def _take_cancels(self) -> None:
         for rid in self._cancels:
             await self._end(self.sched.abort(rid, "abort"))
         self._cancels.clear()
+
+    def _plan(self, ahead: bool = False) -> Plan | None:
         bound, behind = self._staleness_gate()
-        plan = self.sched.schedule(
-            admit=self.admit, run=self.run, behind=behind, max_staleness=bound
+        return self.sched.schedule(
+            admit=self.admit, run=self.run, behind=behind, max_staleness=bound, ahead=ahead
         )
+
+    def _may_pipeline(self) -> bool:
+        """Send the next step before this one's reply: the setting is on, the gates are
+        open and nothing waits for the step lock (pause, update_weights, sleep...)."""
+        return (
+            getattr(self.engine.settings, "step_pipeline", False)
+            and self.run
+            and not self._lock_wanted
+        )
+
+    async def _one(self) -> None:
+        """One step, or a run of pipelined steps: while step N is in flight, N+1 is
+        planned from what N will leave and sent, so the ranks go from one to the next
+        without waiting for the engine; the run ends (N's reply applied last) as soon as
+        anything needs the lock or no step can be planned ahead. Every step sent is
+        answered or failed before the lock is released."""
+        await self._take_cancels()
+        plan = self._plan()
         if plan is None:
             self._last_reply = 0.0
             self.work.clear()
@@ -322,13 +347,28 @@ class Generation:
         self.drained.clear()
         # replaced, never changed in place, by a reconcile
         pids: dict[int, int] = getattr(self.engine, "rank_pids", {})
+        sent: Sent | None = None
+        nxt: tuple[Plan, Sent] | None = None
         try:
-            outputs = await self._step(plan)
+            sent = await self._send_step(plan, self._may_pipeline())
+            while True:
+                ahead = self._plan(ahead=True) if self._may_pipeline() else None
+                if ahead is not None:
+                    nxt = (ahead, await self._send_step(ahead, True))
+                outputs = await self._step_reply(plan, sent)
+                self.last_progress = time.monotonic()
+                await self._publish(outputs)
+                if nxt is None:
+                    return
+                (plan, sent), nxt = nxt, None
+                await self._take_cancels()
         except ControlError as e:
             await self._fail_all(self._naming_silent_ranks(e, pids))
-            return
-        self.last_progress = time.monotonic()
-        await self._publish(outputs)
+        finally:
+            for left in (sent, nxt[1] if nxt else None):
+                if left is not None:  # not waited for (a failure): a late reply is dropped
+                    left.drop()
+            self._sent_at.clear()
 
     def _naming_silent_ranks(self, e: ControlError, pids: dict[int, int]) -> ControlError:
         """A step without a reply (only rank 0 answers, and it waits in the all-reduce for
@@ -381,17 +421,29 @@ class Generation:
             waiting=self.sched.held(behind, bound),
         )
 
-    async def _step(self, plan: Any) -> list[Output]:
-        """Send one step; a rank's error or no reply within CONTROL_TIMEOUT_S raises 503."""
+    async def _send_step(self, plan: Plan, keep: bool) -> Sent:
+        """Send one step (``keep``: the ranks keep its sampled tokens for the next)."""
         eng = self.engine
-        t0 = time.perf_counter()
-        if self._last_reply:
-            self.between_seconds += t0 - self._last_reply
+        now = time.perf_counter()
+        if self._last_reply and not self._sent_at:
+            self.between_seconds += now - self._last_reply
         plan.step.version = eng.state.weight_version  # no rank steps on another version
-        self.in_step = plan.step.step
-        rep = await eng.bus.request(
-            eng.subjects.worker_step, m.pack(plan.step), timeout=eng.settings.control_timeout_s
-        )
+        plan.step.keep = keep
+        self.in_step = self.in_step or plan.step.step
+        sent = await eng.bus.send(eng.subjects.worker_step, m.pack(plan.step))
+        self._sent_at.append(now)
+        return sent
+
+    async def _step_reply(self, plan: Plan, sent: Sent) -> list[Output]:
+        """Wait for the reply of the oldest step sent and apply it; a rank's error or no
+        reply within CONTROL_TIMEOUT_S (from when the step before it answered) raises 503."""
+        eng = self.engine
+        try:
+            rep = await sent.reply(eng.settings.control_timeout_s)
+        finally:
+            t0 = max(self._sent_at.pop(0), self._last_reply)
+            self._last_reply = time.perf_counter()
+            self.in_step = plan.step.step + 1 if self._sent_at else 0
         try:
             reply = m.unpack(rep.data, type=m.StepReply)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as e:
@@ -401,18 +453,17 @@ class Generation:
             ) from None
         if reply.error:
             raise ControlError(UNAVAILABLE, f"step {plan.step.step} failed: {reply.error}")
-        self._last_reply = time.perf_counter()
         took = self._last_reply - t0
         self.step_seconds += took
         self.step_avg = took if not self.step_avg else 0.8 * self.step_avg + 0.2 * took
         self.rank_seconds += reply.seconds
         self.steps += 1
         self.rows += len(plan.step.rows)
-        return self.sched.apply(plan, reply, eng.state.weight_version)
+        return self.sched.apply(plan, reply, plan.step.version)
 
     async def on_loop_error(self, err: BaseException) -> None:
         """The step loop died: every live request gets 503 (the loop restarts)."""
-        async with self.step_lock:
+        async with self._lock():
             why = f"step loop failed: {type(err).__name__}: {err}"
             await self._fail_all(ControlError(UNAVAILABLE, why))
         self.work.set()
@@ -503,7 +554,7 @@ class Generation:
             self.run = False  # drained: no step is in flight, none will start
             return 0
         self.admit = self.run = False
-        async with self.step_lock:  # the in-flight step completes first
+        async with self._lock():  # the steps in flight complete first
             if mode == "abort":
                 ended = self.sched.abort(None, "abort")
                 await self._end(ended)
@@ -520,8 +571,22 @@ class Generation:
     async def quiet(self) -> AsyncIterator[None]:
         """Hold the step lock: no step is in flight meanwhile, none starts. The
         scheduler changes below must be called inside it."""
-        async with self.step_lock:
+        async with self._lock():
             yield
+
+    @contextlib.asynccontextmanager
+    async def _lock(self) -> AsyncIterator[None]:
+        """The step lock for a control call: while it waits, the step loop sends no step
+        ahead, so a run of pipelined steps ends after the ones in flight."""
+        self._lock_wanted += 1
+        try:
+            await self.step_lock.acquire()
+        finally:
+            self._lock_wanted -= 1
+        try:
+            yield
+        finally:
+            self.step_lock.release()
 
     def _locked(self, what: str) -> None:
         if not self.step_lock.locked():

@@ -1,14 +1,24 @@
 """Continuous batching over a paged KV cache: queues, block tables, step plans. Pure.
 
 A sequence is ``tokens`` (prompt + output so far) of which ``num_computed`` have their
-K/V in the cache. Every step feeds each scheduled sequence ``tokens[num_computed:]``
-(the whole prompt, a chunk of it, or the one token sampled last step) and samples from
-its last position once nothing is left — so prefill, decode and recompute after a
-preemption or a weight change are the same operation.
+K/V in the cache (or in a step sent). Every step feeds each scheduled sequence
+``tokens[num_computed:]`` (the whole prompt, a chunk of it, or the one token sampled last
+step) and samples from its last position once nothing is left — so prefill, decode and
+recompute after a preemption or a weight change are the same operation.
 
 ``n`` choices share the prompt's prefill: the request's first sequence prefills once
 and rank 0 samples ``n`` tokens from that position; the other choices then fork, sharing
 the full prompt blocks (reference counts) and copying the partial last block.
+
+Pipelined steps: while step N is in flight, :meth:`Scheduler.schedule` with ``ahead``
+plans step N+1 from what N will leave. ``num_computed`` counts positions sent to the
+ranks (advanced when a step is planned), and ``pending`` the tokens a step in flight
+samples for the sequence, whose values the engine does not know yet: the next row of
+such a sequence ends with that token (``StepRow.prev``: the ranks kept it). A sequence
+that N surely ends (``max_tokens``, the context length) is left out; one that N ends on
+a stop token has computed one row too many, whose sample :meth:`apply` drops. An ahead
+plan never preempts: when blocks run short it returns None and the caller runs the
+next step after N's reply instead.
 
 Fairness: a step's rows are shared among the running requests round-robin, and while
 requests wait for admission one request may take at most ``max_batch // (running
@@ -82,10 +92,16 @@ class Seq:
     spans: list[m.VersionSpan] = field(default_factory=list)
     finish_reason: str | None = None
     last_step: int = 0
+    pending: int = 0  # tokens sampled by steps in flight, not yet applied (0 or 1)
 
     @property
     def output_len(self) -> int:
         return len(self.tokens) - self.prompt_len
+
+    @property
+    def length(self) -> int:
+        """Tokens once the steps in flight are applied (known + ``pending``)."""
+        return len(self.tokens) + self.pending
 
     @property
     def output(self) -> list[int]:
@@ -201,13 +217,16 @@ class Scheduler:
         self.preemptions += 1
 
     def _row(self, seq: Seq, budget: int) -> m.StepRow:
-        remaining = len(seq.tokens) - seq.num_computed
+        remaining = seq.length - seq.num_computed
         chunk = min(remaining, budget)
         new = seq.tokens[seq.num_computed : seq.num_computed + chunk]
+        prev = len(new) < chunk  # the last position is the token a step in flight samples
         sample: list[m.SamplingSpec] = []
         if chunk == remaining:
             req = seq.req
-            targets = req.seqs if (seq.index == 0 and not req.forked) else [seq]
+            # the prompt's one sample position serves every choice (until they fork)
+            first = seq.index == 0 and not req.forked and seq.length == seq.prompt_len
+            targets = req.seqs if first else [seq]
             g = req.gen
             sample = [
                 m.SamplingSpec(
@@ -216,7 +235,7 @@ class Scheduler:
                 )
                 for t in targets
             ]
-        return m.StepRow(seq.seq_id, new, seq.num_computed, list(seq.blocks), sample)
+        return m.StepRow(seq.seq_id, new, seq.num_computed, list(seq.blocks), sample, prev)
 
     def _fair_order(self, admitting: bool) -> list[Seq]:
         """Running sequences in the order they get rows: round-robin over requests,
@@ -250,6 +269,14 @@ class Scheduler:
         req = seq.req
         return req.started or not staleness.holds(behind, max_staleness, req.gen.max_staleness)
 
+    def _ends_ahead(self, seq: Seq) -> bool:
+        """A step in flight surely ends ``seq`` (its last token reaches ``max_tokens`` or
+        the context length): it gets no row after that step."""
+        if not seq.pending:
+            return False
+        out = seq.length - seq.prompt_len
+        return out >= seq.req.gen.max_tokens or seq.length >= self.max_model_len
+
     def schedule(
         self,
         *,
@@ -257,6 +284,7 @@ class Scheduler:
         run: bool = True,
         behind: int = 0,
         max_staleness: int | None = None,
+        ahead: bool = False,
     ) -> Plan | None:
         """The next step, or None when there is nothing to do.
 
@@ -264,7 +292,10 @@ class Scheduler:
         copies and finished ids wait for the next real step, since the ranks may have
         freed their KV cache meanwhile. ``behind`` (versions the serving one is behind the
         newest announced) and ``max_staleness``: a request that has not started yet and is
-        over its bound stays in the queue (see :mod:`services.engine.staleness`)."""
+        over its bound stays in the queue (see :mod:`services.engine.staleness`).
+
+        ``ahead``: a step is in flight and this one follows it (see the module doc); None
+        also when it would have to preempt or has no row."""
         if not run:
             return None
         rows: list[m.StepRow] = []
@@ -274,37 +305,48 @@ class Scheduler:
         for seq in self._fair_order(admitting):
             if seq not in self.running or len(rows) >= self.max_batch or budget <= 0:
                 continue
-            upto = min(len(seq.tokens), seq.num_computed + budget)
+            if self._ends_ahead(seq):
+                continue
+            upto = min(seq.length, seq.num_computed + budget)
+            if ahead and not self._ensure_blocks(seq, upto):
+                return None  # preempting a sequence in flight: not while a step runs
             while not self._ensure_blocks(seq, upto):
                 victim = self.running[-1]
                 self._preempt(victim)
+                had = [i for i, q in enumerate(seqs) if q is victim]
+                for i in had:  # it had a row in this step already: not any more
+                    budget += rows[i].num_new
+                    del rows[i], seqs[i]
                 if victim is seq:
                     break
             if seq not in self.running:
                 continue
             row = self._row(seq, budget)
-            budget -= len(row.token_ids)
+            budget -= row.num_new
             rows.append(row)
             seqs.append(seq)
         ready = [s for s in self.waiting if self._may_start(s, behind, max_staleness)]
         for seq in ready if admit else []:
             if len(rows) >= self.max_batch or budget <= 0:
                 break
-            upto = min(len(seq.tokens), seq.num_computed + budget)
+            upto = min(seq.length, seq.num_computed + budget)
             if not self._ensure_blocks(seq, upto):
                 break
             self.waiting.remove(seq)
             self.running.append(seq)
             seq.req.started = True
             row = self._row(seq, budget)
-            budget -= len(row.token_ids)
+            budget -= row.num_new
             rows.append(row)
             seqs.append(seq)
-        if not rows and not self._copies and not self._finished_ids:
+        if not rows and (ahead or (not self._copies and not self._finished_ids)):
             return None
         self._step += 1
-        for seq in seqs:
+        for row, seq in zip(rows, seqs, strict=True):
             seq.last_step = self._step
+            seq.num_computed += row.num_new  # sent: the next row starts after it
+            if row.sample:
+                seq.pending += 1
         step = m.StepRequest(self._step, rows, self._copies, self._finished_ids)
         self._copies, self._finished_ids = [], []
         return Plan(step, seqs)
@@ -312,8 +354,11 @@ class Scheduler:
     # ------------------------------------------------------------------ results
 
     def apply(self, plan: Plan, reply: m.StepReply, version: str) -> list[Output]:
+        """The reply of ``plan`` (steps are applied in the order they were planned);
+        ``version``: the weights it ran on."""
         for row, seq in zip(plan.step.rows, plan.seqs, strict=True):
-            seq.num_computed += len(row.token_ids)
+            if row.sample:
+                seq.pending -= 1
         by_id = {s.seq_id: s for row_seq in plan.seqs for s in row_seq.req.seqs}
         tops: list[m.TopLogprobs | None] = list(reply.top) or [None] * len(reply.seq_ids)
         samples = [
@@ -357,9 +402,11 @@ class Scheduler:
 
     def _fork(self, leader: Seq, child: Seq) -> None:
         """``child`` takes the leader's prompt KV: full blocks shared, last one copied."""
-        full = leader.num_computed // self.block_size
+        # the prompt's positions (the leader's row after it may be in flight already)
+        computed = leader.prompt_len
+        full = computed // self.block_size
         child.blocks = [self.alloc.share(b) for b in leader.blocks[:full]]
-        if leader.num_computed % self.block_size:
+        if computed % self.block_size:
             if self.alloc.num_free == 0:  # no room to copy: recompute its prompt later
                 self.alloc.release(child.blocks)
                 child.num_computed = 0
@@ -368,7 +415,7 @@ class Scheduler:
             dst = self.alloc.take()
             self._copies.append((leader.blocks[full], dst))
             child.blocks.append(dst)
-        child.num_computed = leader.num_computed
+        child.num_computed = computed
         self.running.append(child)
 
     def _finish_reason(self, seq: Seq, token: int) -> str | None:

@@ -242,6 +242,22 @@ class TPModel:
         head = weights["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
         return _linear(h, head)
 
+    def share_tokens(self, tokens: list[int]) -> list[int]:
+        """Rank 0's ``tokens`` on every rank (the others pass as many zeros). One small
+        all-reduce in which only rank 0's values are not 0: the sum is rank 0's values,
+        exactly (token ids are far below float32's 2**24 integers)."""
+        if self.tp == 1 or not tokens:
+            return tokens
+        a = np.asarray(tokens if self.rank == 0 else [0] * len(tokens), np.float32)
+        shm = self.shm
+        if shm is not None and shm.fits(a.nbytes):
+            out = shm.reduce(a)
+        else:
+            t = paddle.to_tensor(a)
+            dist.all_reduce(t, group=self.group)
+            out = t.numpy()
+        return [int(x) for x in out]
+
     def _all_reduce(self, t: paddle.Tensor) -> paddle.Tensor:
         if self.tp > 1:
             if not t.is_contiguous():  # _linear's output is a transposed view

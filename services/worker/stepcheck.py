@@ -37,14 +37,14 @@ def check_step(req: m.StepRequest, lim: StepLimits) -> str | None:
     seen: set[int] = set()
     for i, row in enumerate(req.rows):
         where = f"row {i} (seq {row.seq_id})"
-        if not row.token_ids:
+        if not row.num_new:
             return f"{where}: no tokens"
         if row.seq_id in seen:
             return f"{where}: sequence twice in one step"
         seen.add(row.seq_id)
         if any(not 0 <= t < lim.vocab_size for t in row.token_ids):
             return f"{where}: token id outside 0..{lim.vocab_size - 1}"
-        end = row.start_pos + len(row.token_ids)
+        end = row.start_pos + row.num_new
         if row.start_pos < 0 or end > lim.max_model_len:
             return f"{where}: positions {row.start_pos}..{end} outside 0..{lim.max_model_len}"
         if len(row.block_table) * lim.block_size < end:

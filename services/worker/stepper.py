@@ -40,6 +40,7 @@ from shared.errors import BAD_REQUEST, INTERNAL, Timeout
 log = logging.getLogger("rollbus.worker.step")
 
 T = TypeVar("T")
+QUEUED_STEPS = 2  # steps a rank takes before its replies: the one running and the next
 
 
 class Watermark:
@@ -79,6 +80,11 @@ class Stepper:
         self.watermark = watermark or Watermark()
         self.peers = peers  # (ping subject of every rank, tp)
         self.generators: dict[int, np.random.Generator] = {}
+        # tokens sampled in the last step run, by sequence, when it said ``keep``: a
+        # pipelined step's ``prev`` rows continue with them (every rank has them)
+        self.kept: dict[int, int] = {}
+        self.kept_step = -1  # the step those come from
+        self._replying: set[asyncio.Future[None]] = set()  # steps queued, reply to come
         self.last_step = 0  # last step number received (0: none yet)
         self.missed: list[tuple[int, int]] = []  # [lo, hi) ranges of steps never received
 
@@ -145,16 +151,32 @@ class Stepper:
             if error:
                 log.error("%s", error)
         if error:
-            reply = m.StepReply(req.step, [], [], [], error=error)
-        else:
-            loop = asyncio.get_running_loop()
-            try:
-                reply = await loop.run_in_executor(
-                    self.pool, self.watermark.run, f"step {req.step}", self.run, req
-                )
-            except Exception as e:  # the engine must learn of it, not time out
-                log.exception("rank %d: step %d failed", self.rank, req.step)
-                reply = m.StepReply(req.step, [], [], [], error=f"rank {self.rank}: {e!r}")
+            await self._answer(msg, m.StepReply(req.step, [], [], [], error=error))
+            return
+        # queued on the compute thread now, behind a step still running: the handler
+        # returns at once, so the next step message is read and queued meanwhile and the
+        # compute thread goes from one step to the next (pipelined steps) without a hop
+        # through the event loop; the reply goes out when the step is done
+        while len(self._replying) >= QUEUED_STEPS:  # bounded (the engine sends 2 at most)
+            await asyncio.wait(self._replying, return_when=asyncio.FIRST_COMPLETED)
+        fut = asyncio.get_running_loop().run_in_executor(
+            self.pool, self.watermark.run, f"step {req.step}", self.run, req
+        )
+        task = asyncio.ensure_future(self._reply_when_done(msg, req, fut))
+        self._replying.add(task)
+        task.add_done_callback(self._replying.discard)
+
+    async def _reply_when_done(
+        self, msg: Msg, req: m.StepRequest, fut: asyncio.Future[m.StepReply]
+    ) -> None:
+        try:
+            reply = await fut
+        except Exception as e:  # the engine must learn of it, not time out
+            log.exception("rank %d: step %d failed", self.rank, req.step)
+            reply = m.StepReply(req.step, [], [], [], error=f"rank {self.rank}: {e!r}")
+        await self._answer(msg, reply)
+
+    async def _answer(self, msg: Msg, reply: m.StepReply) -> None:
         if (self.rank == 0 or reply.error) and msg.reply:
             headers = {REQUEST_ID: (msg.headers or {}).get(REQUEST_ID, ""), RANK: str(self.rank)}
             await self.bus.publish(msg.reply, m.pack(reply), headers=headers)
@@ -162,6 +184,10 @@ class Stepper:
     def run(self, req: m.StepRequest) -> m.StepReply:
         t0 = time.perf_counter()
         st = self.state
+        # only the step just before (by number) may be referred to: a step refused or
+        # missed in between breaks the chain
+        kept = self.kept if self.kept_step == req.step - 1 else {}
+        self.kept, self.kept_step = {}, -1
         for seq_id in req.finished:
             self.generators.pop(seq_id, None)
         if req.version and req.version != st.weights.version:
@@ -178,25 +204,49 @@ class Stepper:
         if not req.rows:
             return m.StepReply(req.step, [], [], [], seconds=time.perf_counter() - t0)
         batch = mdl.Batch(
-            token_ids=[r.token_ids for r in req.rows],
+            token_ids=[self._tokens(r, kept) for r in req.rows],
             start_pos=[r.start_pos for r in req.rows],
             block_tables=[r.block_table for r in req.rows],
         )
         logits = st.model.forward(st.weights.current, st.kv, batch)
-        if self.rank != 0:
-            return m.StepReply(req.step, [], [], [])
-        rows, specs = [], []
-        for i, r in enumerate(req.rows):
-            for spec in r.sample:
-                rows.append(i)
-                specs.append(spec)
-        if not specs:
-            return m.StepReply(req.step, [], [], [], seconds=time.perf_counter() - t0)
+        specs = [(i, spec) for i, r in enumerate(req.rows) for spec in r.sample]
+        reply = m.StepReply(req.step, [], [], [])
+        tokens = [0] * len(specs)  # what rank 0 sampled, per spec (-1: its sampling failed)
+        try:
+            if self.rank == 0 and specs:
+                reply, tokens = self._sample(req, logits, specs)
+        finally:
+            if req.keep and specs:  # every rank, even when sampling raised: no rank waits alone
+                shared = st.model.share_tokens(tokens)
+                self.kept = {s.seq_id: t for (_, s), t in zip(specs, shared, strict=True)}
+                self.kept_step = req.step
+        if self.rank == 0:
+            reply.seconds = time.perf_counter() - t0
+        return reply
+
+    @staticmethod
+    def _tokens(row: m.StepRow, kept: dict[int, int]) -> list[int]:
+        """The row's new tokens: ``token_ids``, then for ``prev`` the one kept from the
+        step before (a failed sample's -1 becomes 0: the engine drops what it gives)."""
+        if not row.prev:
+            return row.token_ids
+        tok = kept.get(row.seq_id)
+        if tok is None:  # the same on every rank (kept tokens are shared): all refuse
+            raise RuntimeError(
+                f"sequence {row.seq_id} continues with a token sampled in the step before, "
+                "which this rank did not keep"
+            )
+        return [*row.token_ids, max(tok, 0)]
+
+    def _sample(
+        self, req: m.StepRequest, logits: Any, specs: list[tuple[int, m.SamplingSpec]]
+    ) -> tuple[m.StepReply, list[int]]:
+        """Rank 0: sample every spec; the reply, and the token per spec (-1: failed)."""
         host = logits.numpy()
         # a bad sampling spec fails its own sequence only (reported in ``failed``)
         good: list[tuple[int, m.SamplingSpec, SamplingParams]] = []
         failed: list[tuple[int, int, str]] = []
-        for row, s in zip(rows, specs, strict=True):
+        for row, s in specs:
             try:
                 p = SamplingParams(
                     s.temperature, s.top_p, s.top_k, s.seed, s.logprobs, s.top_logprobs
@@ -227,15 +277,9 @@ class Stepper:
                 top.append(m.TopLogprobs(res.top[0].tolist(), res.top[1].astype("<f4").tobytes()))
             elif top:
                 top.append(m.TopLogprobs([]))
-        return m.StepReply(
-            req.step,
-            seq_ids,
-            tokens,
-            logprobs,
-            seconds=time.perf_counter() - t0,
-            failed=failed,
-            top=top,
-        )
+        by_seq = dict(zip(seq_ids, tokens, strict=True))
+        reply = m.StepReply(req.step, seq_ids, tokens, logprobs, failed=failed, top=top)
+        return reply, [by_seq.get(s.seq_id, -1) for _, s in specs]
 
     def _generator(self, spec: m.SamplingSpec) -> np.random.Generator:
         gen = self.generators.get(spec.seq_id)

@@ -136,14 +136,14 @@ async def test_a_wedged_step_loop_is_restarted_and_its_requests_get_503() -> Non
     gen = eng.scheduler
     steps = 0
 
-    async def wedged(plan: Any) -> Any:
+    async def wedged(plan: Any, keep: bool) -> Any:
         nonlocal steps
         steps += 1
         if steps == 1:
             await asyncio.Event().wait()  # e.g. a bus call without a timeout
         raise AssertionError("the request should have been failed")
 
-    gen._step = wedged  # type: ignore[method-assign]
+    gen._send_step = wedged  # type: ignore[method-assign]
     sup = Supervisor("engine", backoff=0.01)
     gen.background(sup)
     gen.sched.add(m.GenRequest("r1", [1, 2, 3], 5), "reply.r1")
