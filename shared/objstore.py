@@ -73,6 +73,7 @@ READ_BATCH = 16  # chunks per direct-get batch (MiB in flight): well under 64 Mi
 FAST_READ_MIN = 4 << 20  # objects this large are read by shared._fastwire
 FAST_PUT_MIN = 4 << 20  # and written through a shared._fastwire.Link
 PURGE_SETTLE = 5.0  # a failed put waits this long for in-flight acks before it purges
+PURGE_AGAIN_S = 1.0  # then, if some never came, purges again this much later
 DIGEST_PREFIX = "SHA-256="
 MSG_ID = "Nats-Msg-Id"
 
@@ -385,11 +386,17 @@ async def put_object(
             while (inflight and not nc.is_closed and loop.time() < deadline
                    and (link is None or link.error is None)):
                 await asyncio.sleep(0.02)
+            unsettled = bool(inflight)
             if link is not None:
-                if inflight:
+                if unsettled:
                     link.abort()
                 await link.close()
             await js.purge_stream(_stream(bucket), subject=subj)
+            if unsettled:
+                # bytes the server had already read from the ended link are stored on its
+                # own schedule, unordered with this connection's purge: purge once more
+                await asyncio.sleep(PURGE_AGAIN_S)
+                await js.purge_stream(_stream(bucket), subject=subj)
         except Exception:  # noqa: BLE001 - the original error is what matters
             pass
         raise

@@ -352,7 +352,9 @@ class Generation:
         try:
             sent = await self._send_step(plan, self._may_pipeline())
             while True:
-                ahead = self._plan(ahead=True) if self._may_pipeline() else None
+                # only after a step whose tokens the ranks keep (decided when it was sent)
+                keep = plan.step.keep
+                ahead = self._plan(ahead=True) if keep and self._may_pipeline() else None
                 if ahead is not None:
                     nxt = (ahead, await self._send_step(ahead, True))
                 outputs = await self._step_reply(plan, sent)
@@ -566,6 +568,10 @@ class Generation:
             self.drained.clear()
             self.work.set()
             await self.drained.wait()
+        # and no step in flight: a pipelined step may still be computing the extra rows
+        # (dropped) of sequences that all ended in the step before it
+        async with self._lock():
+            pass
 
     @contextlib.asynccontextmanager
     async def quiet(self) -> AsyncIterator[None]:

@@ -392,8 +392,8 @@ class Scheduler:
         outputs: list[Output] = []
         for sid, code, why in failed:
             seq = by_id.get(sid)
-            if seq is None:
-                continue
+            if seq is None or seq.finish_reason is not None:
+                continue  # a row computed past its end (pipelined): its sample is dropped
             for s in seq.req.seqs:
                 if s.finish_reason is None:
                     self.finish(s, "error")

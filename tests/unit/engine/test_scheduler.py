@@ -205,3 +205,21 @@ def test_top_logprobs_travel_from_the_reply_to_each_output() -> None:
     plan = s.schedule()
     assert plan is not None
     assert all(o.top is None for o in s.apply(plan, fake_reply(plan), "v0"))
+
+
+def test_a_failed_sample_of_a_row_past_its_end_fails_no_sibling() -> None:
+    """Pipelined: a choice that ended (stop) in step N still has a row in N+1, already
+    sent; that row's sample failing must not end the request's other choices."""
+    s = sched()
+    req = s.add(gen("a", prompt=6, n=2, max_tokens=8), "i")
+    plan = s.schedule()
+    assert plan is not None
+    s.apply(plan, fake_reply(plan), "v0")
+    leader, other = req.seqs
+    plan = s.schedule()
+    assert plan is not None and len(plan.step.rows) == 2
+    s.finish(leader, "stop")  # ended by step N's reply while this step was in flight
+    reply = m.StepReply(plan.step.step, [other.seq_id], [7], [-0.5],
+                        failed=[(leader.seq_id, 500, "logits not finite")])
+    outs = s.apply(plan, reply, "v0")
+    assert other.finish_reason is None and [o.token for o in outs] == [7]
