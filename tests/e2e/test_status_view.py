@@ -225,7 +225,7 @@ def test_status_never_shows_a_false_version_mismatch_during_an_update(stack: Sta
 
 def _statuses_until_recovered(stack: Stack, c: Any, killed: int) -> list[dict[str, Any]]:
     """``status`` every 20 ms after SIGKILL to rank 1 (the launcher restarts the ranks)
-    until /health is 200 again with every rank a new process shown alive."""
+    until /health is 200 again with every rank a new process shown alive, then one more."""
     old = {r["pid"] for r in c.get("/v1/status").json()["ranks"]}
     os.kill(killed, signal.SIGKILL)
     seen: list[dict[str, Any]] = []
@@ -236,6 +236,10 @@ def _statuses_until_recovered(stack: Stack, c: Any, killed: int) -> list[dict[st
         seen.append(st)
         fresh = all(r.get("pid") not in old and r["alive"] for r in st["ranks"])
         if fresh and c.get("/health").status_code == 200:
+            # the engine shows a rank brought (its pid reconciled) a moment before its
+            # own check flips ``ranks_ready``: the status read after /health is 200 is
+            # the recovered one
+            seen.append(c.get("/v1/status").json())
             return seen
         time.sleep(0.02)
 
