@@ -27,7 +27,9 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
-from shared.bus import new_request_id
+from starlette.requests import Request
+
+from services.api.control import client_request_id
 from shared.errors import FORBIDDEN
 
 STATE_CHANGING_GETS = frozenset({"/clear_load_weight", "/update_model_weight"})
@@ -157,21 +159,16 @@ class CrossSiteGuard:
             return
         body: dict[str, Any]
         if path in self.control_paths:
-            rid = headers.get("x-request-id") or new_request_id()
+            # the id every other control reply gives (an UTF-8 id read back as sent)
+            rid = client_request_id(Request(scope))
             body = {"request_id": rid, "error_code": FORBIDDEN, "error_message": reason,
                     "result": None}
         else:
             body = {"error": {"message": reason, "type": "permission_error", "param": None,
                               "code": FORBIDDEN}}
         data = json.dumps(body).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": FORBIDDEN,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(data)).encode()),
-                ],
-            }
-        )
+        out = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+        # echoed byte for byte, as on every other response
+        out += [(k, v) for k, v in scope["headers"] if k.lower() == b"x-request-id"][:1]
+        await send({"type": "http.response.start", "status": FORBIDDEN, "headers": out})
         await send({"type": "http.response.body", "body": data})

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import hmac
+import json
+from typing import Any
 
 import pytest
+from starlette.requests import Request
 
+from services.api.control import client_request_id
 from services.api.deps import bearer_ok
-from services.api.guard import changes_state, cross_site_reason, same_origin
+from services.api.guard import CrossSiteGuard, changes_state, cross_site_reason, same_origin
 
 HOST = {"host": "127.0.0.1:8000"}
 
@@ -112,3 +116,48 @@ def test_dns_rebinding_host_is_refused_on_a_loopback_server() -> None:
     # non-browser clients may use any name (no Origin, no Sec-Fetch-Site)
     assert cross_site_reason("POST", "/v1/pause", {"host": "rollbus:8000"},
                              loopback_only=True) is None
+
+
+async def _refused(path: str, rid: bytes | None) -> tuple[int, dict[bytes, bytes], dict[str, Any]]:
+    """A cross-site POST to ``path`` through the middleware: status, headers, JSON body."""
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        raise AssertionError("a cross-site request reached the app")
+
+    guard = CrossSiteGuard(app, control_paths=["/v1/pause"])
+    headers = [(b"host", b"127.0.0.1:8000"), (b"sec-fetch-site", b"cross-site")]
+    headers += [(b"x-request-id", rid)] if rid is not None else []
+    scope = {"type": "http", "method": "POST", "path": path, "scheme": "http",
+             "headers": headers, "query_string": b""}
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await guard(scope, None, send)
+    start, body = sent
+    return start["status"], dict(start["headers"]), json.loads(body["body"])
+
+
+@pytest.mark.parametrize(
+    "raw, rid",
+    [
+        ("ünï-1".encode(), "ünï-1"),  # UTF-8 bytes: read back as sent, not as mojibake
+        ("ü-2".encode("latin-1"), "ü-2"),  # latin-1 text (what `requests` sends)
+        (b"plain-3", "plain-3"),
+    ],
+    ids=["utf8", "latin1", "ascii"],
+)
+async def test_a_refused_control_call_names_the_id_other_replies_give(raw: bytes, rid: str) -> None:
+    """The 403's ``request_id`` is what every other control reply gives for this
+    ``X-Request-Id`` (:func:`client_request_id`), and the header is echoed byte for byte."""
+    status, headers, body = await _refused("/v1/pause", raw)
+    assert status == 403 and body["error_code"] == 403
+    assert body["request_id"] == rid
+    scope = {"type": "http", "headers": [(b"x-request-id", raw)]}
+    assert body["request_id"] == client_request_id(Request(scope))
+    assert headers[b"x-request-id"] == raw
+    status, headers, body = await _refused("/v1/completions", raw)
+    assert status == 403 and headers[b"x-request-id"] == raw
+    status, _, body = await _refused("/v1/pause", None)  # no id sent: a new one
+    assert len(body["request_id"]) == 32
