@@ -262,8 +262,7 @@ async def test_writer_link_cut_mid_object_fails_and_purges(
         with pytest.raises(objstore.ObjectReadError):
             await objstore.put_object(nc, BUCKET, name, os.urandom(40 * MIB), ack_timeout=10)
         assert proxy.count == 2 and nc.is_connected
-        with pytest.raises(objstore.ObjectMissing):
-            await objstore.get_meta(direct, BUCKET, name)
+        await _not_stored(direct, name)
         assert (await js.stream_info(f"OBJ_{BUCKET}")).state.messages == before  # purged
     finally:
         await nc.close()
@@ -328,6 +327,12 @@ def _threads(prefix: str) -> int:
     return sum(t.name.startswith(prefix) for t in threading.enumerate())
 
 
+async def _not_stored(direct: Client, name: str) -> None:
+    """No meta was written for ``name``: the failed put left no object."""
+    with pytest.raises(objstore.ObjectMissing):
+        await objstore.get_meta(direct, BUCKET, name)
+
+
 async def _settle(cond: Any, wait: float = 5.0) -> None:
     deadline = time.monotonic() + wait
     while not cond() and time.monotonic() < deadline:
@@ -348,8 +353,7 @@ async def test_writer_link_server_stops_reading_is_an_error(
                 30,  # without the bound on the send: hangs (TimeoutError here)
             )
         assert nc.is_connected
-        with pytest.raises(objstore.ObjectMissing):
-            await objstore.get_meta(direct, BUCKET, name)
+        await _not_stored(direct, name)
     finally:
         await nc.close()
         await proxy.stop()
@@ -422,8 +426,7 @@ async def test_writer_ack_that_is_not_a_pub_ack_fails_the_put(
     try:
         with pytest.raises(objstore.ObjectReadError, match="not a JetStream ack"):
             await objstore.put_object(nc, BUCKET, name, os.urandom(8 * MIB), ack_timeout=5)
-        with pytest.raises(objstore.ObjectMissing):
-            await objstore.get_meta(direct, BUCKET, name)
+        await _not_stored(direct, name)
     finally:
         await nc.close()
         await proxy.stop()
