@@ -177,9 +177,29 @@ class Stepper:
         await self._answer(msg, reply)
 
     async def _answer(self, msg: Msg, reply: m.StepReply) -> None:
-        if (self.rank == 0 or reply.error) and msg.reply:
-            headers = {REQUEST_ID: (msg.headers or {}).get(REQUEST_ID, ""), RANK: str(self.rank)}
-            await self.bus.publish(msg.reply, m.pack(reply), headers=headers)
+        """Publish the step's reply. One that cannot be published (larger than the
+        server's max_payload, a closed connection) is logged and counted as a callback
+        error of the step subject (``ping``/``status`` ``callback_errors``, /metrics), and
+        a short error reply saying so is tried instead: the engine then fails the step at
+        once rather than after its timeout."""
+        if not ((self.rank == 0 or reply.error) and msg.reply):
+            return
+        headers = {REQUEST_ID: (msg.headers or {}).get(REQUEST_ID, ""), RANK: str(self.rank)}
+        data = m.pack(reply)
+        try:
+            await self.bus.publish(msg.reply, data, headers=headers)
+            return
+        except Exception as e:  # noqa: BLE001 - counted and answered below
+            log.exception("rank %d: the reply of step %d was not sent", self.rank, reply.step)
+            errors = self.bus.callback_errors
+            errors[msg.subject] = errors.get(msg.subject, 0) + 1
+            why = f"rank {self.rank}: its reply ({len(data)} bytes) could not be sent: {e!r}"
+        try:
+            short = m.StepReply(reply.step, [], [], [], error=why[:1000])
+            await self.bus.publish(msg.reply, m.pack(short), headers=headers)
+        except Exception as e:  # noqa: BLE001 - the engine times out; counted above
+            log.error("rank %d: the error reply of step %d was not sent either: %r",
+                      self.rank, reply.step, e)
 
     def run(self, req: m.StepRequest) -> m.StepReply:
         t0 = time.perf_counter()
