@@ -17,6 +17,10 @@ The step loop holds ``step_lock`` while steps are in flight; every scheduler cha
 while a step is in flight. Decode steps are pipelined (``ROLLBUS_STEP_PIPELINE``): the
 next step goes out before the reply of the one in flight; a control call waiting for
 the lock ends such a run after the steps already sent (see :meth:`Generation._one`).
+When a step fails, the lock is held until the steps sent after it are settled too
+(answered, their ranks known gone, or ``CONTROL_TIMEOUT_S`` after the failure: see
+:meth:`Generation._settle`); the requests hear of the failure before that. Only a
+cancelled loop (a restart of a wedged loop, shutdown) releases it without settling.
 
 Supervision: the step loop and the heartbeats run under the engine's
 :class:`~shared.tasks.Supervisor`. A loop failure ends every live request with 503 and
@@ -55,6 +59,7 @@ log = logging.getLogger("rollbus.engine.gen")
 
 HEARTBEAT_S = 5.0
 JSON_REPLY_TTL_S = 60.0  # a JSON client's reply subject is forgotten this long after its end
+SETTLE_POLL_S = 0.1  # how often a settle after a failed step looks for ranks gone
 
 
 class Refused(Exception):
@@ -335,7 +340,9 @@ class Generation:
         planned from what N will leave and sent, so the ranks go from one to the next
         without waiting for the engine; the run ends (N's reply applied last) as soon as
         anything needs the lock or no step can be planned ahead. Every step sent is
-        answered or failed before the lock is released."""
+        answered before the lock is released; when one fails, every live request ends
+        with its error at once and the steps sent after it are settled (:meth:`_settle`)
+        before the lock is released."""
         await self._take_cancels()
         plan = self._plan()
         if plan is None:
@@ -347,17 +354,22 @@ class Generation:
         self.drained.clear()
         # replaced, never changed in place, by a reconcile
         pids: dict[int, int] = getattr(self.engine, "rank_pids", {})
-        sent: Sent | None = None
+        flying: list[Sent] = []  # sent, reply not taken yet, oldest first
         nxt: tuple[Plan, Sent] | None = None
         try:
             sent = await self._send_step(plan, self._may_pipeline())
+            flying.append(sent)
             while True:
                 # only after a step whose tokens the ranks keep (decided when it was sent)
                 keep = plan.step.keep
                 ahead = self._plan(ahead=True) if keep and self._may_pipeline() else None
                 if ahead is not None:
                     nxt = (ahead, await self._send_step(ahead, True))
-                outputs = await self._step_reply(plan, sent)
+                    flying.append(nxt[1])
+                try:
+                    outputs = await self._step_reply(plan, sent)
+                finally:
+                    flying.remove(sent)  # answered, or failed (its late reply is dropped)
                 self.last_progress = time.monotonic()
                 await self._publish(outputs)
                 if nxt is None:
@@ -365,12 +377,54 @@ class Generation:
                 (plan, sent), nxt = nxt, None
                 await self._take_cancels()
         except ControlError as e:
-            await self._fail_all(self._naming_silent_ranks(e, pids))
+            await self._failed(self._naming_silent_ranks(e, pids), flying, pids)
+        except Exception as e:
+            # the loop fails (and restarts); its requests hear it now, not after the settle
+            why = f"step loop failed: {type(e).__name__}: {e}"
+            await self._failed(ControlError(UNAVAILABLE, why), flying, pids)
+            raise
         finally:
-            for left in (sent, nxt[1] if nxt else None):
-                if left is not None:  # not waited for (a failure): a late reply is dropped
-                    left.drop()
+            for left in flying:  # not settled (cancelled, or past the bound): dropped
+                left.drop()
             self._sent_at.clear()
+
+    async def _failed(self, err: ControlError, flying: list[Sent], pids: dict[int, int]) -> None:
+        """A step failed: end every live request with ``err``, then settle the steps
+        still in flight (the caller holds the step lock)."""
+        try:
+            await self._fail_all(err)
+        finally:
+            await self._settle(flying, pids)
+
+    async def _settle(self, flying: list[Sent], pids: dict[int, int]) -> None:
+        """After a failed step, the steps sent after it (pipelined) may still run on the
+        ranks: wait for their replies (dropped: their requests have failed) before the
+        step lock is released, so that no control call (update_weights, sleep, wakeup,
+        pause) and no next step meets them. Bounded: at most ``CONTROL_TIMEOUT_S`` from
+        now, and over as soon as a rank they went to is known gone (its process exited,
+        or it was restarted: no reply can come) or the NATS connection was lost."""
+        if not flying:
+            return
+        self.last_progress = time.monotonic()  # the failure was handled; this is bounded
+        futs = [s.fut for s in flying]
+        t = self.engine.settings.control_timeout_s
+        deadline = time.monotonic() + t
+        view = getattr(getattr(self.engine, "ranks", None), "view", None)
+        while True:
+            for f in futs:
+                if f.done() and not f.cancelled():
+                    f.exception()  # retrieved: a lost connection's error is expected here
+            waiting = [f for f in futs if not f.done()]
+            if not waiting:
+                return
+            gone = view.gone(pids) if view is not None and pids else []
+            left = deadline - time.monotonic()
+            if gone or left <= 0:
+                why = f"ranks {gone} are gone" if gone else f"no reply within {t:g}s"
+                log.warning("%d steps sent after the failed one not settled: %s",
+                            len(waiting), why)
+                return
+            await asyncio.wait(waiting, timeout=min(left, SETTLE_POLL_S))
 
     def _naming_silent_ranks(self, e: ControlError, pids: dict[int, int]) -> ControlError:
         """A step without a reply (only rank 0 answers, and it waits in the all-reduce for
@@ -466,8 +520,11 @@ class Generation:
     async def on_loop_error(self, err: BaseException) -> None:
         """The step loop died: every live request gets 503 (the loop restarts)."""
         async with self._lock():
-            why = f"step loop failed: {type(err).__name__}: {err}"
-            await self._fail_all(ControlError(UNAVAILABLE, why))
+            if self.sched.requests:  # a failure inside a step run has ended them already
+                why = f"step loop failed: {type(err).__name__}: {err}"
+                await self._fail_all(ControlError(UNAVAILABLE, why))
+            else:
+                self.sched.reset_blocks()
         self.work.set()
 
     def stall(self) -> str | None:

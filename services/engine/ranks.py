@@ -97,6 +97,17 @@ class RankView:
         now = time.monotonic()
         return [self.entry(r, now) for r in range(self.tp)]
 
+    def gone(self, pids: dict[int, int]) -> list[int]:
+        """Ranks whose process of ``pids`` (rank -> pid) is known to be gone: it has
+        exited (seen from here), or the rank's last report names another pid (it was
+        restarted). A silent or stopped rank is not gone: it may still answer."""
+        out = []
+        for rank, pid in sorted(pids.items()):
+            rep = self.reports.get(rank)
+            if pid and rep is not None and (rep.get("pid") != pid or _exited(rep)):
+                out.append(rank)
+        return out
+
 
 class Ranks:
     def __init__(
