@@ -10,6 +10,7 @@ import re
 import shutil
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -155,6 +156,39 @@ def test_rank_fault_during_generation(faults: Faults, sig: int) -> None:
     if sig == signal.SIGKILL:
         assert pid not in [r["pid"] for r in st["ranks"]]
     c.assert_consistent(f.stack, "v1")
+
+
+def test_rank_killed_while_steps_are_pipelined(faults: Faults) -> None:
+    """Four streams in one pipelined batch (arrived one by one), rank 0 killed: every
+    stream ends with an error naming the step and the rank within CONTROL_TIMEOUT_S of
+    the kill; a pause right after answers within its bound (the step sent behind the
+    failed one is settled, not waited for past its bound); once recovered, a batch of
+    concurrent greedy requests answers the reference tokens exactly."""
+    f = faults
+    pid = c.rank_pid(f.stack, 0)
+    streams = []
+    for _ in range(4):
+        streams.append(c.Stream(f.stack))
+        assert streams[-1].started.wait(c.GEN_BOUND)
+    time.sleep(0.5)
+    assert all(s.outcome == "" for s in streams), [(s.outcome, s.error) for s in streams]
+    killed = time.monotonic()
+    c.signal_quietly(pid, signal.SIGKILL)
+    for s in streams:
+        s.result()
+        assert s.outcome == "error", (s.outcome, s.error, s.tokens)
+        assert "step" in str(s.error) and "rank" in str(s.error), s.error
+        assert s.ended_at - killed <= c.CT + c.MARGIN, (s.ended_at - killed, s.error)
+    r = c.Call(f.stack, "/v1/pause", params={"mode": "abort"}).result(c.CONTROL_BOUND)
+    assert r.status_code == 200, r.text
+    assert c.ctl(f.stack, "/v1/resume").status_code == 200
+    st = c.wait_recovered(f.stack)
+    assert pid not in [r["pid"] for r in st["ranks"]]
+    with ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda _: c.greedy_tokens(f.stack), range(4)))
+    ref = c.reference(f.stack, "v0")
+    for out in outs:
+        assert out is not None and out[1] == ref and out[0] in ("", "v0"), (out, ref)
 
 
 def test_ranks_restarted_after_the_engine_version_was_deleted(faults: Faults) -> None:
