@@ -603,14 +603,13 @@ class Generation:
             try:
                 await asyncio.wait_for(self._drain(), timeout)
             except TimeoutError:
-                self.admit = True
+                self.admit = self.run = True  # the drain may have closed run: not paused
                 self.work.set()
                 raise ControlError(
                     UNAVAILABLE,
                     f"pause(wait): {len(self.sched.running)} requests still running after "
                     f"{timeout:g}s; not paused: the engine keeps running",
                 ) from None
-            self.run = False  # drained: no step is in flight, none will start
             return 0
         self.admit = self.run = False
         async with self._lock():  # the steps in flight complete first
@@ -626,9 +625,11 @@ class Generation:
             self.work.set()
             await self.drained.wait()
         # and no step in flight: a pipelined step may still be computing the extra rows
-        # (dropped) of sequences that all ended in the step before it
+        # (dropped) of sequences that all ended in the step before it. ``run`` closes
+        # under the lock: no step starts between this and pause's return (e.g. one that
+        # names the finished sequences to the ranks)
         async with self._lock():
-            pass
+            self.run = False
 
     @contextlib.asynccontextmanager
     async def quiet(self) -> AsyncIterator[None]:
