@@ -75,6 +75,7 @@ class Served:
     def __init__(self, code: Path, tmp: Path, nats_url: str, model: Path, tp: int,
                  profile: Path | None) -> None:
         self.code = code
+        tmp.mkdir(parents=True, exist_ok=True)
         port = free_port()
         self.instance = f"c{uuid.uuid4().hex[:8]}"
         env = serve_env(
