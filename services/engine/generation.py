@@ -275,7 +275,9 @@ class Generation:
         for out in outputs:
             req = out.seq.req
             chunk = self._chunk(out)
-            chunks = self._coalesce(chunk) if req.gen.coalesce else (chunk,)
+            chunks = self._coalesce(chunk) if req.gen.coalesce else [chunk]
+            if not chunks:
+                continue  # held
             if req.gen.batch and req.reply not in self._json_replies:
                 subject, token = batch_subject(req.reply)
                 items = batches.setdefault(subject, [])

@@ -11,7 +11,8 @@ the CPU time (user + system, ``/proc/<pid>/stat``) the API and the engine proces
 and prints it per 1024 generated tokens — robust on a busy machine, where wall-clock
 throughput is not (the ranks' compute is the same in every row; what the API and the
 engine spend per token is taken from it on shared cores). ``--profile OUT`` also runs
-the API of the last ``--code`` under cProfile (``OUT`` gets the stats, on SIGTERM)."""
+the API and the engine of the last ``--code`` under cProfile (stats in ``OUT.api`` and
+``OUT.engine`` when the stack stops)."""
 
 from __future__ import annotations
 
@@ -37,10 +38,13 @@ BATCH, PROMPT_LEN, STEPS = 16, 16, 64
 TICK = os.sysconf("SC_CLK_TCK")
 PROFILE_HOOK = """
 import atexit, cProfile, pathlib
-if b"services.api" in pathlib.Path("/proc/self/cmdline").read_bytes().split(b"\\0"):
-    _p = cProfile.Profile()
-    _p.enable()
-    atexit.register(lambda: (_p.disable(), _p.dump_stats({out!r})))
+_cmd = pathlib.Path("/proc/self/cmdline").read_bytes().split(b"\\0")
+for _role in ("api", "engine"):
+    if b"services." + _role.encode() in _cmd:
+        _p = cProfile.Profile()
+        _p.enable()
+        atexit.register(lambda: (_p.disable(), _p.dump_stats({out!r} + "." + _role)))
+        break
 """
 
 
