@@ -6,12 +6,12 @@ Starts one stack (TP=1 by default) per ``--code`` checkout (default: this one; e
 ``--code /work/main --code .`` compares main with a branch), each serving the same tiny
 model, and runs the bench workload on them in turn, interleaved round by round: 16
 concurrent requests of 16-token prompts and 64 new tokens (greedy, ``ignore_eos``),
-non-streamed and streamed ``/v1/completions``, and the engine driven directly over NATS (no API). For each it reads
-the CPU time (user + system, ``/proc/<pid>/stat``) the API and the engine processes used
-and prints it per 1024 generated tokens — robust on a busy machine, where wall-clock
-throughput is not (the ranks' compute is the same in every row; what the API and the
-engine spend per token is taken from it on shared cores). ``--profile OUT`` also runs
-the API and the engine of the last ``--code`` under cProfile (stats in ``OUT.api`` and
+non-streamed and streamed ``/v1/completions``, and the engine driven directly over NATS
+(no API). For each it reads the CPU time (user + system, ``/proc/<pid>/stat``) the API
+and the engine processes used and prints it per 1024 generated tokens: robust on a busy
+machine, where wall-clock throughput is not (on shared cores what the API and the engine
+spend per token is taken from the ranks' compute). ``--profile OUT`` also runs the API
+and the engine of the last ``--code`` under cProfile (stats in ``OUT.api`` and
 ``OUT.engine`` when the stack stops)."""
 
 from __future__ import annotations
