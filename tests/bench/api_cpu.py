@@ -77,8 +77,8 @@ def children(pid: int) -> dict[str, int]:
 
 class Served:
     def __init__(self, code: Path, tmp: Path, nats_url: str, model: Path, tp: int,
-                 profile: Path | None) -> None:
-        self.code = code
+                 profile: Path | None, extra: str = "") -> None:
+        self.code = f"{code} + {extra}" if extra else str(code)
         tmp.mkdir(parents=True, exist_ok=True)
         port = free_port()
         self.instance = f"c{uuid.uuid4().hex[:8]}"
@@ -88,7 +88,7 @@ class Served:
             ROLLBUS_NATS_URL=nats_url, ROLLBUS_KV_CACHE_BLOCKS="512",
             ROLLBUS_CONTROL_TIMEOUT_S="60", ROLLBUS_LOG_LEVEL="warning",
         )
-        env["PYTHONPATH"] = str(code)
+        env["PYTHONPATH"] = str(code) + (os.pathsep + extra if extra else "")
         if profile is not None:  # a sitecustomize that profiles the API process only
             hook = tmp / "profhook"
             hook.mkdir(parents=True, exist_ok=True)
@@ -188,6 +188,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--profile", type=Path, default=None)
+    ap.add_argument("--extra-path", default="",
+                    help="also run the last --code with this appended to its PYTHONPATH "
+                    "(e.g. a --target dir with uvloop / httptools, which uvicorn then uses)")
     args = ap.parse_args()
     codes = [c.resolve() for c in args.code] or [Path.cwd()]
     tmp = Path(tempfile.mkdtemp(prefix="rollbus-apicpu-"))
@@ -198,6 +201,9 @@ def main() -> None:
         for i, code in enumerate(codes):
             prof = args.profile if args.profile and i == len(codes) - 1 else None
             stacks.append(Served(code, tmp / f"s{i}", server.url, model, args.tp, prof))
+        if args.extra_path:
+            stacks.append(Served(codes[-1], tmp / "extra", server.url, model, args.tp, None,
+                                 args.extra_path))
         asyncio.run(measure(stacks, args.rounds, server.url))
     finally:
         for st in stacks:
