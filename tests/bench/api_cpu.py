@@ -103,6 +103,9 @@ class Served:
     def cpu(self) -> dict[str, float]:
         return {role: cpu_seconds(pid) for role, pid in self.pids.items()}
 
+    def steps(self) -> int:
+        return int(httpx.get(self.base + "/v1/status", timeout=30).json()["steps"])
+
 
 def _prompt(i: int) -> list[int]:
     return [256] + [(7 * i + j) % 250 for j in range(PROMPT_LEN - 1)]
@@ -145,8 +148,8 @@ async def bus_batch(bus: Bus, s: Subjects) -> int:
 async def measure(stacks: list[Served], rounds: int, nats_url: str) -> None:
     bus = await Bus.connect(nats_url, "bench-api-cpu")
     modes = ("non-stream", "stream", "engine direct")
-    # (code, mode) -> per round: (api ms / 1024 tok, engine ms / 1024 tok, tok/s)
-    res: dict[tuple[int, str], list[tuple[float, float, float]]] = {}
+    # (code, mode) -> per round: (api ms / 1024 tok, engine ms / 1024 tok, tok/s, steps)
+    res: dict[tuple[int, str], list[tuple[float, float, float, float]]] = {}
     try:
         clients = [httpx.AsyncClient(base_url=st.base, timeout=600) for st in stacks]
         for c in clients:
@@ -154,7 +157,7 @@ async def measure(stacks: list[Served], rounds: int, nats_url: str) -> None:
         for r in range(rounds + 1):
             for k, (st, c) in enumerate(zip(stacks, clients, strict=True)):
                 for mode in modes:
-                    before, t0 = st.cpu(), time.perf_counter()
+                    steps0, before, t0 = st.steps(), st.cpu(), time.perf_counter()
                     toks = 0
                     for _ in range(REPEAT):
                         if mode == "engine direct":
@@ -162,40 +165,47 @@ async def measure(stacks: list[Served], rounds: int, nats_url: str) -> None:
                         else:
                             toks += await http_batch(c, mode == "stream")
                     wall, after = time.perf_counter() - t0, st.cpu()
+                    steps = (st.steps() - steps0) / REPEAT
                     if r == 0:
                         continue  # warm-up round
                     per = {k2: (after[k2] - before[k2]) * 1e3 * 1024 / toks for k2 in after}
                     res.setdefault((k, mode), []).append(
-                        (per.get("api", 0.0), per.get("engine", 0.0), toks / wall))
+                        (per.get("api", 0.0), per.get("engine", 0.0), toks / wall, steps))
         for c in clients:
             await c.aclose()
     finally:
         await bus.close()
     print(f"\nCPU ms per 1024 generated tokens (median of {rounds} rounds of {REPEAT} batches "
           f"of {BATCH} requests, {STEPS} new tokens each)\n")
-    print("| code | path | API cpu ms | engine cpu ms | tokens/s (noisy) |")
-    print("|---|---|---|---|---|")
+    print("| code | path | API cpu ms | engine cpu ms | tokens/s (noisy) | steps per batch |")
+    print("|---|---|---|---|---|---|")
     for k, st in enumerate(stacks):
         for mode in modes:
             rows = res[(k, mode)]
-            api, eng, tps = (statistics.median(x[i] for x in rows) for i in range(3))
-            print(f"| {st.code} | {mode} | {api:.0f} | {eng:.0f} | {tps:.0f} |")
+            api, eng, tps, steps = (statistics.median(x[i] for x in rows) for i in range(4))
+            print(f"| {st.code} | {mode} | {api:.0f} | {eng:.0f} | {tps:.0f} | {steps:.1f} |")
 
 
 def main() -> None:
+    global REPEAT
     ap = argparse.ArgumentParser(prog="api_cpu")
     ap.add_argument("--code", type=Path, action="append", default=[])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--profile", type=Path, default=None)
+    ap.add_argument("--model", type=Path, default=None,
+                    help="serve this model dir (default: a tiny one made here), e.g. the "
+                    "bench's (`python -m tests.bench.hf_generate build DIR JSON`)")
+    ap.add_argument("--repeat", type=int, default=REPEAT, help="batches per measurement")
     ap.add_argument("--extra-path", default="",
                     help="also run the last --code with this appended to its PYTHONPATH "
                     "(e.g. a --target dir with uvloop / httptools, which uvicorn then uses)")
     args = ap.parse_args()
+    REPEAT = args.repeat
     codes = [c.resolve() for c in args.code] or [Path.cwd()]
     tmp = Path(tempfile.mkdtemp(prefix="rollbus-apicpu-"))
     server = natsd.start(tmp / "nats", port=0)
-    model = create_model_dir(tmp / "models" / "tiny", None, seed=0)
+    model = args.model or create_model_dir(tmp / "models" / "tiny", None, seed=0)
     stacks: list[Served] = []
     try:
         for i, code in enumerate(codes):
