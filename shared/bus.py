@@ -30,6 +30,12 @@ One :class:`Bus` per process. It owns:
   ``Rollbus-Request-Id`` (a JetStream API answer sent to a subject named as reply). A
   responder never answers into anything but an inbox, so no client can make the
   server or a responder publish a message onto a subject it may not publish to;
+* batched stream replies: a responder answering many streams of one process at once
+  (the engine, one token chunk per running request per step) may send them as one
+  message to ``<inbox prefix>.batch`` (:func:`batch_subject`, :func:`pack_batch`): a
+  msgpack array of ``[reply token, request id, data]``; each item goes to its own
+  stream as if sent alone (an item whose token is unknown or whose request id is not the
+  one its request was sent with is dropped and counted, like a reply);
 * ``serve``: endpoints registered as a NATS micro service (``$SRV.PING/INFO/STATS``),
   with a queue group per caller (a per-rank group makes a broadcast reach every rank).
 """
@@ -45,6 +51,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -70,6 +77,10 @@ RANK = "Rollbus-Rank"
 STATUS = "Status"
 
 Handler = Callable[[bytes, dict[str, str]], Awaitable[bytes | None]]
+BATCH_TOKEN = "batch"  # the reply token of a batch of stream replies (never a _token())
+BatchItem = tuple[str, str, bytes]  # (reply token, request id, the reply's data)
+_batch_decoder = msgspec.msgpack.Decoder(list[BatchItem])
+_batch_encoder = msgspec.msgpack.Encoder()
 JS_HEADERS = ("Nats-Stream", "Nats-Sequence")
 
 
@@ -192,6 +203,18 @@ def _jetstream_answer(data: bytes) -> bool:
     return head.startswith((b'{"stream":', b'{"type":"io.nats.jetstream')) or (
         head.startswith(b'{"error":') and b'"err_code"' in data[:256]
     )
+
+
+def batch_subject(reply: str) -> tuple[str, str]:
+    """``(subject, token)``: where a batch carrying a reply for the inbox subject
+    ``reply`` goes (``<its prefix>.batch``), and the reply's token within the batch."""
+    prefix, _, token = reply.rpartition(".")
+    return f"{prefix}.{BATCH_TOKEN}", token
+
+
+def pack_batch(items: list[BatchItem]) -> bytes:
+    """One message carrying several stream replies (see the module doc)."""
+    return _batch_encoder.encode(items)
 
 
 def new_request_id() -> str:
@@ -349,6 +372,9 @@ class Bus:
 
     async def _on_reply(self, msg: Msg) -> None:
         rid = msg.subject.rsplit(".", 1)[-1]
+        if rid == BATCH_TOKEN:
+            self._on_batch(msg)
+            return
         headers = dict(msg.headers or {})
         waiter = self._pending.get(rid)
         if waiter is None:
@@ -383,6 +409,21 @@ class Bus:
                 waiter.set_exception(NoResponders(msg.subject))
             else:
                 waiter.set_result(Reply(msg.data, headers))
+
+    def _on_batch(self, msg: Msg) -> None:
+        """A batch of stream replies: each item to its own stream (the module doc)."""
+        try:
+            items = _batch_decoder.decode(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            self.dropped_replies += 1
+            log.debug("dropped a malformed reply batch on %s", msg.subject)
+            return
+        for token, rid, data in items:
+            waiter = self._pending.get(token)
+            if not isinstance(waiter, _Stream) or rid != self._rids.get(token):
+                self.dropped_replies += 1  # ended meanwhile, or not ours
+                continue
+            waiter.put(Reply(data, {REQUEST_ID: rid}))
 
     async def _send(
         self, subject: str, data: bytes, token: str, rid: str, extra: dict[str, str] | None

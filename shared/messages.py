@@ -237,6 +237,12 @@ class GenRequest(msgspec.Struct):
     # the request's own staleness bound (versions behind the newest announced); the
     # stricter of it and ROLLBUS_MAX_STALENESS applies; None = the setting's
     max_staleness: Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)] | None = None
+    # the sender's bus takes batched stream replies (shared.bus): this request's chunks
+    # may come in one message per step with those of other requests of the same inbox
+    batch: bool = False
+    # nobody reads the tokens before the end (the API: not streamed, no stop strings):
+    # the engine may hold them and send every few steps; the first and the last at once
+    coalesce: bool = False
 
 
 class VersionSpan(msgspec.Struct, array_like=True):

@@ -125,6 +125,7 @@ class GenCall:
     ) -> None:
         self.bus, self.subjects, self.gen, self.on_version = bus, subjects, gen, on_version
         gen.request_id = gen.request_id or new_request_id()
+        gen.batch = True  # our bus takes the engine's batched chunks (one message per step)
         self.choices = [
             Choice(i, IncrementalDecoder(tokenizer, gen.prompt_token_ids), stops)
             for i in range(gen.n)

@@ -110,31 +110,29 @@ class BoundedStream(StreamingResponse):
         self.gave_up = gave_up
 
     async def stream_response(self, send: Send) -> None:
-        async def guarded(message: Any) -> bool:
-            sending = asyncio.ensure_future(send(message))
-            giving_up = asyncio.ensure_future(self.gave_up.wait())
-            await asyncio.wait({sending, giving_up}, return_when=asyncio.FIRST_COMPLETED)
-            giving_up.cancel()
-            if not sending.done():
-                sending.cancel()
-                return False
-            sending.result()
-            return True
+        """The response is written by one task, raced once against ``gave_up`` (not two
+        tasks per chunk): giving up cancels it wherever it waits (a blocked write, or
+        the next chunk), closing the stream; the connection is then dropped."""
+
+        async def write() -> None:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async for chunk in body:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
         body = self.body_iterator
         assert isinstance(body, AsyncIterator)
+        writer = asyncio.ensure_future(write())
+        giving_up = asyncio.ensure_future(self.gave_up.wait())
         try:
-            if not await guarded(
-                {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
-            ):
-                return
-            async for chunk in body:
-                if not await guarded(
-                    {"type": "http.response.body", "body": chunk, "more_body": True}
-                ):
-                    return
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await asyncio.wait({writer, giving_up}, return_when=asyncio.FIRST_COMPLETED)
+            if writer.done():
+                writer.result()
         finally:
+            giving_up.cancel()
+            if not writer.done():
+                writer.cancel()
+                await asyncio.gather(writer, return_exceptions=True)
             await body.aclose()  # type: ignore[attr-defined]
 
 
@@ -375,6 +373,8 @@ class OpenAIRoutes:
                 top_logprobs=top,
                 stop_token_ids=stop_ids,
                 max_staleness=req.max_staleness,
+                # not streamed, no stop strings: no token is read before the end
+                coalesce=not req.stream and not stops,
             )
             for ids, budget in zip(prompts, budgets, strict=True)
         ]

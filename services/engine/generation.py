@@ -38,7 +38,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 from nats.aio.msg import Msg
@@ -47,7 +47,7 @@ from nats.micro.service import Service
 from services.engine import autoupdate, staleness
 from services.engine.scheduler import Output, Plan, Scheduler, Seq
 from shared import messages as m
-from shared.bus import REQUEST_ID, Sent
+from shared.bus import REQUEST_ID, BatchItem, Sent, batch_subject, pack_batch
 from shared.errors import BAD_REQUEST, TOO_MANY_REQUESTS, UNAVAILABLE, ControlError, Timeout
 from shared.model_config import max_model_len, vocab_size
 from shared.tasks import Supervisor
@@ -60,6 +60,13 @@ log = logging.getLogger("rollbus.engine.gen")
 HEARTBEAT_S = 5.0
 JSON_REPLY_TTL_S = 60.0  # a JSON client's reply subject is forgotten this long after its end
 SETTLE_POLL_S = 0.1  # how often a settle after a failed step looks for ranks gone
+COALESCE_STEPS = 16  # a coalesced request's held tokens go out at least this often (steps)
+
+T = TypeVar("T")
+
+
+def _cat(a: list[T] | None, b: list[T] | None) -> list[T] | None:
+    return b if a is None else a if b is None else a + b
 
 
 class Refused(Exception):
@@ -142,6 +149,9 @@ class Generation:
         # reply subjects of requests that came as JSON (raw NATS clients, `nats req`): their
         # chunks go back as JSON too; -> last time seen live (pruned by heartbeats)
         self._json_replies: dict[str, float] = {}
+        # coalesced requests' choices (``_coalesce``): (request id, index) -> [steps since
+        # the last send, the chunk held (tokens merged) or None]
+        self._held: dict[tuple[str, int], list[Any]] = {}
 
     # ------------------------------------------------------------------ bus side
 
@@ -262,8 +272,62 @@ class Generation:
         )
 
     async def _publish(self, outputs: list[Output]) -> None:
+        """The chunks of a step: a request that asked ``batch`` (the API's) has its chunk
+        in one message per reply inbox with the others' (``shared.bus`` batches); one that
+        asked ``coalesce`` has its tokens held and sent every ``COALESCE_STEPS`` steps
+        (the first and the last at once); any other gets one message per chunk."""
+        batches: dict[str, list[BatchItem]] = {}
         for out in outputs:
-            await self._send(out.seq.req.reply, self._chunk(out))
+            req = out.seq.req
+            chunk = self._chunk(out)
+            chunks = self._coalesce(chunk) if req.gen.coalesce else [chunk]
+            if not chunks:
+                continue  # held
+            if req.gen.batch and req.reply not in self._json_replies:
+                subject, token = batch_subject(req.reply)
+                items = batches.setdefault(subject, [])
+                items += [(token, c.request_id, m.pack(c)) for c in chunks]
+                continue
+            for c in chunks:
+                await self._send(req.reply, c)
+        for subject, items in batches.items():
+            await self.engine.bus.publish(subject, pack_batch(items))
+
+    def _coalesce(self, chunk: m.GenChunk) -> list[m.GenChunk]:
+        """What to send now of a coalesced request's choice, given its new ``chunk``:
+        its first chunk, an end or an error at once (with every token held before it);
+        else the tokens held are merged and go out every ``COALESCE_STEPS`` steps, or
+        before a chunk of another weight version (a chunk has one version)."""
+        key = (chunk.request_id, chunk.index)
+        entry = self._held.get(key)
+        if entry is None or chunk.error_code:
+            if entry is None and chunk.finish_reason is None:
+                self._held[key] = [0, None]  # the first: at once (time to first token)
+            else:
+                self._held.pop(key, None)
+            return [chunk]
+        out: list[m.GenChunk] = []
+        held = entry[1]
+        if held is not None and held.version != chunk.version:
+            out.append(held)
+            held = None
+        if held is None:
+            held = chunk
+        else:
+            held.token_ids += chunk.token_ids
+            held.logprobs = _cat(held.logprobs, chunk.logprobs)
+            held.top = _cat(held.top, chunk.top)
+            held.finish_reason, held.spans = chunk.finish_reason, chunk.spans
+        entry[0] += 1
+        if held.finish_reason is not None:
+            del self._held[key]
+            out.append(held)
+        elif entry[0] >= COALESCE_STEPS:
+            entry[0], entry[1] = 0, None
+            out.append(held)
+        else:
+            entry[1] = held
+        return out
 
     async def _end(self, seqs: list[Seq]) -> None:
         await self._publish([Output(s, None, None, s.finish_reason) for s in seqs])
@@ -554,6 +618,7 @@ class Generation:
         n = len({s.req.request_id for s in ended})
         log.error("%s: failing %d live requests", err.message, n)
         self.sched.reset_blocks()
+        self._held.clear()  # every request ends here
         for seq in ended:
             chunk = m.GenChunk(
                 seq.req.request_id,
@@ -585,6 +650,8 @@ class Generation:
                 if req.reply in self._json_replies:
                     self._json_replies[req.reply] = now
                 await self._send(req.reply, m.GenChunk(req.request_id, heartbeat=True))
+            for key in [k for k in self._held if k[0] not in self.sched.requests]:
+                del self._held[key]  # ended without a chunk through _publish
             for reply, seen in list(self._json_replies.items()):
                 if now - seen > JSON_REPLY_TTL_S:  # its request ended long ago
                     del self._json_replies[reply]

@@ -543,6 +543,23 @@ def test_client_disconnect_frees_the_request(stack: Stack) -> None:
     assert st["free_blocks"] == 512
 
 
+def test_a_non_streamed_request_is_cancelled_when_its_client_leaves(stack: Stack) -> None:
+    """Its tokens are coalesced in the engine (not streamed, no stop strings): a client
+    that leaves still cancels it there at once, long before its max_tokens."""
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True}
+    steps0 = stack.status()["steps"]
+    with httpx.Client(base_url=stack.base_url, timeout=30) as c:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up: its connection closes
+            c.post("/v1/completions", json=body, timeout=httpx.Timeout(30, read=1.0))
+    deadline = time.monotonic() + 10
+    while stack.status()["requests"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    st = stack.status()
+    assert st["requests"] == 0 and st["running"] == 0
+    assert st["steps"] - steps0 < 2000  # cancelled, not run to its end
+    assert st["free_blocks"] == 512
+
+
 def test_kept_request_survives_sleep_and_wakeup(stack: Stack, aclient: Any) -> None:
     """keep, then sleep (KV freed), then wakeup: the request is recomputed and its greedy
     tokens are exactly those of an uninterrupted run."""

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from shared.bus import REQUEST_ID, Bus, StreamOverflow
+from shared.bus import REQUEST_ID, Bus, StreamOverflow, batch_subject, pack_batch
 from tests.integration.shared.test_bus import connect, settle, subject
 
 ODD_IDS = ["a.b", "*", ">", "a b", "a.*.>", "ünïcødé ✓", "x" * 1024, "", "~2E"]
@@ -75,4 +75,62 @@ async def test_a_slow_stream_reader_loses_only_its_own_stream(bus: Bus, nats_url
         await fast.aclose()
         assert not bus._pending
     finally:
+        await nc.close()
+
+
+async def test_a_batch_gives_each_stream_exactly_its_own_replies(bus: Bus, nats_url: str) -> None:
+    """A responder answering several streams of one inbox sends one batch message
+    (``<prefix>.batch``): each stream gets its items, in order, interleaved with the
+    plain replies sent around them; an item of an unknown token or carrying another
+    request's id is dropped and counted, never delivered."""
+    subj = subject()
+    nc = await connect(nats_url)
+    seen: dict[str, str] = {}  # request id -> its reply subject
+    both = asyncio.Event()
+
+    async def record(msg):  # noqa: ANN001
+        seen[(msg.headers or {})[REQUEST_ID]] = msg.reply
+        if len(seen) == 3:
+            both.set()
+
+    await nc.subscribe(subj, cb=record)
+    await settle(bus, nc)
+    streams = {rid: bus.stream(subj, b"go", idle_timeout=5, request_id=rid) for rid in "abc"}
+    got: dict[str, list[bytes]] = {rid: [] for rid in streams}
+
+    async def read(rid: str, n: int) -> None:
+        async for rep in streams[rid]:
+            got[rid].append(rep.data)
+            assert rep.headers[REQUEST_ID] == rid
+            if len(got[rid]) == n:
+                return
+
+    readers = [asyncio.create_task(read(rid, n)) for rid, n in (("a", 4), ("b", 3), ("c", 1))]
+    try:
+        await asyncio.wait_for(both.wait(), 5)
+        tok = {rid: batch_subject(reply)[1] for rid, reply in seen.items()}
+        where = batch_subject(seen["a"])[0]
+        assert where == batch_subject(seen["b"])[0]  # one inbox: one batch subject
+        await nc.publish(seen["a"], b"a0", headers={REQUEST_ID: "a"})  # a plain one first
+        await nc.publish(where, pack_batch([
+            (tok["a"], "a", b"a1"), (tok["b"], "b", b"b0"), (tok["a"], "a", b"a2"),
+            (tok["b"], "a", b"forged"),  # b's token, a's id: not b's
+            ("0" * 32, "c", b"nobody's"),  # no such stream
+        ]))
+        await nc.publish(where, pack_batch([(tok["b"], "b", b"b1"), (tok["c"], "c", b"c0")]))
+        await nc.publish(seen["b"], b"b2", headers={REQUEST_ID: "b"})
+        await nc.publish(seen["a"], b"a3", headers={REQUEST_ID: "a"})
+        await asyncio.wait_for(asyncio.gather(*readers), 5)
+        assert got == {"a": [b"a0", b"a1", b"a2", b"a3"], "b": [b"b0", b"b1", b"b2"],
+                       "c": [b"c0"]}
+        assert bus.dropped_replies == 2
+        await nc.publish(where, b"\xc1 not msgpack")  # a malformed batch: dropped, counted
+        await bus.flush()
+        await settle(bus, nc)
+        assert bus.dropped_replies == 3
+    finally:
+        for t in readers:
+            t.cancel()
+        for s in streams.values():
+            await s.aclose()  # type: ignore[attr-defined]
         await nc.close()
