@@ -313,3 +313,12 @@ def max_model_len(model_dir: Path, setting: int = 0) -> int:
 
 def vocab_size(model_dir: Path) -> int:
     return int(read_hf_config(model_dir)["vocab_size"])
+
+
+def model_vocab_size(model_dir: Path, fallback: int) -> int:
+    """The model's token ids (config.json's ``vocab_size``: its embedding rows), or
+    ``fallback`` for a dir without a usable config (the default tiny model's tokenizer)."""
+    try:
+        return int(read_hf_config(model_dir)["vocab_size"])
+    except (ConfigError, KeyError, TypeError, ValueError):
+        return fallback
