@@ -37,7 +37,9 @@ _CONTEXT_IDS = 6  # prompt ids kept as decode context so the first output token'
 
 
 class Tokenizer(Protocol):
-    eos_token_id: int
+    @property
+    def eos_token_id(self) -> int | None: ...  # None: the model names no eos id
+
     bos_token_id: int | None
     stop_token_ids: list[int]  # every id that ends generation (eos first)
     vocab_size: int
@@ -171,10 +173,10 @@ class HFTokenizer(_ChatTemplating):
             + _ids(gcfg.get("eos_token_id"))
             + _ids(mcfg.get("eos_token_id"))
         )
+        # a model naming no eos id anywhere (transformers' Qwen2Config() has none) stops
+        # only on max_tokens / stop_token_ids, as transformers' generate does
         stops = list(dict.fromkeys(i for i in eos if i is not None))
-        if not stops:
-            raise ValueError(f"{model_dir}: no eos token in tokenizer_config.json or config.json")
-        self.eos_token_id: int = stops[0]
+        self.eos_token_id: int | None = stops[0] if stops else None
         self.stop_token_ids: list[int] = stops
         bos = [self._id_of(self.bos_token)] + _ids(mcfg.get("bos_token_id"))
         self.bos_token_id: int | None = next((i for i in bos if i is not None), None)
