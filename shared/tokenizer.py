@@ -163,6 +163,8 @@ class HFTokenizer(_ChatTemplating):
         smap = _read_json(model_dir / "special_tokens_map.json")
         mcfg = _read_json(model_dir / "config.json")
         gcfg = _read_json(model_dir / "generation_config.json")
+        if transformers_class(tcfg, mcfg) == "Qwen2Tokenizer":
+            _qwen2_pipeline(self._tok, tcfg)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_token, self.bos_token = (
             _token_text(tcfg.get("eos_token")),
@@ -210,6 +212,50 @@ class HFTokenizer(_ChatTemplating):
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+
+# transformers' Qwen2Tokenizer pre-tokenizer (models/qwen2/tokenization_qwen2.py)
+QWEN2_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+
+def transformers_class(tcfg: Mapping[str, Any], mcfg: Mapping[str, Any]) -> str | None:
+    """The tokenizer class transformers 5's ``AutoTokenizer`` picks for a model dir, as far
+    as it changes the ids: ``"Qwen2Tokenizer"`` for a ``qwen2`` model whatever its
+    ``tokenizer_class`` says, and for a ``qwen3`` one naming none (or for any naming it);
+    else the named class (``None``: none named)."""
+    hub = tcfg.get("tokenizer_class") or mcfg.get("tokenizer_class")
+    hub = hub.removesuffix("Fast") if isinstance(hub, str) else None
+    model_type = mcfg.get("model_type")
+    if tcfg.get("auto_map") is not None:
+        return hub  # remote code: not ours to emulate
+    if model_type == "qwen2" or (model_type == "qwen3" and hub is None):
+        return "Qwen2Tokenizer"
+    return hub
+
+
+def _qwen2_pipeline(tok: tokenizers.Tokenizer, tcfg: Mapping[str, Any]) -> None:
+    """What transformers' ``Qwen2Tokenizer`` does with a ``tokenizer.json``: it keeps the
+    BPE vocabulary, merges and added tokens and builds the rest itself — NFC, the Qwen
+    split regex (digits one by one), byte-level without its own regex, no BOS — so a
+    ``tokenizer.json`` with another pre-tokenizer encodes as transformers encodes it (a
+    real Qwen ``tokenizer.json`` already holds this pipeline)."""
+    from tokenizers import Regex, decoders, normalizers, pre_tokenizers, processors
+
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(
+                add_prefix_space=bool(tcfg.get("add_prefix_space")), use_regex=False
+            ),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    # no BOS / EOS: transformers' from_pretrained leaves add_bos_token / add_eos_token unused
+    tok.post_processor = processors.TemplateProcessing(single="$A:0", pair="$A:0 $B:1")
 
 
 def config_eos_ids(model_dir: Path) -> list[int]:

@@ -1,0 +1,69 @@
+"""A model dir's ``tokenizer.json`` encodes as transformers' ``AutoTokenizer`` encodes it:
+the same ids for text (BOS or none as transformers adds it) and for rendered chats.
+
+transformers 5 picks the tokenizer class from the model's ``model_type`` as well as from
+``tokenizer_config.json``, and some classes build their own pipeline around the
+vocabulary: a ``qwen2`` model (whatever ``tokenizer_class`` says) or a ``qwen3`` one naming
+no class gets ``Qwen2Tokenizer``, which splits digits one by one and contractions with its
+own regex. The tokenizers here are plain byte-level BPE ``tokenizer.json`` files (as a test
+would build one with ``tokenizers``), so the pipelines differ where it matters."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import transformers as tf
+
+from shared.tokenizer import load_tokenizer
+from tests.fixtures.chat import CHATS, make_tokenizer_dir
+
+TEXTS = [
+    "hello world",
+    "It's 12345 o'clock, don't   wait\n\n  x",
+    "e\u0301t\u00e9 caf\u00e9 日本語 🙂",
+    "<|im_start|>user\nhi 42<|im_end|>",
+    " leading space and trailing  ",
+]
+CASES = [  # (model_type, tokenizer_class in tokenizer_config.json, tokenizer family)
+    ("qwen2", "PreTrainedTokenizerFast", "qwen2.5"),
+    ("qwen2", "Qwen2Tokenizer", "qwen2.5"),
+    ("qwen3", None, "qwen3"),
+    ("qwen3", "PreTrainedTokenizerFast", "qwen3"),
+    ("llama", "PreTrainedTokenizerFast", "llama3.1"),
+    ("llama", None, "llama3.1"),
+]
+CONFIG = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+          "num_hidden_layers": 1, "num_attention_heads": 4}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple, Path]:
+    out = {}
+    for model_type, cls, family in CASES:
+        d = make_tokenizer_dir(tmp_path_factory.mktemp("tok") / family, family)
+        tcfg = json.loads((d / "tokenizer_config.json").read_text())
+        if cls is None:
+            del tcfg["tokenizer_class"]
+        else:
+            tcfg["tokenizer_class"] = cls
+        (d / "tokenizer_config.json").write_text(json.dumps(tcfg))
+        (d / "config.json").write_text(json.dumps({"model_type": model_type, **CONFIG}))
+        out[(model_type, cls, family)] = d
+    return out
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{m}-{c}" for m, c, _ in CASES])
+def test_text_and_chat_ids_equal_transformers(dirs: dict[tuple, Path], case: tuple) -> None:
+    d = dirs[case]
+    theirs, ours = tf.AutoTokenizer.from_pretrained(str(d)), load_tokenizer(d)
+    for text in TEXTS:
+        assert ours.encode(text) == theirs(text)["input_ids"], (type(theirs).__name__, text)
+        assert ours.encode(text, add_special_tokens=False) == theirs(
+            text, add_special_tokens=False
+        )["input_ids"]
+    chat = [*CHATS["multi_turn"][:-1], {"role": "user", "content": TEXTS[1]}]
+    want = theirs.apply_chat_template(chat, tokenize=True, add_generation_prompt=True)
+    text = ours.apply_chat_template(chat, True)
+    assert ours.encode(text, add_special_tokens=False) == want["input_ids"]
