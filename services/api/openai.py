@@ -253,6 +253,11 @@ class OpenAIRoutes:
         self.deps = deps
         s = deps.settings
         self.model = s.served_model_name
+        # as vLLM names a model served from a path: the path as given is its id too
+        # (and the resolved path), unless ROLLBUS_MODEL_NAME names it otherwise
+        self.model_ids = {self.model}
+        if s.model and not s.model_name:
+            self.model_ids |= {s.model, str(s.model_dir.resolve())}
         self.tokenizer = load_tokenizer(s.model_dir)
         self._texts: dict[int, str] = {}  # token id -> its text in logprobs
         self.max_model_len = max_model_len(s.model_dir, s.max_model_len)
@@ -327,7 +332,7 @@ class OpenAIRoutes:
         except msgspec.ValidationError as e:
             param = m.error_param(e) or "body"
             raise BadRequest(f"'{param}': {m.error_text(e)}", param) from None
-        if req.model is not None and req.model != self.model:
+        if req.model is not None and req.model not in self.model_ids:
             raise BadRequest(
                 f"model '{req.model}' does not exist; this server serves '{self.model}'", "model"
             )
