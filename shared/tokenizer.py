@@ -238,11 +238,11 @@ def transformers_class(tcfg: Mapping[str, Any], mcfg: Mapping[str, Any]) -> str 
 
 def _qwen2_pipeline(tok: tokenizers.Tokenizer, tcfg: Mapping[str, Any]) -> None:
     """What transformers' ``Qwen2Tokenizer`` does with a ``tokenizer.json``: it keeps the
-    BPE vocabulary, merges and added tokens and builds the rest itself — NFC, the Qwen
-    split regex (digits one by one), byte-level without its own regex, no BOS — so a
+    BPE vocabulary, merges, added tokens and post-processor and builds the rest itself —
+    NFC, the Qwen split regex (digits one by one), byte-level without its own regex — so a
     ``tokenizer.json`` with another pre-tokenizer encodes as transformers encodes it (a
     real Qwen ``tokenizer.json`` already holds this pipeline)."""
-    from tokenizers import Regex, decoders, normalizers, pre_tokenizers, processors
+    from tokenizers import Regex, decoders, normalizers, pre_tokenizers
 
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -253,9 +253,7 @@ def _qwen2_pipeline(tok: tokenizers.Tokenizer, tcfg: Mapping[str, Any]) -> None:
             ),
         ]
     )
-    tok.decoder = decoders.ByteLevel()
-    # no BOS / EOS: transformers' from_pretrained leaves add_bos_token / add_eos_token unused
-    tok.post_processor = processors.TemplateProcessing(single="$A:0", pair="$A:0 $B:1")
+    tok.decoder = decoders.ByteLevel()  # the post-processor stays tokenizer.json's, as there
 
 
 def config_eos_ids(model_dir: Path) -> list[int]:

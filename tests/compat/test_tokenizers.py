@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 import transformers as tf
+from tokenizers import Tokenizer, processors
 
 from shared.tokenizer import load_tokenizer
-from tests.fixtures.chat import CHATS, make_tokenizer_dir
+from tests.fixtures.chat import CHATS, FAMILIES, make_tokenizer_dir
 
 TEXTS = [
     "hello world",
@@ -26,13 +27,13 @@ TEXTS = [
     "<|im_start|>user\nhi 42<|im_end|>",
     " leading space and trailing  ",
 ]
-CASES = [  # (model_type, tokenizer_class in tokenizer_config.json, tokenizer family)
-    ("qwen2", "PreTrainedTokenizerFast", "qwen2.5"),
-    ("qwen2", "Qwen2Tokenizer", "qwen2.5"),
-    ("qwen3", None, "qwen3"),
-    ("qwen3", "PreTrainedTokenizerFast", "qwen3"),
-    ("llama", "PreTrainedTokenizerFast", "llama3.1"),
-    ("llama", None, "llama3.1"),
+CASES = [  # (model_type, tokenizer_class in tokenizer_config.json, tokenizer family, BOS)
+    ("qwen2", "PreTrainedTokenizerFast", "qwen2.5", False),
+    ("qwen2", "Qwen2Tokenizer", "qwen2.5", True),  # Qwen2Tokenizer keeps it too
+    ("qwen3", None, "qwen3", False),
+    ("qwen3", "PreTrainedTokenizerFast", "qwen3", True),
+    ("llama", "PreTrainedTokenizerFast", "llama3.1", True),  # as Llama-3's tokenizer.json
+    ("llama", None, "llama3.1", False),
 ]
 CONFIG = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
           "num_hidden_layers": 1, "num_attention_heads": 4}  # fmt: skip
@@ -41,8 +42,15 @@ CONFIG = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple, Path]:
     out = {}
-    for model_type, cls, family in CASES:
+    for model_type, cls, family, bos in CASES:
         d = make_tokenizer_dir(tmp_path_factory.mktemp("tok") / family, family)
+        if bos:  # tokenizer.json's post-processor puts the first special token first
+            raw = Tokenizer.from_file(str(d / "tokenizer.json"))
+            first = FAMILIES[family][1][0]
+            raw.post_processor = processors.TemplateProcessing(
+                single=f"{first} $A", special_tokens=[(first, raw.token_to_id(first))]
+            )
+            raw.save(str(d / "tokenizer.json"))
         tcfg = json.loads((d / "tokenizer_config.json").read_text())
         if cls is None:
             del tcfg["tokenizer_class"]
@@ -50,11 +58,14 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple, Path]:
             tcfg["tokenizer_class"] = cls
         (d / "tokenizer_config.json").write_text(json.dumps(tcfg))
         (d / "config.json").write_text(json.dumps({"model_type": model_type, **CONFIG}))
-        out[(model_type, cls, family)] = d
+        out[(model_type, cls, family, bos)] = d
     return out
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"{m}-{c}" for m, c, _ in CASES])
+IDS = [f"{m}-{c}-{'bos' if b else 'none'}" for m, c, _, b in CASES]
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_text_and_chat_ids_equal_transformers(dirs: dict[tuple, Path], case: tuple) -> None:
     d = dirs[case]
     theirs, ours = tf.AutoTokenizer.from_pretrained(str(d)), load_tokenizer(d)
