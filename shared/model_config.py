@@ -141,7 +141,8 @@ class ModelConfig:
             raise ConfigError(f"config lacks {', '.join(missing)}")
         sizes: dict[str, Any] = {k: int(config[k]) for k in _REQUIRED}
         heads = sizes["num_attention_heads"]
-        head_dim = config.get("head_dim") or d["head_dim"] or 0
+        # absent: the family's default; null: hidden / heads (as transformers' configs)
+        head_dim = (config["head_dim"] if "head_dim" in config else d["head_dim"]) or 0
         eos = _ids(config.get("eos_token_id"), "eos_token_id")
         bos = _ids(config.get("bos_token_id"), "bos_token_id")
         max_pos = int(config.get("max_position_embeddings") or d["max_position_embeddings"])
