@@ -4,8 +4,8 @@ a paged KV cache. The architecture comes from :class:`shared.model_config.ModelC
 Pure compute: the caller owns the weights (a dict of this rank's shards, HF names and
 HF layout ``[out, in]``, paddle tensors of one float dtype: float32 on CPU, the
 checkpoint's bf16 / fp16 on GPU, see ``hf_files.compute_dtype``) and the :class:`KVCache`
-(of the same dtype); the model
-holds no parameters, so swapping the dict is a weight update and dropping it is sleep.
+(of the same dtype); the model holds no parameters, so swapping the dict is a weight
+update and dropping it is sleep.
 
 Sharding over ``tp`` ranks follows :mod:`shared.sharding` (Megatron style): the partial
 outputs of the row-parallel o_proj and down_proj are summed with one ``all_reduce`` each
@@ -48,9 +48,9 @@ _prefer_avx2_mkl_on_amd()
 class KVCache:
     """Paged KV cache for one rank: per layer a key and a value paddle tensor of shape
     [num_blocks, local_kv_heads, block_size, head_dim] (in the weights' dtype, float32 by
-    default). Heads before slots: a
-    gathered block is already the [heads, slots, head_dim] operand of attention's batched
-    matmuls, so a step moves no cache data but the one gather of its blocks.
+    default). Heads before slots: a gathered block is already the [heads, slots, head_dim]
+    operand of attention's batched matmuls, so a step moves no cache data but the one
+    gather of its blocks.
 
     ``nbytes`` is the footprint when allocated; it does not drop to 0 after ``free``."""
 
