@@ -158,12 +158,18 @@ class HFTokenizer(_ChatTemplating):
     def __init__(self, model_dir: Path) -> None:
         model_dir = Path(model_dir)
         self.model_dir = model_dir
-        self._tok = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         tcfg = _read_json(model_dir / "tokenizer_config.json")
         smap = _read_json(model_dir / "special_tokens_map.json")
         mcfg = _read_json(model_dir / "config.json")
         gcfg = _read_json(model_dir / "generation_config.json")
-        if transformers_class(tcfg, mcfg) == "Qwen2Tokenizer":
+        raw = (model_dir / "tokenizer.json").read_text(encoding="utf-8")
+        cls = transformers_class(tcfg, mcfg, raw)
+        self._tok = (
+            _llama_tokenizer(raw, tcfg)
+            if cls == "LlamaTokenizer"
+            else tokenizers.Tokenizer.from_str(raw)
+        )
+        if cls == "Qwen2Tokenizer":
             _qwen2_pipeline(self._tok, tcfg)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_token, self.bos_token = (
@@ -221,11 +227,15 @@ QWEN2_PRETOKENIZE_REGEX = (
 )
 
 
-def transformers_class(tcfg: Mapping[str, Any], mcfg: Mapping[str, Any]) -> str | None:
+def transformers_class(
+    tcfg: Mapping[str, Any], mcfg: Mapping[str, Any], tokenizer_json: str = ""
+) -> str | None:
     """The tokenizer class transformers 5's ``AutoTokenizer`` picks for a model dir, as far
     as it changes the ids: ``"Qwen2Tokenizer"`` for a ``qwen2`` model whatever its
     ``tokenizer_class`` says, and for a ``qwen3`` one naming none (or for any naming it);
-    else the named class (``None``: none named)."""
+    ``"LlamaTokenizer"`` where it is named and ``tokenizer.json`` is not byte-level (a
+    byte-level one, as Llama-3's, is loaded as it is); else the named class (``None``:
+    none named)."""
     hub = tcfg.get("tokenizer_class") or mcfg.get("tokenizer_class")
     hub = hub.removesuffix("Fast") if isinstance(hub, str) else None
     model_type = mcfg.get("model_type")
@@ -233,7 +243,42 @@ def transformers_class(tcfg: Mapping[str, Any], mcfg: Mapping[str, Any]) -> str 
         return hub  # remote code: not ours to emulate
     if model_type == "qwen2" or (model_type == "qwen3" and hub is None):
         return "Qwen2Tokenizer"
+    if hub == "LlamaTokenizer":
+        try:
+            spec = json.loads(tokenizer_json) if tokenizer_json else {}
+        except ValueError:
+            spec = {}
+        parts = json.dumps([spec.get("pre_tokenizer"), spec.get("decoder")])
+        model = spec.get("model") or {}
+        # ernie4_5 is one of transformers' "incorrect hub class" model types
+        if '"ByteLevel"' in parts or model.get("type") != "BPE" or model_type == "ernie4_5":
+            return "TokenizersBackend"
     return hub
+
+
+def _llama_tokenizer(tokenizer_json: str, tcfg: Mapping[str, Any]) -> tokenizers.Tokenizer:
+    """What transformers' ``LlamaTokenizer`` builds around a (non byte-level) BPE
+    ``tokenizer.json``: its vocabulary, merges, added tokens and post-processor, with its
+    own BPE flags (byte fallback, fused unknowns), no normalizer, a Metaspace
+    pre-tokenizer whose prefix scheme follows ``add_prefix_space`` / ``legacy``
+    (``first`` by default: no ``▁`` after a special token) and its decoder."""
+    from tokenizers import decoders, pre_tokenizers
+
+    spec = json.loads(tokenizer_json)
+    spec["model"].update(fuse_unk=True, byte_fallback=True, dropout=None, unk_token=None)
+    spec["normalizer"] = None
+    tok = tokenizers.Tokenizer.from_str(json.dumps(spec))
+    prefix = tcfg.get("add_prefix_space")
+    prefix = True if prefix is None else bool(prefix)
+    scheme = ("always" if tcfg.get("legacy", False) else "first") if prefix else "never"
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="\u2581", prepend_scheme=scheme, split=False
+    )
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prefix:
+        steps.append(decoders.Strip(content=" ", left=1))
+    tok.decoder = decoders.Sequence(steps)
+    return tok
 
 
 def _qwen2_pipeline(tok: tokenizers.Tokenizer, tcfg: Mapping[str, Any]) -> None:

@@ -78,3 +78,36 @@ def test_text_and_chat_ids_equal_transformers(dirs: dict[tuple, Path], case: tup
     want = theirs.apply_chat_template(chat, tokenize=True, add_generation_prompt=True)
     text = ours.apply_chat_template(chat, True)
     assert ours.encode(text, add_special_tokens=False) == want["input_ids"]
+
+
+@pytest.mark.parametrize("legacy", [None, True])
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "ernie4_5"])
+def test_sentencepiece_style_llama_tokenizer_equals_transformers(
+    tmp_path: Path, model_type: str, legacy: bool | None
+) -> None:
+    """A Metaspace BPE ``tokenizer.json`` (Llama-2 style, written with ``tokenizers``'
+    default ``prepend_scheme="always"``) named ``LlamaTokenizerFast``: transformers
+    builds its own Metaspace pipeline (``first`` unless ``legacy``: no ``▁`` after a
+    special token) — except for ernie4_5, whose hub class it distrusts."""
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    raw = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    raw.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    raw.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"])
+    raw.train_from_iterator(["hello world the quick brown fox 12345 it's there"] * 10, trainer)
+    raw.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", raw.token_to_id("<s>"))]
+    )
+    raw.save(str(tmp_path / "tokenizer.json"))
+    tcfg: dict = {"tokenizer_class": "LlamaTokenizerFast", "bos_token": "<s>",
+                  "eos_token": "</s>", "unk_token": "<unk>"}  # fmt: skip
+    if legacy is not None:
+        tcfg["legacy"] = legacy
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(tcfg))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type, **CONFIG}))
+    theirs, ours = tf.AutoTokenizer.from_pretrained(str(tmp_path)), load_tokenizer(tmp_path)
+    for text in ["hello world", " hello  world", "hi</s>there <s> x", *TEXTS]:
+        ids = theirs(text)["input_ids"]
+        assert ours.encode(text) == ids, (type(theirs).__name__, text)
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
