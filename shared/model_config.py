@@ -141,7 +141,8 @@ class ModelConfig:
             raise ConfigError(f"config lacks {', '.join(missing)}")
         sizes: dict[str, Any] = {k: int(config[k]) for k in _REQUIRED}
         heads = sizes["num_attention_heads"]
-        head_dim = config.get("head_dim") or d["head_dim"] or 0
+        # absent: the family's default; null: hidden / heads (as transformers' configs)
+        head_dim = (config["head_dim"] if "head_dim" in config else d["head_dim"]) or 0
         eos = _ids(config.get("eos_token_id"), "eos_token_id")
         bos = _ids(config.get("bos_token_id"), "bos_token_id")
         max_pos = int(config.get("max_position_embeddings") or d["max_position_embeddings"])
@@ -313,3 +314,12 @@ def max_model_len(model_dir: Path, setting: int = 0) -> int:
 
 def vocab_size(model_dir: Path) -> int:
     return int(read_hf_config(model_dir)["vocab_size"])
+
+
+def model_vocab_size(model_dir: Path, fallback: int) -> int:
+    """The model's token ids (config.json's ``vocab_size``: its embedding rows), or
+    ``fallback`` for a dir without a usable config (the default tiny model's tokenizer)."""
+    try:
+        return int(read_hf_config(model_dir)["vocab_size"])
+    except (ConfigError, KeyError, TypeError, ValueError):
+        return fallback

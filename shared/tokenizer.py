@@ -37,7 +37,9 @@ _CONTEXT_IDS = 6  # prompt ids kept as decode context so the first output token'
 
 
 class Tokenizer(Protocol):
-    eos_token_id: int
+    @property
+    def eos_token_id(self) -> int | None: ...  # None: the model names no eos id
+
     bos_token_id: int | None
     stop_token_ids: list[int]  # every id that ends generation (eos first)
     vocab_size: int
@@ -156,11 +158,19 @@ class HFTokenizer(_ChatTemplating):
     def __init__(self, model_dir: Path) -> None:
         model_dir = Path(model_dir)
         self.model_dir = model_dir
-        self._tok = tokenizers.Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         tcfg = _read_json(model_dir / "tokenizer_config.json")
         smap = _read_json(model_dir / "special_tokens_map.json")
         mcfg = _read_json(model_dir / "config.json")
         gcfg = _read_json(model_dir / "generation_config.json")
+        raw = (model_dir / "tokenizer.json").read_text(encoding="utf-8")
+        cls = transformers_class(tcfg, mcfg, raw)
+        self._tok = (
+            _llama_tokenizer(raw, tcfg)
+            if cls == "LlamaTokenizer"
+            else tokenizers.Tokenizer.from_str(raw)
+        )
+        if cls == "Qwen2Tokenizer":
+            _qwen2_pipeline(self._tok, tcfg)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_token, self.bos_token = (
             _token_text(tcfg.get("eos_token")),
@@ -171,10 +181,10 @@ class HFTokenizer(_ChatTemplating):
             + _ids(gcfg.get("eos_token_id"))
             + _ids(mcfg.get("eos_token_id"))
         )
+        # a model naming no eos id anywhere (transformers' Qwen2Config() has none) stops
+        # only on max_tokens / stop_token_ids, as transformers' generate does
         stops = list(dict.fromkeys(i for i in eos if i is not None))
-        if not stops:
-            raise ValueError(f"{model_dir}: no eos token in tokenizer_config.json or config.json")
-        self.eos_token_id: int = stops[0]
+        self.eos_token_id: int | None = stops[0] if stops else None
         self.stop_token_ids: list[int] = stops
         bos = [self._id_of(self.bos_token)] + _ids(mcfg.get("bos_token_id"))
         self.bos_token_id: int | None = next((i for i in bos if i is not None), None)
@@ -208,6 +218,87 @@ class HFTokenizer(_ChatTemplating):
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+
+# transformers' Qwen2Tokenizer pre-tokenizer (models/qwen2/tokenization_qwen2.py)
+QWEN2_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+
+def transformers_class(
+    tcfg: Mapping[str, Any], mcfg: Mapping[str, Any], tokenizer_json: str = ""
+) -> str | None:
+    """The tokenizer class transformers 5's ``AutoTokenizer`` picks for a model dir, as far
+    as it changes the ids: ``"Qwen2Tokenizer"`` for a ``qwen2`` model whatever its
+    ``tokenizer_class`` says, and for a ``qwen3`` one naming none (or for any naming it);
+    ``"LlamaTokenizer"`` where it is named and ``tokenizer.json`` is not byte-level (a
+    byte-level one, as Llama-3's, is loaded as it is); else the named class (``None``:
+    none named)."""
+    hub = tcfg.get("tokenizer_class") or mcfg.get("tokenizer_class")
+    hub = hub.removesuffix("Fast") if isinstance(hub, str) else None
+    model_type = mcfg.get("model_type")
+    if tcfg.get("auto_map") is not None:
+        return hub  # remote code: not ours to emulate
+    if model_type == "qwen2" or (model_type == "qwen3" and hub is None):
+        return "Qwen2Tokenizer"
+    if hub == "LlamaTokenizer":
+        try:
+            spec = json.loads(tokenizer_json) if tokenizer_json else {}
+        except ValueError:
+            spec = {}
+        parts = json.dumps([spec.get("pre_tokenizer"), spec.get("decoder")])
+        model = spec.get("model") or {}
+        # ernie4_5 is one of transformers' "incorrect hub class" model types
+        if '"ByteLevel"' in parts or model.get("type") != "BPE" or model_type == "ernie4_5":
+            return "TokenizersBackend"
+    return hub
+
+
+def _llama_tokenizer(tokenizer_json: str, tcfg: Mapping[str, Any]) -> tokenizers.Tokenizer:
+    """What transformers' ``LlamaTokenizer`` builds around a (non byte-level) BPE
+    ``tokenizer.json``: its vocabulary, merges, added tokens and post-processor, with its
+    own BPE flags (byte fallback, fused unknowns), no normalizer, a Metaspace
+    pre-tokenizer whose prefix scheme follows ``add_prefix_space`` / ``legacy``
+    (``first`` by default: no ``▁`` after a special token) and its decoder."""
+    from tokenizers import decoders, pre_tokenizers
+
+    spec = json.loads(tokenizer_json)
+    spec["model"].update(fuse_unk=True, byte_fallback=True, dropout=None, unk_token=None)
+    spec["normalizer"] = None
+    tok = tokenizers.Tokenizer.from_str(json.dumps(spec))
+    prefix = tcfg.get("add_prefix_space")
+    prefix = True if prefix is None else bool(prefix)
+    scheme = ("always" if tcfg.get("legacy", False) else "first") if prefix else "never"
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="\u2581", prepend_scheme=scheme, split=False
+    )
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prefix:
+        steps.append(decoders.Strip(content=" ", left=1))
+    tok.decoder = decoders.Sequence(steps)
+    return tok
+
+
+def _qwen2_pipeline(tok: tokenizers.Tokenizer, tcfg: Mapping[str, Any]) -> None:
+    """What transformers' ``Qwen2Tokenizer`` does with a ``tokenizer.json``: it keeps the
+    BPE vocabulary, merges, added tokens and post-processor and builds the rest itself —
+    NFC, the Qwen split regex (digits one by one), byte-level without its own regex — so a
+    ``tokenizer.json`` with another pre-tokenizer encodes as transformers encodes it (a
+    real Qwen ``tokenizer.json`` already holds this pipeline)."""
+    from tokenizers import Regex, decoders, normalizers, pre_tokenizers
+
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(
+                add_prefix_space=bool(tcfg.get("add_prefix_space")), use_regex=False
+            ),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()  # the post-processor stays tokenizer.json's, as there
 
 
 def config_eos_ids(model_dir: Path) -> list[int]:

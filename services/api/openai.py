@@ -245,15 +245,24 @@ class _FirstToken:
 
 class OpenAIRoutes:
     def __init__(self, deps: Deps) -> None:
-        from shared.model_config import max_model_len
+        from shared.model_config import max_model_len, model_vocab_size
         from shared.tokenizer import load_tokenizer
 
         self.deps = deps
         s = deps.settings
         self.model = s.served_model_name
+        # as vLLM names a model served from a path: the path as given is its id too
+        # (and the resolved path), unless ROLLBUS_MODEL_NAME names it otherwise
+        self.model_ids = {self.model}
+        if s.model and not s.model_name:
+            self.model_ids |= {s.model, str(s.model_dir.resolve())}
         self.tokenizer = load_tokenizer(s.model_dir)
         self._texts: dict[int, str] = {}  # token id -> its text in logprobs
         self.max_model_len = max_model_len(s.model_dir, s.max_model_len)
+        # token ids are checked against the model's embedding rows (config.json's
+        # vocab_size), not the tokenizer's size: a padded vocabulary accepts every id the
+        # model has, a tokenizer with more ids than the model cannot feed it an unknown one
+        self.vocab_size = model_vocab_size(s.model_dir, self.tokenizer.vocab_size)
 
     # ------------------------------------------------------------------ parsing
 
@@ -308,7 +317,7 @@ class OpenAIRoutes:
             ids = self.tokenizer.encode(item) if isinstance(item, str) else list(item)
             if not ids:
                 raise BadRequest(f"{where} is empty", "prompt")
-            if not all(t < self.tokenizer.vocab_size for t in ids):
+            if not all(t < self.vocab_size for t in ids):
                 raise BadRequest(f"{where}: token id out of the vocabulary", "prompt")
             prompts.append(ids)
         return prompts
@@ -321,7 +330,7 @@ class OpenAIRoutes:
         except msgspec.ValidationError as e:
             param = m.error_param(e) or "body"
             raise BadRequest(f"'{param}': {m.error_text(e)}", param) from None
-        if req.model is not None and req.model != self.model:
+        if req.model is not None and req.model not in self.model_ids:
             raise BadRequest(
                 f"model '{req.model}' does not exist; this server serves '{self.model}'", "model"
             )
@@ -335,10 +344,10 @@ class OpenAIRoutes:
         budgets = [self._budget(ids, max_name, max_tokens, chat) for ids in prompts]
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         stop_ids = list(req.stop_token_ids or [])
-        if any(t >= self.tokenizer.vocab_size for t in stop_ids):
+        if any(t >= self.vocab_size for t in stop_ids):
             raise BadRequest("stop_token_ids: token id out of the vocabulary", "stop_token_ids")
         for key in req.logit_bias or {}:  # OpenAI's keys: token ids as strings
-            if not (key.isascii() and key.isdigit() and int(key) < self.tokenizer.vocab_size):
+            if not (key.isascii() and key.isdigit() and int(key) < self.vocab_size):
                 raise BadRequest(
                     f"logit_bias: key {key[:32]!r} is not a token id in the vocabulary",
                     "logit_bias",

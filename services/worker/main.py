@@ -29,7 +29,7 @@ import paddle
 from services.worker import control, readout
 from services.worker import model as mdl
 from services.worker.comm import CommGroup, configure_env, local_endpoints, place
-from services.worker.sources import make_source
+from services.worker.sources import make_source, served_dtype
 from services.worker.stepper import Stepper, Watermark
 from services.worker.weights import WeightStore
 from shared import messages as m
@@ -89,7 +89,10 @@ def build_rank(settings: Settings, rank: int) -> control.Rank:
     source = make_source(settings, cfg, rank)
     weights = WeightStore(rank, source)
     weights.load_initial(model_dir_version(model_dir))
-    kv = mdl.KVCache(cfg, settings.kv_cache_blocks, settings.kv_block_size, settings.tp)
+    kv = mdl.KVCache(
+        cfg, settings.kv_cache_blocks, settings.kv_block_size, settings.tp,
+        served_dtype(settings),
+    )
     model = mdl.TPModel(cfg, rank, settings.tp, comm.group, comm.shm)
     return control.Rank(rank, settings.tp, cfg, weights, kv, comm, settings.load_strategy, model)
 

@@ -2,8 +2,10 @@
 a paged KV cache. The architecture comes from :class:`shared.model_config.ModelConfig`.
 
 Pure compute: the caller owns the weights (a dict of this rank's shards, HF names and
-HF layout ``[out, in]``, float32 paddle tensors) and the :class:`KVCache`; the model
-holds no parameters, so swapping the dict is a weight update and dropping it is sleep.
+HF layout ``[out, in]``, paddle tensors of one float dtype: float32 on CPU, the
+checkpoint's bf16 / fp16 on GPU, see ``hf_files.compute_dtype``) and the :class:`KVCache`
+(of the same dtype); the model holds no parameters, so swapping the dict is a weight
+update and dropping it is sleep.
 
 Sharding over ``tp`` ranks follows :mod:`shared.sharding` (Megatron style): the partial
 outputs of the row-parallel o_proj and down_proj are summed with one ``all_reduce`` each
@@ -45,14 +47,18 @@ _prefer_avx2_mkl_on_amd()
 
 class KVCache:
     """Paged KV cache for one rank: per layer a key and a value paddle tensor of shape
-    [num_blocks, local_kv_heads, block_size, head_dim] (float32). Heads before slots: a
-    gathered block is already the [heads, slots, head_dim] operand of attention's batched
-    matmuls, so a step moves no cache data but the one gather of its blocks.
+    [num_blocks, local_kv_heads, block_size, head_dim] (in the weights' dtype, float32 by
+    default). Heads before slots: a gathered block is already the [heads, slots, head_dim]
+    operand of attention's batched matmuls, so a step moves no cache data but the one
+    gather of its blocks.
 
     ``nbytes`` is the footprint when allocated; it does not drop to 0 after ``free``."""
 
-    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, tp: int) -> None:
+    def __init__(
+        self, cfg: ModelConfig, num_blocks: int, block_size: int, tp: int, dtype: str = "float32"
+    ) -> None:
         cfg.validate_tp(tp)
+        self.dtype = dtype
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         self.num_layers = cfg.num_hidden_layers
@@ -65,7 +71,8 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.num_layers * math.prod(self.shape) * 4
+        size = {"bfloat16": 2, "float16": 2}.get(self.dtype) or np.dtype(self.dtype).itemsize
+        return 2 * self.num_layers * math.prod(self.shape) * size
 
     @property
     def allocated(self) -> bool:
@@ -73,8 +80,8 @@ class KVCache:
 
     def allocate(self) -> None:
         self.free()
-        self.keys = [paddle.zeros(self.shape, "float32") for _ in range(self.num_layers)]
-        self.values = [paddle.zeros(self.shape, "float32") for _ in range(self.num_layers)]
+        self.keys = [paddle.zeros(self.shape, self.dtype) for _ in range(self.num_layers)]
+        self.values = [paddle.zeros(self.shape, self.dtype) for _ in range(self.num_layers)]
 
     def free(self) -> None:
         # _clear_data releases the storage even if someone still holds a reference.
@@ -225,6 +232,11 @@ class TPModel:
             raise RuntimeError("KV cache is not allocated")
         plan = self._plan(kv, batch)
         cfg = self.cfg
+        dtype = weights["model.embed_tokens.weight"].dtype
+        if dtype != paddle.float32:  # bf16 / fp16 weights (GPU): tables and cache follow
+            if kv.keys[0].dtype != dtype:
+                raise ValueError(f"KV cache is {kv.keys[0].dtype}, the weights are {dtype}")
+            _cast_plan(plan, dtype)
         h = F.embedding(plan.token_ids, weights["model.embed_tokens.weight"])
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
@@ -240,7 +252,8 @@ class TPModel:
             paddle.gather(h, plan.last_rows), weights["model.norm.weight"], cfg.rms_norm_eps
         )
         head = weights["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"]
-        return _linear(h, head)
+        logits = _linear(h, head)
+        return logits if dtype == paddle.float32 else logits.astype("float32")
 
     def share_tokens(self, tokens: list[int]) -> list[int]:
         """Rank 0's ``tokens`` on every rank (the others pass as many zeros). One small
@@ -358,6 +371,15 @@ def _attention_groups(
     if order == list(range(len(order))):
         return groups, None
     return groups, paddle.to_tensor(np.argsort(np.asarray(order)).astype(np.int64))
+
+
+def _cast_plan(plan: _Plan, dtype: Any) -> None:
+    """The plan's float tables (RoPE cos / sin, attention masks; built in float32) in the
+    weights' ``dtype``."""
+    for name in ("cos_q", "sin_q", "cos_k", "sin_k"):
+        setattr(plan, name, getattr(plan, name).astype(dtype))
+    for g in plan.groups:
+        g.mask = g.mask.astype(dtype)
 
 
 def _linear(x: paddle.Tensor, w: paddle.Tensor, b: paddle.Tensor | None = None) -> paddle.Tensor:

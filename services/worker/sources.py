@@ -387,10 +387,16 @@ class FallbackSource:
             raise
 
 
-def make_source(settings: Settings, cfg: ModelConfig, rank: int) -> Source:
+def served_dtype(settings: Settings) -> str:
+    """The rank's compute dtype (weights and KV cache) for every version: from
+    ``ROLLBUS_DTYPE``, the device and the model dir's checkpoint dtype."""
     stored = st.checkpoint_dtype(sorted(settings.model_dir.glob("*.safetensors")))
     device = str(getattr(settings, "device", "cpu"))  # ROLLBUS_DEVICE, where it exists
-    dtype = hf_files.compute_dtype(settings.dtype, device, stored)  # for every version
+    return hf_files.compute_dtype(settings.dtype, device, stored)
+
+
+def make_source(settings: Settings, cfg: ModelConfig, rank: int) -> Source:
+    dtype = served_dtype(settings)  # for every version
     snap = SnapshotSource(cfg, settings.model_dir, rank, settings.tp, dtype)
     store = ObjectStoreSource(settings, snap, rank, settings.tp)  # connects on first use
     if settings.load_strategy == "object_store":

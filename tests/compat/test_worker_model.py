@@ -74,3 +74,25 @@ def test_configs_are_in_the_layout_they_claim(model_dirs: dict[str, Path]) -> No
         assert cfg.rope_theta == case.theta
         assert cfg.rope_type == case.rope.get("rope_type", "default")
         assert cfg.model_type == case.family
+
+
+def test_config_json_variants_equal_transformers(
+    model_dirs: dict[str, Path], references: dict[tuple[str, int], Any], tmp_path: Path
+) -> None:
+    """What config.json files in the wild carry, on the llama case (transformers reads
+    each the same way): unknown fields, ``torch_dtype`` (transformers 4) instead of
+    ``dtype``, no ``tie_word_embeddings`` / ``head_dim`` (their defaults), a null
+    ``rope_scaling`` beside ``rope_parameters``, ``rope_theta`` as an int."""
+    import shutil
+
+    d = tmp_path / "llama"
+    shutil.copytree(model_dirs["llama"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["torch_dtype"] = cfg.pop("dtype")
+    for key in ("tie_word_embeddings", "head_dim"):
+        del cfg[key]
+    cfg["rope_parameters"]["rope_theta"] = int(cfg["rope_parameters"]["rope_theta"])
+    cfg.update(rope_scaling=None, some_future_field={"x": [1, 2]}, use_cache=True)
+    (d / "config.json").write_text(json.dumps(cfg))
+    for i, prompt in enumerate(PROMPTS):
+        assert_same("llama", rollbus_side.greedy(d, prompt, NEW_TOKENS), references[("llama", i)])

@@ -100,3 +100,14 @@ def test_unsupported_names_the_field(extra: dict[str, Any], needle: str) -> None
     with pytest.raises(ConfigError, match=r".*") as e:
         parse(**extra)
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_head_dim_absent_is_the_family_default_null_is_hidden_over_heads() -> None:
+    """As transformers' configs: Qwen3Config / Ernie4_5Config default to 128 when the
+    field is absent; an explicit null (and llama, qwen2 always) is hidden / heads."""
+    base = {"vocab_size": 10, "hidden_size": 64, "intermediate_size": 8,
+            "num_hidden_layers": 1, "num_attention_heads": 4}  # fmt: skip
+    for family, absent in (("llama", 16), ("qwen2", 16), ("qwen3", 128), ("ernie4_5", 128)):
+        assert ModelConfig.from_hf({**base, "model_type": family}).head_dim == absent
+        nulled = {**base, "model_type": family, "head_dim": None}
+        assert ModelConfig.from_hf(nulled).head_dim == 16, family

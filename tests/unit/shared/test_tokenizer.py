@@ -127,6 +127,22 @@ def test_bytes_stop_on_every_config_eos_id(tmp_path: Path) -> None:
 # ---------- HF tokenizer ----------
 
 
+def test_hf_tokenizer_without_any_eos_loads_and_stops_on_none(tmp_path: Path) -> None:
+    """A tokenizer naming no eos token beside a config with ``eos_token_id: null`` (what
+    transformers' ``Qwen2Config()`` writes): the model still serves, stopping only on
+    max_tokens / stop_token_ids as transformers' ``generate`` does."""
+    make_hf_dir(tmp_path, None)
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    del cfg["eos_token"]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": None}))
+    tok = load_tokenizer(tmp_path)
+    assert isinstance(tok, HFTokenizer)
+    assert tok.stop_token_ids == [] and tok.eos_token_id is None
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 3]}))
+    assert load_tokenizer(tmp_path).stop_token_ids == [7, 3]
+
+
 def test_hf_tokenizer_ids_round_trip_and_stream(tmp_path: Path) -> None:
     tok = load_tokenizer(make_hf_dir(tmp_path, None))
     assert isinstance(tok, HFTokenizer)
