@@ -44,17 +44,6 @@ def _prefer_avx2_mkl_on_amd() -> None:
 _prefer_avx2_mkl_on_amd()
 
 
-def _omp_threads_sleep_when_idle() -> None:
-    # Paddle's MKL runs its threads on Intel OpenMP, whose idle threads spin for
-    # KMP_BLOCKTIME (200 ms) after every parallel region: a rank with 2 threads then keeps
-    # a second core busy through all its one-thread work (norms, RoPE, softmax, the step
-    # plan), ~50% more CPU per decode step, taken from the engine, API and NATS on the same
-    # cores. 0: they sleep at once. Read at OpenMP's first use; an explicit value wins.
-    os.environ.setdefault("KMP_BLOCKTIME", "0")
-
-
-_omp_threads_sleep_when_idle()
-
 class KVCache:
     """Paged KV cache for one rank: per layer a key and a value paddle tensor of shape
     [num_blocks, local_kv_heads, block_size, head_dim] (float32). Heads before slots: the
