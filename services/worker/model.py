@@ -45,12 +45,13 @@ def _prefer_avx2_mkl_on_amd() -> None:
 
 _prefer_avx2_mkl_on_amd()
 
+
 class KVCache:
     """Paged KV cache for one rank: per layer a key and a value paddle tensor of shape
     [num_blocks, local_kv_heads, block_size, head_dim] (in the weights' dtype, float32 by
-    default). Heads before slots: a gathered block is already the [heads, slots, head_dim]
-    operand of attention's batched matmuls, so a step moves no cache data but the one
-    gather of its blocks.
+    default). Heads before slots: the (block, head) rows of a sequence's blocks, gathered in
+    (head, block) order, are already the [heads, keys, head_dim] operand of attention's
+    batched matmuls, so a step moves no cache data but the one gather of its blocks.
 
     ``nbytes`` is the footprint when allocated; it does not drop to 0 after ``free``."""
 
@@ -109,11 +110,16 @@ class _Group:
     tokens): S sequences of n new tokens, each reading nb cache blocks (padded)."""
 
     rows: paddle.Tensor | None  # [S * n] rows of the flat token batch; None: all, in order
-    blocks: paddle.Tensor  # [S * nb] cache block of each sequence's key blocks (pad: valid)
+    kv_rows: paddle.Tensor  # [S * KV * nb] (block, kv head) rows of the flat cache to read
     seqs: int
     new_tokens: int
     num_blocks: int
-    mask: paddle.Tensor  # [S, nb, KV or 1, n * g, block_size] additive: 0 visible, -inf not
+    mask: paddle.Tensor  # [S, KV or 1, n * g, nb * block_size] additive: 0 visible, -inf not
+    q_rows: paddle.Tensor | None = None  # n > 1: (seq, token, kv) rows -> (seq, kv, token)
+    out_rows: paddle.Tensor | None = None  # and back
+
+
+FULL_MASK = 1 << 22  # elements: a prefill mask up to this size is spread over the KV heads
 
 
 @dataclass
@@ -329,11 +335,18 @@ def _attention_groups(
     """Split the step's sequences into attention groups; also return the row permutation
     that puts grouped outputs back in batch order (None when already in order).
 
-    Decode sequences (1 new token) share one padded set of matmuls; longer chunks run
-    alone so padding never multiplies a prompt length by the number of sequences."""
+    Decode sequences (1 new token) share one padded set of matmuls. Longer chunks share
+    one when they have the same length and read the same number of cache blocks (a batch
+    of prompts arriving together), so no padding multiplies a prompt length; any other
+    chunk runs alone."""
     lengths = [len(t) for t in batch.token_ids]
     decode = [s for s, n in enumerate(lengths) if n == 1]
-    grouping = ([decode] if decode else []) + [[s] for s, n in enumerate(lengths) if n > 1]
+    chunks: dict[tuple[int, int], list[int]] = {}
+    for s, n in enumerate(lengths):
+        if n > 1:
+            key = (n, -(-(batch.start_pos[s] + n) // block_size))
+            chunks.setdefault(key, []).append(s)
+    grouping = ([decode] if decode else []) + list(chunks.values())
     groups: list[_Group] = []
     order: list[int] = []
     bs = block_size
@@ -349,23 +362,36 @@ def _attention_groups(
             blocks[i, used:] = tables[s][0]  # padding: any valid block, masked out
             rows.extend(range(firsts[s], firsts[s] + n))
         order.extend(rows)
-        # visible[s, ni, j, i]: key position j * bs + i is at or before query ni's position
-        kpos = np.arange(nb * bs).reshape(nb, bs)
+        # the keys of (sequence, kv head) as one [nb * block_size, head_dim] operand: rows
+        # (block, kv head) of the flat cache, in order (sequence, kv head, block)
+        kv_rows = blocks[:, None, :] * kv_heads + np.arange(kv_heads)[None, :, None]
+        # visible[s, ni, j]: key position j is at or before query ni's position
         qpos = np.asarray([batch.start_pos[s] for s in seqs])[:, None] + np.arange(n)
-        visible = kpos[None, None] <= qpos[:, :, None, None]
-        mask = np.where(visible, np.float32(0.0), np.float32(-np.inf)).transpose(0, 2, 1, 3)
-        mask = np.repeat(mask, group_size, axis=2)[:, :, None]  # rows (query, head in group)
-        if n == 1:  # decode: tiny, so spread over the kv heads here (paddle's CPU broadcast
-            # over a middle axis is slow); a prefill chunk's mask stays 1/KV of the scores
-            mask = np.broadcast_to(mask, (len(seqs), nb, kv_heads, group_size, bs))
+        visible = np.arange(nb * bs)[None, None] <= qpos[:, :, None]
+        mask = np.where(visible, np.float32(0.0), np.float32(-np.inf))
+        mask = np.repeat(mask, group_size, axis=1)[:, None]  # rows (query, head in group)
+        if mask.size * kv_heads <= FULL_MASK:  # paddle's CPU broadcast over a middle axis
+            # is slow: spread it here unless large (a long prompt's stays 1/KV of the scores)
+            mask = np.broadcast_to(mask, (len(seqs), kv_heads, *mask.shape[2:]))
+        q_rows = out_rows = None
+        if n > 1:  # queries are rows (sequence, token, kv head); attention wants kv heads first
+            perm = (
+                np.arange(len(seqs))[:, None, None] * n * kv_heads
+                + np.arange(kv_heads)[None, :, None]
+                + np.arange(n)[None, None, :] * kv_heads
+            ).reshape(-1)
+            q_rows = paddle.to_tensor(perm)
+            out_rows = paddle.to_tensor(np.argsort(perm).astype(np.int64))
         groups.append(
             _Group(
                 rows=None if len(grouping) == 1 else paddle.to_tensor(np.asarray(rows, np.int64)),
-                blocks=paddle.to_tensor(blocks.reshape(-1)),
+                kv_rows=paddle.to_tensor(kv_rows.reshape(-1)),
                 seqs=len(seqs),
                 new_tokens=n,
                 num_blocks=nb,
                 mask=paddle.to_tensor(np.ascontiguousarray(mask)),
+                q_rows=q_rows,
+                out_rows=out_rows,
             )
         )
     if order == list(range(len(order))):
@@ -382,12 +408,19 @@ def _cast_plan(plan: _Plan, dtype: Any) -> None:
         g.mask = g.mask.astype(dtype)
 
 
+WIDE_ROWS = 192  # from this many rows on, _linear computes x @ w^T
+
+
 def _linear(x: paddle.Tensor, w: paddle.Tensor, b: paddle.Tensor | None = None) -> paddle.Tensor:
     # HF layout [out, in]: y = (w @ x^T)^T. With few rows (decode) MKL streams w in this
     # orientation 1.3x (one thread) to 3x (two threads on a busy host) faster than as
-    # x @ w^T (measured on the bench model's MLP); the result is the same up to the order
-    # of the float32 sums.
-    y = paddle.matmul(w, x, transpose_y=True).T
+    # x @ w^T (measured on the bench model's MLP); from ~200 rows on (a batch of prompts)
+    # x @ w^T is the faster one (~10% at 256 rows). The result is the same up to the
+    # order of the float32 sums.
+    if x.shape[0] >= WIDE_ROWS:
+        y = paddle.matmul(x, w, transpose_y=True)
+    else:
+        y = paddle.matmul(w, x, transpose_y=True).T
     return y if b is None else y + b
 
 
@@ -441,9 +474,8 @@ def _rope(
     if interleaved:  # pairs (2i, 2i+1) -> (-x[2i+1], x[2i])
         pairs = x.reshape([*x.shape[:-1], -1, 2])
         rotated = paddle.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(x.shape)
-    else:
-        first, second = paddle.split(x, 2, axis=-1)
-        rotated = paddle.concat([second, first], axis=-1)
+    else:  # [second half, first half]: one roll, ~2.5x faster than split + concat
+        rotated = paddle.roll(x, x.shape[-1] // 2, axis=-1)
     return x * cos + rotated * sin
 
 
@@ -453,24 +485,28 @@ def _attend(
     """q [S*n, H, d] (pre-scaled) of one group against its cache blocks -> [S*n, H*d].
 
     Query head h reads kv head h // (H / KV) (HF repeat_kv): the group's queries are the
-    rows of their kv head's matmul. Scores are taken block by block ([S, nb, KV, n*g, bs],
-    q broadcast over the blocks) and the softmax runs over (block, slot) together, so the
-    gathered blocks are used as they lie in the cache: no key or value is transposed."""
-    s, n, nb = g.seqs, g.new_tokens, g.num_blocks
+    rows of their kv head's matmul. One gather reads each (sequence, kv head)'s blocks as
+    one [nb * block_size, d] operand (the cache's (block, kv head) rows are contiguous
+    slots × head_dim), so scores, softmax and the weighted sum are plain batched matmuls
+    and last-axis reductions over [S, KV, n*g, keys]: no key or value is transposed.
+    Prefill chunks reorder their query and output rows with one gather each (paddle's
+    strided copy of a transposed view is ~50x slower than a gather)."""
+    s, n = g.seqs, g.new_tokens
     h, d = q.shape[1], q.shape[2]
     gs = h // kvh
-    bs = k_cache.shape[2]
-    if n == 1:
-        q = q.reshape([s, 1, kvh, gs, d])
+    keys = g.num_blocks * k_cache.shape[2]
+    row = k_cache.shape[2] * d
+    k = paddle.gather(k_cache.reshape([-1, row]), g.kv_rows).reshape([s, kvh, keys, d])
+    v = paddle.gather(v_cache.reshape([-1, row]), g.kv_rows).reshape([s, kvh, keys, d])
+    if g.q_rows is None:
+        q = q.reshape([s, kvh, gs, d])
     else:
-        q = q.reshape([s, n, kvh, gs, d]).transpose([0, 2, 1, 3, 4])
-        q = q.reshape([s, 1, kvh, n * gs, d])
-    k = paddle.gather(k_cache, g.blocks).reshape([s, nb, kvh, bs, d])
-    v = paddle.gather(v_cache, g.blocks).reshape([s, nb, kvh, bs, d])
-    scores = paddle.matmul(q, k, transpose_y=True) + g.mask
-    e = paddle.exp(scores - scores.max(axis=[1, 4], keepdim=True))
-    probs = e / e.sum(axis=[1, 4], keepdim=True)
-    out = paddle.matmul(probs, v).sum(axis=1)  # [S, KV, n*g, d]
-    if n == 1:
+        q = paddle.gather(q.reshape([-1, gs * d]), g.q_rows).reshape([s, kvh, n * gs, d])
+    # paddle's softmax, not exp / sum: paddle.exp of a masked (-inf) score is a subnormal
+    # (2.9e-39) that makes every op after it ~10x slower; softmax gives it ~1e-28 (nothing
+    # in float32 next to the visible keys' weights, the largest of which is >= 1 / keys)
+    probs = F.softmax(paddle.matmul(q, k, transpose_y=True) + g.mask, axis=-1)
+    out = paddle.matmul(probs, v)  # [S, KV, n*g, d]
+    if g.out_rows is None:
         return out.reshape([s, h * d])
-    return out.reshape([s, kvh, n, gs, d]).transpose([0, 2, 1, 3, 4]).reshape([s * n, h * d])
+    return paddle.gather(out.reshape([-1, gs * d]), g.out_rows).reshape([s * n, h * d])

@@ -1,12 +1,12 @@
 """Where a decode step's time goes: ``python -m tests.bench.profile_step MODEL_DIR [--tp N]``.
 
 Runs the worker's real model code (snapshot load, :class:`TPModel`, paged KV cache) on
-``--tp`` rank processes of this host (gloo, as ``rollbus serve`` starts them; each with
-``cores // tp`` paddle threads), prefills ``--batch`` prompts, then profiles ``--steps``
-greedy decode steps with cProfile on every rank and prints rank 0's share of the step time
-per part: linear matmuls, attention, RoPE, norms, KV cache writes, all-reduces, the step
-plan (host side) and the rest. Shares, not absolute times, are what to read on a shared
-machine.
+``--tp`` rank processes of this host (gloo plus the shared-memory all-reduce, as
+``rollbus serve`` starts them; each with ``cores // tp`` paddle threads), prefills
+``--batch`` prompts, then profiles ``--steps`` greedy decode steps with cProfile on every
+rank and prints rank 0's share of the step time per part: linear matmuls, attention,
+RoPE, norms, KV cache writes, all-reduces, the step plan (host side) and the rest.
+Shares, not absolute times, are what to read on a shared machine.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ PARTS = {  # part -> functions (file suffix, function name) whose cumulative tim
     "rope": [("model.py", "_rope")],
     "rms norms": [("model.py", "_rms_norm")],
     "KV cache writes": [("~", "<built-in method paddle.base.libpaddle.pir.ops.scatter_>")],
-    "all-reduce (gloo)": [("communication/all_reduce.py", "all_reduce")],
+    "all-reduce (shared memory, or gloo)": [
+        ("communication/all_reduce.py", "all_reduce"), ("shmreduce.py", "reduce")],
     "step plan (host: positions, masks, to_tensor)": [("model.py", "_plan")],
     "argmax + .numpy() of the logits": [("~", "<method 'numpy' of 'paddle.Tensor' objects>")],
 }
@@ -47,25 +48,24 @@ def rank_main(model_dir: Path, tp: int, batch: int, prompt_len: int, steps: int)
     import paddle
 
     from services.worker import model as mdl
+    from services.worker.comm import CommGroup
     from services.worker.weights import SnapshotSource, to_paddle
     from shared.model_config import load_config
     from shared.versions import model_dir_version
 
     threads = max(1, (os.cpu_count() or 1) // tp)
     paddle.base.core.set_num_threads(threads)
-    group, rank = None, 0
-    if tp > 1:
-        import paddle.distributed as dist
-
-        group = dist.init_parallel_env()
-        rank = dist.get_rank()
+    rank = int(os.environ.get("PADDLE_TRAINER_ID", "0"))
     cfg = load_config(model_dir)
+    # the served ranks' communication: gloo group + same-host shared-memory all-reduce
+    comm = CommGroup(rank, tp, max(batch * prompt_len, batch) * cfg.hidden_size * 4 * (tp > 1))
+    comm.init()
     shard = SnapshotSource(cfg, model_dir, rank, tp)(model_dir_version(model_dir), False)
     w = to_paddle(shard.arrays)
     bs = 16
     per = -(-(prompt_len + 2 * steps + 2) // bs)
     kv = mdl.KVCache(cfg, per * batch, bs, tp)
-    model = mdl.TPModel(cfg, rank, tp, group)
+    model = mdl.TPModel(cfg, rank, tp, comm.group, comm.shm)
     tables = [list(range(i * per, (i + 1) * per)) for i in range(batch)]
     prompts = [[(7 * i + j) % cfg.vocab_size for j in range(prompt_len)] for i in range(batch)]
     logits = model.forward(w, kv, mdl.Batch(prompts, [0] * batch, tables))

@@ -7,6 +7,7 @@ import numpy as np
 import paddle
 import pytest
 
+from services.worker import model as mdl
 from services.worker.model import Batch, KVCache, TPModel
 from shared.model_config import ModelConfig
 from shared.sharding import init_weights, shard_names, shard_shape, shard_tensor
@@ -300,6 +301,41 @@ def test_batched_sequences_equal_each_alone() -> None:
         np.testing.assert_allclose(single[0], out[row], atol=TOL, rtol=0)
 
 
+def test_equal_prefill_chunks_share_one_attention_group() -> None:
+    """Prompts of one length reading as many blocks run their attention as one group (one
+    set of batched matmuls, not one per prompt), with their own causal masks; any other
+    chunk runs alone, decodes together. Logits equal the dense reference either way."""
+    cfg = tiny()
+    w = scaled(cfg, 8)
+    pw, model = to_paddle(w), TPModel(cfg, 0, 1)
+    kv = KVCache(cfg, num_blocks=16, block_size=4, tp=1)
+    a, b, c, d = [1, 2, 3, 4, 5, 6], [7, 8, 9], [10, 11, 12, 13, 14, 15], [16, 17]
+    tables = [[0, 1], [2], [3, 4], [5]]
+    run(model, pw, kv, Batch([a[:1], b, c[:2], d], [0, 0, 0, 0], tables))
+    # a and c: 5 new tokens from positions 1 and 2, both reading 2 blocks: one group
+    batch = Batch([a[1:], [20], c[2:] + [21], [22]], [1, 3, 2, 2], tables)
+    tabs = [np.asarray(t) for t in tables]
+    groups, restore = mdl._attention_groups(batch, tabs, [0, 5, 6, 11], 4, 2, 2)
+    assert sorted((g.seqs, g.new_tokens) for g in groups) == [(2, 1), (2, 5)]
+    assert restore is not None
+    out = run(model, pw, kv, batch)
+    seqs = (a, b + [20], c + [21], d + [22])
+    for row, seq in enumerate(seqs):
+        want = ref_logits(cfg, w, seq)[-1]
+        np.testing.assert_allclose(out[row], want, atol=TOL, rtol=0, err_msg=f"row {row}")
+
+
+def test_many_rows_take_the_wide_matmul(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From WIDE_ROWS rows on a linear computes x @ w^T: the same logits."""
+    cfg = tiny(attention_bias=True)
+    w = scaled(cfg, 9)
+    tokens = [(13 * i) % 300 for i in range(12)]
+    monkeypatch.setattr(mdl, "WIDE_ROWS", 8)
+    kv = KVCache(cfg, num_blocks=4, block_size=4, tp=1)
+    got = run(TPModel(cfg, 0, 1), to_paddle(w), kv, Batch([tokens], [0], [blocks(0, 3)]))
+    np.testing.assert_allclose(got[0], ref_logits(cfg, w, tokens)[-1], atol=TOL, rtol=0)
+
+
 def test_forward_rejects_bad_batches() -> None:
     cfg = tiny()
     pw, model = to_paddle(init_weights(cfg, 0)), TPModel(cfg, 0, 1)
@@ -325,3 +361,4 @@ def test_kv_cache_free_and_allocate() -> None:
         TPModel(cfg, 0, 1).forward(to_paddle(init_weights(cfg, 0)), kv, Batch([[1]], [0], [[0]]))
     kv.allocate()
     assert kv.allocated and float(kv.values[1].abs().sum()) == 0.0
+
