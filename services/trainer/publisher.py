@@ -379,8 +379,10 @@ class CheckpointPublisher:
                     filled[0] = n
                     loop.call_soon_threadsafe(wake.set)
 
-                fill = loop.run_in_executor(pool, lay.fill, ring.buf, shas[i], on_filled,
-                                            ring.room)
+                # a contiguous tensor's bytes are sent from the tensor itself: only the
+                # header and transposed/strided tensors are copied into the ring
+                fill = loop.run_in_executor(pool, lambda: lay.fill(
+                    ring.buf, shas[i], on_filled, ring.room, skip_direct=True))
                 fill.add_done_callback(lambda _: wake.set())
 
                 async def ready(n: int) -> None:
@@ -407,6 +409,7 @@ class CheckpointPublisher:
                     await objstore.put_object(
                         nc, self.bucket, ckpt_object_name(model, version, lay.file),
                         ring.buf, cb, ready=ready, digest=digest,
+                        gather=lay.gather(memoryview(ring.buf).cast("B")),
                     )
                     ok = True
                 finally:
