@@ -233,6 +233,7 @@ async def put_object(
     *,
     ready: Callable[[int], Awaitable[None]] | None = None,
     digest: Callable[[], Awaitable[str]] | None = None,
+    gather: Callable[[int, int], list[memoryview]] | None = None,
     ack_timeout: float = 30.0,
     fast: bool = True,
 ) -> ObjectMeta:
@@ -246,11 +247,15 @@ async def put_object(
     computed on a helper thread while the chunks are sent, unless ``digest`` (an
     awaitable of the hex digest) gives it. ``ready(n)``, when given, is awaited before a
     chunk that ends at byte ``n`` is sent: ``data`` may still be being written behind it
-    (then ``digest`` is required). ``progress(n)`` is called with the bytes
-    acknowledged so far.
+    (then ``digest`` is required). ``gather(a, b)``, when given, returns the bytes
+    ``a:b`` of the object as a list of buffers (some may be memory other than ``data``,
+    which then only gives the size): a chunk is sent as those parts, in one ``sendmsg``
+    on the fast path (joined only for nats-py's publish); it too needs ``digest``.
+    ``progress(n)`` is called with the bytes acknowledged so far.
     """
-    if ready is not None and digest is None:
-        raise ValueError("put_object: ready= needs digest= (the data is not final yet)")
+    if (ready is not None or gather is not None) and digest is None:
+        raise ValueError("put_object: ready=/gather= need digest= (the bytes are not all "
+                         "in data, or not final yet)")
     js = nc.jetstream()
     view = memoryview(data).cast("B")
     size = len(view)
@@ -322,6 +327,10 @@ async def put_object(
             end = min(size, off + chunk)
             if ready is not None:
                 await ready(end)
+            parts = gather(off, end) if gather is not None else [view[off:end]]
+            if gather is not None and sum(p.nbytes for p in parts) != end - off:
+                raise ValueError(f"put {bucket}/{name}: gather({off}, {end}) gave "
+                                 f"{sum(p.nbytes for p in parts)} bytes")
             try:
                 if window.locked():  # only a full window waits (and only then with a timer)
                     await asyncio.wait_for(window.acquire(), ack_timeout)
@@ -337,18 +346,20 @@ async def put_object(
                 try:
                     await link.send(
                         b"PUB %s %s %d\r\n" % (subj.encode(), reply.encode(), end - off),
-                        view[off:end], b"\r\n")
+                        *parts, b"\r\n")
                 except ObjectReadError as e:  # the link ended: say which put
                     raise ObjectReadError(f"put {bucket}/{name}: {e}") from None
                 continue
             w = _direct_writer(nc)
             if w is not None:  # straight from our buffer to the socket
                 w.write(b"PUB %s %s %d\r\n" % (subj.encode(), reply.encode(), end - off))
-                w.write(view[off:end])
+                for p in parts:
+                    w.write(p)
                 w.write(b"\r\n")
                 await asyncio.sleep(0)  # let the transport write it out
             else:
-                await nc.publish(subj, view[off:end], reply=reply)  # type: ignore[arg-type]
+                payload = parts[0] if len(parts) == 1 else b"".join(parts)
+                await nc.publish(subj, payload, reply=reply)  # type: ignore[arg-type]
         try:
             await asyncio.wait_for(asyncio.shield(all_acked), ack_timeout)
         except TimeoutError:

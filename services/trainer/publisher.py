@@ -10,7 +10,9 @@
 ``source`` is an HF-format model dir (``config.json`` + ``*.safetensors``) or a state
 dict of paddle/numpy tensors with training names (see :mod:`services.trainer.names`;
 HF names are accepted too), which then needs ``config`` (HF config dict, path, or
-``ModelConfig``). The publisher maps names, splits per rank for ``tp``, and uploads
+``ModelConfig``). The source must not change until the publish returns: a tensor that is
+C-contiguous in its shard is sent from its own memory (no copy), so a change while it is
+sent shows as a SHA-256 mismatch to a rank that verifies. The publisher maps names, splits per rank for ``tp``, and uploads
 ``<model>/<version>/rank<r>-of-<tp>.safetensors`` then ``manifest.json`` (SHA-256 per
 shard) to bucket ``rollbus_ckpt``, then publishes :class:`VersionPublished` on
 ``rollbus.ckpt.<model>.published`` (``Nats-Msg-Id = <model>/<version>``).
@@ -379,8 +381,10 @@ class CheckpointPublisher:
                     filled[0] = n
                     loop.call_soon_threadsafe(wake.set)
 
-                fill = loop.run_in_executor(pool, lay.fill, ring.buf, shas[i], on_filled,
-                                            ring.room)
+                # a contiguous tensor's bytes are sent from the tensor itself: only the
+                # header and transposed/strided tensors are copied into the ring
+                fill = loop.run_in_executor(pool, lambda: lay.fill(
+                    ring.buf, shas[i], on_filled, ring.room, skip_direct=True))
                 fill.add_done_callback(lambda _: wake.set())
 
                 async def ready(n: int) -> None:
@@ -407,6 +411,7 @@ class CheckpointPublisher:
                     await objstore.put_object(
                         nc, self.bucket, ckpt_object_name(model, version, lay.file),
                         ring.buf, cb, ready=ready, digest=digest,
+                        gather=lay.gather(memoryview(ring.buf).cast("B")),
                     )
                     ok = True
                 finally:

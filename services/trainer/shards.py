@@ -6,6 +6,7 @@ Used by the publisher (object store) and to write pre-sharded snapshot versions
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import time
 from collections.abc import Callable
@@ -57,12 +58,17 @@ class ShardLayout:
         sha: Any = None,
         on_filled: Callable[[int], None] | None = None,
         room: Callable[[int], None] | None = None,
+        skip_direct: bool = False,
     ) -> None:
         """Write the file into ``buf`` (``size`` bytes, writable) in order; hash each block
         right after copying it when ``sha`` is given; ``on_filled(n)`` after every block:
         the first ``n`` bytes are final. ``room(n)``, when given, is called (and may block)
         before a block that ends at byte ``n`` is written: ``buf`` may be a ring whose
-        memory is reused (see :meth:`max_block`). Numpy and hashlib release the GIL here."""
+        memory is reused (see :meth:`max_block`). Numpy and hashlib release the GIL here.
+
+        ``skip_direct``: the bytes of a C-contiguous source (:meth:`segments`) are not
+        copied into ``buf`` (the sender takes them from the source); they are still hashed
+        (from the source) and reported by ``on_filled`` in blocks, in order."""
         view = memoryview(buf).cast("B")
         if room is not None:
             room(len(self.header))
@@ -71,6 +77,16 @@ class ShardLayout:
             sha.update(self.header)
         done = len(self.header)
         for _, src, off in self.parts:
+            if skip_direct and src.flags.c_contiguous:
+                raw = _bytes_of(src)
+                for a in range(0, len(raw), FILL_BLOCK):
+                    n = min(FILL_BLOCK, len(raw) - a)
+                    if sha is not None:
+                        sha.update(raw[a : a + n])
+                    done += n
+                    if on_filled is not None:
+                        on_filled(done)
+                continue
             flat = np.frombuffer(view, np.uint8, src.nbytes, off).view(src.dtype)
             dst = flat.reshape(src.shape) if src.ndim else flat
             rows = src.shape[0] if src.ndim > 1 else 1
@@ -100,6 +116,43 @@ class ShardLayout:
                     on_filled(done)
         assert done == self.size, (done, self.size)
 
+    def segments(self) -> list[tuple[int, int, memoryview | None]]:
+        """The file as ``(start, end, source)`` in order, covering it: ``source`` is the
+        bytes of a C-contiguous tensor (the file holds them as they are: a sender may take
+        them from there, no copy), None for bytes that :meth:`fill` writes (the header,
+        transposed or strided tensors). Adjacent None ranges are merged."""
+        out: list[tuple[int, int, memoryview | None]] = [(0, len(self.header), None)]
+        for _, src, off in self.parts:
+            end = off + src.nbytes
+            if src.flags.c_contiguous and src.nbytes:
+                out.append((off, end, _bytes_of(src)))
+            elif out[-1][2] is None:
+                out[-1] = (out[-1][0], end, None)
+            else:
+                out.append((off, end, None))
+        return out
+
+    def gather(self, view: memoryview) -> Callable[[int, int], list[memoryview]]:
+        """``gather(a, b)``: the file's bytes ``a:b`` as buffers, in order: slices of the
+        sources of :meth:`segments` where they have one, else of ``view`` (where
+        :meth:`fill` with ``skip_direct`` wrote them)."""
+        segs = self.segments()
+        starts = [s for s, _, _ in segs]
+
+        def gather(a: int, b: int) -> list[memoryview]:
+            out: list[memoryview] = []
+            k = bisect.bisect_right(starts, a) - 1
+            while a < b:
+                s, e, src = segs[k]
+                t = min(b, e)
+                if t > a:
+                    out.append(view[a:t] if src is None else src[a - s : t - s])
+                    a = t
+                k += 1
+            return out
+
+        return gather
+
     def max_block(self) -> int:
         """The most bytes :meth:`fill` writes between two ``room`` calls."""
         most = len(self.header)
@@ -113,6 +166,11 @@ class ShardLayout:
             else:
                 most = max(most, src.nbytes)
         return most
+
+
+def _bytes_of(src: np.ndarray) -> memoryview:
+    """A C-contiguous array's bytes, as they are (no copy; read-only sources stay so)."""
+    return memoryview(src.reshape(-1).view(np.uint8))
 
 
 def plan_shards(

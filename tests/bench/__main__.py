@@ -1,4 +1,5 @@
-"""``just bench`` / ``python -m tests.bench [control|generation|checkpoint|soak|fleet|grpo ...]``.
+"""``just bench`` / ``python -m tests.bench [control|generation|checkpoint|soak|fleet|grpo ...]``
+(``publish``: the checkpoint part's publish rows alone, without a stack).
 
 Every benchmark measures its baseline in the same run and prints the ratio. The tables
 go to stdout and, machine-readable, to ``bench.json`` (``--json``); the README's
@@ -28,7 +29,8 @@ def main() -> None:
         "parts",
         nargs="*",
         default=["control", "generation", "checkpoint", "soak", "fleet", "grpo"],
-        help="which benchmarks (default: all); e.g. `python -m tests.bench fleet` runs only that",
+        help="which benchmarks (default: all); e.g. `python -m tests.bench fleet` runs only that; "
+        "`publish`: the checkpoint part's publish rows alone (no stack)",
     )
     ap.add_argument("--calls", type=int, default=0, help="control calls per run and path")
     ap.add_argument("--runs", type=int, default=5, help="runs per cell (>= 5 for the README)")
@@ -59,7 +61,13 @@ def main() -> None:
         if "checkpoint" in args.parts:
             from tests.bench import checkpoint
 
-            tables += checkpoint.run(tmp, server.url, runs=runs, quick=quick)
+            tables += checkpoint.run(tmp, server.url, runs=runs, quick=quick,
+                                     nats_pid=server.proc.pid)
+        elif "publish" in args.parts:  # the checkpoint part's publish rows alone, no stack
+            from tests.bench import checkpoint
+
+            tables += checkpoint.run_publish(tmp, server.url, runs=runs, quick=quick,
+                                             nats_pid=server.proc.pid)
         if "fleet" in args.parts:
             from tests.bench import fleet
 

@@ -24,10 +24,12 @@ Every figure is against a baseline measured in the same run, like with like:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -40,6 +42,7 @@ from typing import Any
 import httpx
 import nats
 import numpy as np
+from nats.js.errors import NotFoundError
 
 from shared import manifest as mf
 from shared import objstore, sharding
@@ -178,19 +181,39 @@ def _pullers(url: str, objects: list[tuple[str, str | None]], timeout: float,
                 p.wait()
 
 
-async def raw_js_publish(url: str, nbytes: int) -> float:
-    """MiB/s of a plain nats-py JetStream publish of ``nbytes`` in 1 MiB messages to a
-    file-stored stream, at most :data:`objstore.PUT_WINDOW` unacknowledged."""
+RAW_STREAM, RAW_SUBJECT = "BENCH_RAW_PUB", "bench.rawpub.data"
+
+
+async def _raw_stream(js: Any) -> None:
+    """The raw baseline's stream, made afresh (empty, as the bucket's chunk subject is
+    new) with exactly the checkpoint bucket's stream configuration (storage, replicas,
+    limits, discard policy, direct get, rollup headers: the same server-side work per
+    message); only its name and subject differ."""
+    cfg = (await js.stream_info(f"OBJ_{BUCKET}")).config
+    cfg.name, cfg.subjects = RAW_STREAM, [RAW_SUBJECT]
+    with contextlib.suppress(NotFoundError):
+        await js.delete_stream(RAW_STREAM)
+    await js.add_stream(cfg)
+
+
+async def raw_js_publish(url: str, blobs: list[Any] | int) -> float:
+    """MiB/s of a plain nats-py JetStream publish, 1 MiB messages, at most
+    :data:`objstore.PUT_WINDOW` unacknowledged, into a stream set up as the bucket's
+    (:func:`_raw_stream`). ``blobs``: the bytes to send (each split into 1 MiB messages,
+    the last one of each shorter, as ours: the very bytes the SDK publishes); an int:
+    that many bytes as one random 1 MiB buffer sent again and again (the earlier
+    baseline). Timed from the first publish to the last ack."""
+    if isinstance(blobs, int):
+        one = memoryview(os.urandom(MIB))
+        msgs = [one] * max(1, blobs // MIB)
+    else:
+        msgs = [memoryview(b).cast("B")[a : a + MIB] for b in blobs
+                for a in range(0, len(b), MIB)]
     nc = await nats.connect(url, pending_size=256 * MIB)
     js = nc.jetstream()
-    stream, subj = "BENCH_RAW_PUB", "bench.rawpub.data"
     try:
-        try:
-            await js.add_stream(name=stream, subjects=[subj])
-        except Exception:  # noqa: BLE001 - exists from an earlier run
-            pass
-        data = os.urandom(MIB)
-        n = max(1, nbytes // MIB)
+        await _raw_stream(js)
+        n = len(msgs)
         window = asyncio.Semaphore(objstore.PUT_WINDOW)
         done = asyncio.get_running_loop().create_future()
         acked = [0]
@@ -205,12 +228,12 @@ async def raw_js_publish(url: str, nbytes: int) -> float:
         await nc.subscribe(inbox + ".*", cb=on_ack)
         await nc.flush()
         t0 = time.perf_counter()
-        for i in range(n):
+        for i, m in enumerate(msgs):
             await window.acquire()
-            await nc.publish(subj, data, reply=f"{inbox}.{i}")
+            await nc.publish(RAW_SUBJECT, m, reply=f"{inbox}.{i}")  # type: ignore[arg-type]
         await asyncio.wait_for(done, 120)
-        rate = n * MIB / MIB / (time.perf_counter() - t0)
-        await js.purge_stream(stream)
+        rate = sum(len(m) for m in msgs) / MIB / (time.perf_counter() - t0)
+        await js.purge_stream(RAW_STREAM)
         return rate
     finally:
         await nc.close()
@@ -295,10 +318,111 @@ def ipc_vs_memcpy(
     return ipc_s, copy_s, man.shards[0].size
 
 
+# --------------------------------------------------------------------------- publish
+
+
+def _cpu_self() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def _cpu_pid(pid: int | None) -> float:
+    """CPU seconds (user + system) of process ``pid`` so far (0 when not known)."""
+    if not pid:
+        return 0.0
+    with open(f"/proc/{pid}/stat") as f:
+        parts = f.read().rsplit(")", 1)[1].split()
+    return (int(parts[11]) + int(parts[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def publish_round(res: dict[str, list[float]], nats_url: str, nats_pid: int | None, pub: Any,
+                  model: str, tag: str, state: Any, cfg_d: dict[str, Any], blobs: list[Any],
+                  model_dir: Path) -> None:
+    """One run of the publish rows, interleaved: raw JetStream publish of the very bytes
+    the SDK publishes, the SDK publish of ``state``, ``rollbus publish`` of ``model_dir``,
+    and the raw publish of one 1 MiB buffer sent again and again (the earlier baseline).
+    Client CPU (this process, all threads) and server CPU per GiB of the first two."""
+    gib = sum(len(b) for b in blobs) / (1 << 30)
+
+    def put(key: str, v: float) -> None:
+        res.setdefault(key, []).append(v)
+
+    def metered(key: str, fn: Any) -> Any:
+        c0, s0 = _cpu_self(), _cpu_pid(nats_pid)
+        out = fn()
+        put(f"{key}_cpu", (_cpu_self() - c0) / gib)
+        put(f"{key}_srv", (_cpu_pid(nats_pid) - s0) / gib)
+        return out
+
+    put("raw_js", metered("raw", lambda: asyncio.run(raw_js_publish(nats_url, blobs))))
+    r = metered("sdk", lambda: pub.publish(model, f"s{tag}", state, tp=2, config=cfg_d))
+    put("sdk", r.mib_s)
+    asyncio.run(_drop_version(nats_url, model, f"s{tag}"))
+    rate, wall = cli_publish(nats_url, model_dir, model, f"c{tag}")
+    put("cli", rate)
+    put("cli_wall", wall)
+    asyncio.run(_drop_version(nats_url, model, f"c{tag}"))
+    put("raw_one", asyncio.run(raw_js_publish(nats_url, sum(len(b) for b in blobs))))
+
+
+def publish_tables(res: dict[str, list[float]], head: str, cpu: bool) -> list[Table]:
+    pub_t = Table("publish", f"Checkpoint publish, {head}: MiB/s", "MiB/s")
+    pub_t.add("raw JetStream publish of the same bytes (nats-py, 1 MiB, window "
+              f"{objstore.PUT_WINDOW}, a stream configured as the bucket's)",
+              values=res["raw_js"])
+    base = pub_t.rows[0].name
+    pub_t.add("SDK publish of a training state dict (map, shard, serialize, hash, upload, "
+              "announce)", values=res["sdk"], baseline=base, target=(">=", 0.8))
+    pub_t.add("`rollbus publish` of the HF model dir (its reported rate)",
+              values=res["cli"], baseline=base, target=(">=", 0.8))
+    pub_t.add("raw JetStream publish, one random 1 MiB buffer sent again and again "
+              "(the earlier baseline; no target)", values=res["raw_one"], baseline=base)
+    if not cpu:
+        return [pub_t]
+    cpu_t = Table("publish_cpu", f"Checkpoint publish CPU, {head}: seconds per GiB "
+                  "(robust on a busy machine)", "s/GiB")
+    cpu_t.add("raw JetStream publish: client process", values=res["raw_cpu"])
+    cpu_t.add("SDK publish: client process (all threads)", values=res["sdk_cpu"],
+              baseline=cpu_t.rows[0].name)
+    cpu_t.add("raw JetStream publish: nats-server", values=res["raw_srv"])
+    cpu_t.add("SDK publish: nats-server", values=res["sdk_srv"], baseline=cpu_t.rows[2].name)
+    return [pub_t, cpu_t]
+
+
+def run_publish(tmp: Path, nats_url: str, runs: int = 5, quick: bool = False,
+                nats_pid: int | None = None) -> list[Table]:
+    """``python -m tests.bench publish``: the publish rows alone, without a stack (the
+    same checkpoint, state dict and model dir as the checkpoint part), and their CPU."""
+    from services.tiny_model import create_model_dir
+    from services.trainer import names
+    from services.trainer.publisher import CheckpointPublisher
+
+    over = QUICK if quick else CONFIG
+    model = f"bench-{uuid.uuid4().hex[:6]}"
+    model_dir = create_model_dir(tmp / "publish" / model, over, seed=0)
+    cfg_d = json.loads((model_dir / "config.json").read_text())
+    cfg = ModelConfig.from_hf(cfg_d)
+    pub = CheckpointPublisher(nats_url)
+    state = names.to_training(sharding.init_weights(cfg, 5), cfg)  # what a trainer holds
+    r = pub.publish(model, "w0", state, tp=2, config=cfg_d)  # rings kept, as a trainer's
+    asyncio.run(_drop_version(nats_url, model, "w0"))
+    blobs, _ = pub.prepare(model, "raw", state, 2, cfg_d)  # the bytes the SDK publishes
+    res: dict[str, list[float]] = {}
+    for run_i in range(runs):
+        publish_round(res, nats_url, nats_pid, pub, model, str(run_i), state, cfg_d, blobs,
+                      model_dir)
+        log.info("publish run %d/%d done", run_i + 1, runs)
+    size = f"hidden {over['hidden_size']}, {over['num_hidden_layers']} layers, " \
+        f"vocab {over['vocab_size']}"
+    return publish_tables(res, f"{r.bytes / MIB:.0f} MiB fp32 checkpoint at TP=2 ({size})",
+                          nats_pid is not None)
+
+
 # --------------------------------------------------------------------------- run
 
 
-def run(tmp: Path, nats_url: str, runs: int = 5, quick: bool = False) -> list[Table]:
+def run(tmp: Path, nats_url: str, runs: int = 5, quick: bool = False,
+        nats_pid: int | None = None) -> list[Table]:
     from services.trainer import names
     from services.trainer.publisher import CheckpointPublisher
 
@@ -333,17 +457,11 @@ def run(tmp: Path, nats_url: str, runs: int = 5, quick: bool = False) -> list[Ta
         shard_objs = asyncio.run(_shards(nats_url, model, "p1"))
         shard_mib = shard_objs[0][2] // MIB
         state = names.to_training(sharding.init_weights(cfg, 5), cfg)  # what a trainer holds
+        blobs, _ = pub.prepare(model, "raw", state, 2, cfg_d)  # the bytes the SDK publishes
         with httpx.Client(base_url=stack.base_url, timeout=600) as c:
             for run_i in range(runs):
-                # publish
-                put("raw_js", asyncio.run(raw_js_publish(nats_url, total)))
-                r = pub.publish(model, f"s{run_i}", state, tp=2, config=cfg_d)
-                put("sdk", r.mib_s)
-                asyncio.run(_drop_version(nats_url, model, f"s{run_i}"))
-                rate, wall = cli_publish(nats_url, stack.model_dir, model, f"c{run_i}")
-                put("cli", rate)
-                put("cli_wall", wall)
-                asyncio.run(_drop_version(nats_url, model, f"c{run_i}"))
+                publish_round(res, nats_url, nats_pid, pub, model, str(run_i), state, cfg_d,
+                              blobs, stack.model_dir)
                 # pull, one flow
                 put("raw1", raw_flows(nats_url, shard_mib, 1)[0]["mib_s"])
                 name0, sha0, _ = shard_objs[0]
@@ -379,14 +497,7 @@ def run(tmp: Path, nats_url: str, runs: int = 5, quick: bool = False) -> list[Ta
     ipc, copy, ipc_size = ipc_vs_memcpy(f"bench-ipc-{uuid.uuid4().hex[:6]}", over, runs)
 
     head = f"{total / MIB:.0f} MiB fp32 checkpoint at TP=2 ({size})"
-    pub_t = Table("publish", f"Checkpoint publish, {head}: MiB/s", "MiB/s")
-    pub_t.add("raw JetStream publish, same bytes (nats-py, 1 MiB, window "
-              f"{objstore.PUT_WINDOW})", values=res["raw_js"])
-    base = pub_t.rows[0].name
-    pub_t.add("SDK publish of a training state dict (map, shard, serialize, hash, upload, "
-              "announce)", values=res["sdk"], baseline=base, target=(">=", 0.8))
-    pub_t.add("`rollbus publish` of the HF model dir (its reported rate)",
-              values=res["cli"], baseline=base, target=(">=", 0.8))
+    pub_ts = publish_tables(res, head, nats_pid is not None)
 
     one = Table("pull_one", f"Checkpoint pull, one flow, shard of {shard_mib} MiB: MiB/s",
                 "MiB/s")
@@ -427,4 +538,4 @@ def run(tmp: Path, nats_url: str, runs: int = 5, quick: bool = False) -> list[Ta
     ipc_t.add("memcpy of the same bytes", values=copy)
     ipc_t.add("ipc stage: mmap + parse + one copy, handed to paddle", values=ipc,
               baseline="memcpy of the same bytes", target=("<=", 2.0))
-    return [pub_t, one, agg, sec, ipc_t]
+    return [*pub_ts, one, agg, sec, ipc_t]

@@ -48,6 +48,40 @@ async def test_round_trip_multi_mib_with_and_without_digest(nc: Client) -> None:
     assert (await stock.get(name)).data == data
 
 
+@pytest.mark.parametrize("fast", [True, False])
+async def test_gathered_chunks_from_several_buffers(nc: Client, fast: bool) -> None:
+    """``gather``: each chunk is sent as parts taken from other memory than ``data`` (here
+    a chunk straddles two buffers), over our own link and through nats-py; the object is
+    their concatenation. A gather of the wrong length fails the put before it is sent."""
+    head, tail = os.urandom(5 * MIB + 7), os.urandom(3 * MIB + 11)
+    whole = head + tail
+    placeholder = bytearray(len(whole))  # only its size counts
+
+    def gather(a: int, b: int) -> list[memoryview]:
+        out = []
+        if a < len(head):
+            out.append(memoryview(head)[a : min(b, len(head))])
+        if b > len(head):
+            out.append(memoryview(tail)[max(a, len(head)) - len(head) : b - len(head)])
+        return out
+
+    async def digest() -> str:
+        return hashlib.sha256(whole).hexdigest()
+
+    name = f"g/{uuid.uuid4().hex}"
+    meta = await objstore.put_object(nc, BUCKET, name, placeholder, gather=gather,
+                                     digest=digest, fast=fast)
+    got = await objstore.read_object(nc, BUCKET, name, expect_sha256=meta.digest)
+    assert bytes(got[: meta.size]) == whole and meta.digest == hashlib.sha256(whole).hexdigest()
+    with pytest.raises(ValueError, match="needs? digest"):
+        await objstore.put_object(nc, BUCKET, f"{name}.x", placeholder, gather=gather)
+    with pytest.raises(ValueError, match="gave"):
+        await objstore.put_object(nc, BUCKET, f"{name}.y", placeholder, digest=digest,
+                                  gather=lambda a, b: gather(a, b)[:1], fast=fast)
+    with pytest.raises(objstore.ObjectMissing):
+        await objstore.get_meta(nc, BUCKET, f"{name}.y")
+
+
 async def test_overwrite_purges_old_chunks_and_reads_new(nc: Client) -> None:
     name = f"m/{uuid.uuid4().hex}/x"
     await objstore.put_object(nc, BUCKET, name, b"a" * (3 * MIB))

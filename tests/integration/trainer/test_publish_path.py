@@ -232,7 +232,7 @@ async def test_failed_fill_publishes_nothing(
 
     def broken(
         self: shards.ShardLayout, buf: Any, sha: Any = None, on_filled: Any = None,
-        room: Any = None,
+        room: Any = None, **kw: Any,
     ) -> None:
         def half(n: int) -> None:
             if on_filled:
@@ -240,7 +240,7 @@ async def test_failed_fill_publishes_nothing(
             if self.rank == 1 and n > self.size // 2:
                 raise OSError("source tensor unreadable")
 
-        real_fill(self, buf, sha, half, room)
+        real_fill(self, buf, sha, half, room, **kw)
 
     monkeypatch.setattr(shards.ShardLayout, "fill", broken)
     cfg = ModelConfig.from_hf(CFG)
@@ -257,3 +257,28 @@ async def test_failed_fill_publishes_nothing(
             await objstore.get_meta(nc, "rollbus_ckpt", f"{model}/f1/rank1-of-2.safetensors")
     finally:
         await nc.close()
+
+
+async def test_contiguous_tensors_are_sent_from_the_tensor_not_copied(
+    nats_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tensor whose shard is C-contiguous (an HF-layout state at tp=1: every one) is
+    sent from its own memory: nothing of it is copied into the shard's ring. What
+    arrives is still byte for byte the reference, with its SHA-256."""
+    copied: list[int] = []
+    real = np.copyto
+
+    def spy(dst: Any, src: Any, *a: Any, **kw: Any) -> None:
+        copied.append(np.asarray(dst).nbytes)
+        real(dst, src, *a, **kw)
+
+    monkeypatch.setattr(np, "copyto", spy)
+    cfg = ModelConfig.from_hf(CFG)
+    hf = sharding.init_weights(cfg, 11)
+    model = f"direct-{uuid.uuid4().hex[:6]}"
+    res = await CheckpointPublisher(nats_url).apublish(model, "d1", hf, tp=1, config=CFG)
+    assert res.uploaded and res.bytes > 8 * MIB
+    assert sum(copied) == 0  # without it: the whole shard, copied into the ring
+    man, got = await _read_all(nats_url, model, "d1")
+    assert got == _plain_blobs(cfg, hf, 1)
+    assert man.shards[0].sha256 == hashlib.sha256(got[0]).hexdigest()

@@ -53,3 +53,32 @@ def test_unsupported_dtype_falls_back_to_safetensors() -> None:
     assert shards.plan_shards(CFG, w, 2) is None
     blobs, man = shards.serialize(CFG, w, 2, "m", "v")
     assert len(blobs) == 2 and man.shards[0].size == len(blobs[0])
+
+
+def test_direct_bytes_are_hashed_from_the_source_and_gathered_not_copied() -> None:
+    """``fill(skip_direct=True)`` copies only the header and the transposed/strided
+    tensors; a contiguous tensor's bytes stay in the tensor, are hashed from there, and
+    ``gather`` hands them out as slices of it. Hash and gathered bytes equal the file."""
+    w = sharding.init_weights(CFG, 8)
+    for state in (w, names.to_inference(names.to_training(w, CFG), CFG, contiguous=False)):
+        for tp in (1, 2):
+            ref = _reference(w, tp)
+            for lay, want in zip(shards.plan_shards(CFG, state, tp) or [], ref, strict=True):
+                buf = bytearray(lay.size)
+                sha = hashlib.sha256()
+                seen: list[int] = []
+                lay.fill(buf, sha, seen.append, skip_direct=True)
+                assert sha.hexdigest() == hashlib.sha256(want).hexdigest()
+                assert seen == sorted(seen) and seen[-1] == lay.size
+                segs = lay.segments()
+                assert segs[0][0] == 0 and segs[-1][1] == lay.size
+                assert all(a[1] == b[0] for a, b in zip(segs, segs[1:], strict=False))  # tiled
+                direct = sum(e - s for s, e, src in segs if src is not None)
+                assert direct > 0  # the embeddings at least
+                for s, e, src in segs:
+                    if src is not None:  # never written into buf: left to the sender
+                        assert not any(buf[s:e]) and bytes(src) == want[s:e]
+                gather = lay.gather(memoryview(buf))
+                got = b"".join(bytes(p) for a in range(0, lay.size, 1000)
+                               for p in gather(a, min(lay.size, a + 1000)))
+                assert got == want
