@@ -12,10 +12,11 @@ dict of paddle/numpy tensors with training names (see :mod:`services.trainer.nam
 HF names are accepted too), which then needs ``config`` (HF config dict, path, or
 ``ModelConfig``). The source must not change until the publish returns: a tensor that is
 C-contiguous in its shard is sent from its own memory (no copy), so a change while it is
-sent shows as a SHA-256 mismatch to a rank that verifies. The publisher maps names, splits per rank for ``tp``, and uploads
-``<model>/<version>/rank<r>-of-<tp>.safetensors`` then ``manifest.json`` (SHA-256 per
-shard) to bucket ``rollbus_ckpt``, then publishes :class:`VersionPublished` on
-``rollbus.ckpt.<model>.published`` (``Nats-Msg-Id = <model>/<version>``).
+sent shows as a SHA-256 mismatch to a rank that verifies. The publisher maps names,
+splits per rank for ``tp``, and uploads ``<model>/<version>/rank<r>-of-<tp>.safetensors``
+then ``manifest.json`` (SHA-256 per shard) to bucket ``rollbus_ckpt``, then publishes
+:class:`VersionPublished` on ``rollbus.ckpt.<model>.published`` (``Nats-Msg-Id =
+<model>/<version>``).
 
 Guarantees: the manifest is written only after every shard, and the event only after
 the manifest, so a half-uploaded version is never announced (and a rank asking for it
