@@ -176,8 +176,15 @@ def test_malformed_step_reply_fails_the_step_not_the_loop(stack: Stack) -> None:
     th = threading.Thread(target=lambda: asyncio.run(saboteur()), daemon=True)
     th.start()
     assert armed.wait(10)
+    # rank 0 answers steps; held (SIGSTOP) until the forged reply is in, the forged reply
+    # is the step's first answer on a loaded host too (rank 1 waits for rank 0 in the
+    # step's all-reduce). Held well under STALL_S.
+    pid0 = next(r["pid"] for r in stack.status()["ranks"] if r["rank"] == 0)
+    os.kill(pid0, signal.SIGSTOP)
     try:
         t, out = in_background(lambda: complete(stack, 400, timeout=60))
+        injected.wait(10)
+        os.kill(pid0, signal.SIGCONT)
         t.join(CONTROL_TIMEOUT_S + 20)
         assert injected.is_set()
         assert "r" in out, "the request hung after the step loop failed"
@@ -185,6 +192,7 @@ def test_malformed_step_reply_fails_the_step_not_the_loop(stack: Stack) -> None:
         assert r.status_code == 503, r.text
         assert "malformed step reply" in r.text
     finally:
+        os.kill(pid0, signal.SIGCONT)
         stop.set()
         th.join(10)
     r = complete(stack, 5)
