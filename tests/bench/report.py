@@ -82,9 +82,12 @@ def render(doc: dict[str, Any]) -> str:
         for r in t["rows"]
         if r.get("status") == "MISSED"
     ]
+    failed = [f"- FAILED: part {x}" for x in meta.get("failed") or []]
+    if failed:  # a part that died has no tables: said here, never left out silently
+        head += ["", "Parts that failed in this run (their tables are missing):", "", *failed]
     if miss:
         head += ["", "Targets missed in this run:", "", *miss]
-    else:
+    elif not failed:
         head += ["", "Every target was met in this run."]
     return "\n\n".join(["\n".join(head), *(render_table(t) for t in doc["tables"])]) + "\n"
 
