@@ -11,13 +11,14 @@ Every figure is against a baseline measured in the same run, like with like:
 * **pull, one flow**: raw core NATS, one publisher process → one subscriber process
   (1 MiB messages, credit-bounded), vs our reader alone in its own process, without /
   with SHA-256 (targets >= 1.0× / >= 0.9×), our reader's nats-py fallback (no target),
-  and stock nats-py ``ObjectStore.get`` of the
-  same object (it concatenates chunks, so it slows with size: one run only, at full size
-  it takes minutes); the per-rank pull during ``update_weights`` (both ranks at once)
-  is shown against the same single flow, no target;
+  and stock nats-py ``ObjectStore.get`` of the same object in every run (it concatenates
+  chunks, so it slows with size: ≈ 40 s per run at full size) with its ``writeinto``
+  path; the per-rank pull during ``update_weights`` (both ranks at once) against the
+  same single flow, same targets (what a probe of a running stack measures);
 * **pull, aggregate**: R raw flows at once vs R of our pullers at once (one per rank's
-  shard), each as total bytes / wall time from the first start to the last end.
-  Targets >= 1.0× / >= 0.9× (SHA-256);
+  shard), each as total bytes / wall time from the first start to the last end, and vs
+  the ranks' own pulls during ``update_weights`` (both shards / the slowest rank's pull
+  time). Targets >= 1.0× / >= 0.9× (SHA-256);
 * **ipc**: rank 0's ipc stage work vs a memcpy of the same bytes (target <= 2×).
 """
 

@@ -3,21 +3,24 @@
 Every path is called by the same raw nats-py client (or the same httpx client), so the
 difference to its baseline is what rollbus adds on the server side:
 
-* engine-only calls (``is_paused``; ``pause`` then ``resume``) against raw request/reply
-  to one responder process (once; twice in a row);
-* ``status``, which reports every rank, against a raw scatter-gather to N responders,
-  each responder its own process, as each rank is. Target: <= 1.5× the raw scatter p50.
-  ``status`` answers in one hop from the engine's view of the ranks (refreshed every
-  ``RANK_REFRESH_S`` and after every operation that changes them); ``status`` with
-  ``{"fresh": true}`` asks every rank now — two hops (client → engine, engine → every
-  rank), so its floor is one raw request/reply plus one raw scatter: shown, no target.
-  (KV ``sleep`` then ``wakeup`` is left out: each frees and reallocates the KV cache and
-  trims memory on every rank, ≈ 0.5 s: not a control-plane latency);
+* engine-only calls (``is_paused``; ``pause`` then ``resume``; ``status``, answered in
+  one hop from the engine's view of the ranks, refreshed every ``RANK_REFRESH_S`` and
+  after every operation that changes them) against raw request/reply to one responder
+  process (once; twice);
+* ``status`` with ``{"fresh": true}``, which asks every rank on the call (client →
+  engine, engine → every rank), against a raw relay process that scatter-gathers to N
+  responder processes of its own per request (the same two hops and processes; target
+  <= 1.5×) and against the client's own one-hop scatter to N responder processes, the
+  ratio issue 10 names (target <= 1.5×, though a two-hop call's floor is one
+  request/reply plus one scatter). (KV ``sleep`` then ``wakeup`` and a no-op update
+  are left out: each does real work on every rank, ≈ 0.5 s: not a control-plane
+  latency);
 * HTTP ``GET /v1/is_paused`` (and ``/v1/status``) against a bare Starlette route, same
   uvicorn settings, that does one raw NATS request. Target: is_paused <= 1.3×.
 
-A run calls every path ``calls`` times in turn (baselines interleaved with ours); a cell
-is the median over runs of each run's p50 ms.
+Every raw reply is padded to the size of the rollbus reply it stands for (measured from
+the stack first). A run calls every path ``calls`` times in turn (baselines interleaved
+with ours); a cell is the median over runs of each run's p50 ms.
 """
 
 from __future__ import annotations
