@@ -108,3 +108,10 @@ def test_a_failing_part_is_reported_and_the_others_still_written(
     assert "- FAILED: part control" in report.render(doc)
     with pytest.raises(SystemExit):
         bench.main(["contrl", "--json", str(out)])  # a typo is an error, not "nothing run"
+
+
+def test_fewer_than_five_runs_is_marked_as_not_the_reference() -> None:
+    doc = _doc()
+    assert "FEWER THAN 5 RUNS" not in report.render(doc)
+    doc["meta"]["runs"] = 3
+    assert "FEWER THAN 5 RUNS: not the reference" in report.render(doc)
