@@ -201,6 +201,8 @@ def names(tp: int) -> dict[str, str]:
         "req2": "raw request/reply ×2",
         "pause_resume": "rollbus pause→resume over NATS",
         "status": "rollbus status over NATS (the engine's view: no rank asked on the call)",
+        "status_vs_scatter": "rollbus status over NATS, against the one-hop scatter (no "
+        "target: no rank is asked on the call)",
         "scatter": f"raw scatter-gather to {tp} responder processes (one hop)",
         "relay": f"raw request → relay process → scatter-gather to {tp} responder processes "
         "(two hops, as rollbus)",
@@ -236,6 +238,7 @@ def tables(tp: int, calls: int, res: dict[str, list[list[float]]]) -> Table:
         ("relay", "relay", None, None),
         ("fresh", "fresh", "relay", ("<=", 1.5)),
         ("fresh_vs_scatter", "fresh", "scatter", ("<=", 1.5)),
+        ("status_vs_scatter", "status", "scatter", None),
         ("bare", "bare", None, None),
         ("http_is_paused", "http_is_paused", "bare", ("<=", 1.3)),
         ("http_status", "http_status", "bare", None),

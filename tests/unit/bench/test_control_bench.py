@@ -16,7 +16,8 @@ from tests.bench import control_plane
 
 
 def _res(tp: int) -> dict[str, list[list[float]]]:
-    return {name: [[1.0, 2.0, 3.0]] * 5 for name in control_plane.names(tp).values()}
+    n = control_plane.names(tp)
+    return {n[k]: [[1.0, 2.0, 3.0]] * 5 for k in n if not k.endswith("_vs_scatter")}
 
 
 def test_rank_reaching_target_is_on_a_call_that_asks_every_rank() -> None:
@@ -32,6 +33,9 @@ def test_rank_reaching_target_is_on_a_call_that_asks_every_rank() -> None:
     assert targeted[n["fresh_vs_scatter"]] == (n["scatter"], {"op": "<=", "value": 1.5})
     assert targeted[n["http_is_paused"]] == (n["bare"], {"op": "<=", "value": 1.3})
     assert len(targeted) == 3
+    # the engine-view status against the scatter is shown for reference, without a target
+    assert rows[n["status_vs_scatter"]]["baseline"] == n["scatter"]
+    assert rows[n["status_vs_scatter"]]["target"] is None
 
 
 def _spawn(url: str, *args: str) -> subprocess.Popen[str]:
