@@ -5,12 +5,15 @@
 waits for a line on stdin (so several pullers start together), reads the object with
 :func:`shared.objstore.read_object` (verifying SHA256 when given) and prints one JSON
 line ``{"mib_s", "t0", "t1", "bytes"}`` (``time.monotonic()``, comparable across
-processes). ``stock`` as the fourth argument uses nats-py's ``ObjectStore.get``;
+processes). ``stock`` as the fourth argument uses nats-py's ``ObjectStore.get`` (it
+concatenates the chunks: quadratic in size), ``stock-into`` the same with
+``writeinto=BytesIO`` (its linear path);
 ``--nats-py`` makes our reader read through nats-py (no :mod:`shared._fastwire`)."""
 
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import sys
 import time
@@ -31,6 +34,11 @@ async def main(url: str, bucket: str, name: str, sha: str | None) -> None:
         if sha == "stock":
             store = await bus.nc.jetstream().object_store(bucket)
             n = len((await store.get(name)).data or b"")
+        elif sha == "stock-into":  # nats-py's linear path: chunks written to a file object
+            store = await bus.nc.jetstream().object_store(bucket)
+            sink = io.BytesIO()
+            await store.get(name, writeinto=sink)
+            n = sink.tell()
         else:
             buf = await objstore.read_object(bus.nc, bucket, name, expect_sha256=sha,
                                              fast="--nats-py" not in sys.argv)

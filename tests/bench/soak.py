@@ -26,8 +26,8 @@ import httpx
 from shared.bus import Bus
 from shared.errors import ControlError
 from shared.subjects import Subjects
-from tests.bench.common import pct
-from tests.e2e.stack import Stack, start_stack
+from tests.bench.common import pct, start_stack_retry
+from tests.e2e.stack import Stack
 
 # method, HTTP route, query, weight
 MIX: list[tuple[str, str, dict[str, str], int]] = [
@@ -329,7 +329,8 @@ def report(res: SoakResult, title: str) -> str:
 def run(
     tmp: Path, nats_url: str, calls: int = 10_000, streams: int = 16, nats_pid: int | None = None
 ) -> str:
-    stack = start_stack(tmp / "soak", nats_url, tp=2, env={"ROLLBUS_CONTROL_TIMEOUT_S": "20"})
+    stack = start_stack_retry(tmp / "soak", nats_url, tp=2,
+                              env={"ROLLBUS_CONTROL_TIMEOUT_S": "20"})
     try:
         res = asyncio.run(soak(stack, calls, streams, nats_pid=nats_pid, progress=True))
     finally:
