@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import transformers as tf
+from tokenizers import Tokenizer, processors
 
 from services.api.deps import Deps
 from services.api.openai import OpenAIRoutes
@@ -28,6 +29,9 @@ KWARGS: list[dict[str, Any]] = [
 ]
 
 
+BOS = "llama3.1-bos"
+
+
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("chat")
@@ -35,6 +39,16 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     for family in FAMILIES:
         d = create_model_dir(root / family, config={"vocab_size": 512})
         out[family] = make_tokenizer_dir(d, family)
+    # as Llama-3's own tokenizer.json: its post-processor puts <|begin_of_text|> first,
+    # which the template writes itself (transformers tokenizes a chat without specials)
+    d = make_tokenizer_dir(create_model_dir(root / BOS, config={"vocab_size": 512}), "llama3.1")
+    raw = Tokenizer.from_file(str(d / "tokenizer.json"))
+    bos = "<|begin_of_text|>"
+    raw.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", special_tokens=[(bos, raw.token_to_id(bos))]
+    )
+    raw.save(str(d / "tokenizer.json"))
+    out[BOS] = d
     return out
 
 
@@ -107,7 +121,7 @@ def test_qwen3_thinking_switch_changes_the_prompt(dirs: dict[str, Path]) -> None
     assert off == on + "<think>\n\n</think>\n\n"
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama3.1"])
+@pytest.mark.parametrize("family", ["qwen3", "llama3.1", BOS])
 @pytest.mark.parametrize("kwargs", [None, {"enable_thinking": False}, {"date_string": "x"}])
 def test_chat_request_prompt_ids_equal_transformers(
     dirs: dict[str, Path], hf_tokenizers: dict[str, Any], family: str, kwargs: Any
@@ -121,3 +135,18 @@ def test_chat_request_prompt_ids_equal_transformers(
         CHATS["multi_turn"], tokenize=True, add_generation_prompt=True, **(kwargs or {})
     )["input_ids"]
     assert job.gen.prompt_token_ids == want
+
+
+@pytest.mark.parametrize("family", ["qwen3", BOS])
+def test_completion_text_prompt_ids_equal_transformers(
+    dirs: dict[str, Path], hf_tokenizers: dict[str, Any], family: str
+) -> None:
+    """A text prompt of ``/v1/completions`` is encoded as transformers' tokenizer encodes
+    it, with the specials its post-processor adds (Llama-3's BOS) — one prompt or a list."""
+    routes = OpenAIRoutes(Deps(Settings(model=str(dirs[family]))))
+    texts = ["What is the capital of France?", "héllo 🙂 日本語"]
+    want = [hf_tokenizers[family](t)["input_ids"] for t in texts]
+    job = routes.parse({"prompt": texts[0], "max_tokens": 1}, chat=False)
+    assert job.gen.prompt_token_ids == want[0]
+    job = routes.parse({"prompt": [texts[1], texts[0]], "max_tokens": 1}, chat=False)
+    assert [g.prompt_token_ids for g in job.gens] == want[::-1]

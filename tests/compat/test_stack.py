@@ -7,7 +7,15 @@ tests.
 
 The llama model's ``generation_config.json`` lists a second eos id — a token its greedy
 continuation emits mid-way, as Llama-3 instruct ends turns on ``<|eot_id|>``: transformers
-stops there, and so must rollbus."""
+stops there, and so must rollbus.
+
+The qwen3 model dir carries what a Qwen3 checkpoint ships beside its weights: a byte-level
+BPE ``tokenizer.json`` (``tokenizers``), ``tokenizer_config.json`` and Qwen3's chat
+template, ``eos_token_id`` ``<|im_end|>`` in config.json and ``[<|im_end|>,
+<|endoftext|>]`` in generation_config.json (fewer tokens than the model's vocabulary, as
+Qwen's padded embedding) — so the chat route, prompts as text and lists of prompts are
+checked end to end against transformers' tokenizer, ``apply_chat_template`` and
+``generate``."""
 
 from __future__ import annotations
 
@@ -26,6 +34,7 @@ from cases import BY_NAME, NEW_TOKENS, PROMPTS
 
 from shared.messages import MAX_TOP_LOGPROBS
 from tests.e2e.stack import Stack, start_stack
+from tests.fixtures.chat import CHATS, make_tokenizer_dir
 
 FIRST_EOS_STEP = 3  # the llama stack's extra eos id: the first new token from this step on
 STACKS = {  # case -> tp of its stack
@@ -79,6 +88,8 @@ def served(
         gen = json.loads(gen_path.read_text())
         gen["eos_token_id"] = [gen["eos_token_id"], eot]
         gen_path.write_text(json.dumps(gen))
+    if name == "qwen3":
+        _add_qwen3_tokenizer(model_dir)
     refs = [hf.reference(model_dir, p, NEW_TOKENS) for p in PROMPTS]
     stack = start_stack(
         tmp, nats_url, tp=STACKS[name], model_dir=model_dir, env={"ROLLBUS_MAX_MODEL_LEN": "64"}
@@ -87,6 +98,18 @@ def served(
         yield Served(name, stack, refs)
     finally:
         stack.stop()
+
+
+def _add_qwen3_tokenizer(model_dir: Path) -> None:
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    make_tokenizer_dir(model_dir, "qwen3", vocab=vocab - 24)  # + 9 specials < vocab_size
+    tok = json.loads((model_dir / "tokenizer.json").read_text())
+    special = {t["content"]: t["id"] for t in tok["added_tokens"]}
+    im_end, eot = special["<|im_end|>"], special["<|endoftext|>"]
+    for file, eos in (("config.json", im_end), ("generation_config.json", [im_end, eot])):
+        cfg = json.loads((model_dir / file).read_text())
+        cfg["eos_token_id"] = eos
+        (model_dir / file).write_text(json.dumps(cfg))
 
 
 def test_completions_equal_transformers(served: Served) -> None:
@@ -144,3 +167,110 @@ def test_top_logprobs_equal_torch_log_softmax(served: Served) -> None:
             assert row[ids].min() >= ranked[k - 1] - tol, f"step {step}: not the top {k}"
             if ranked[k - 1] - ranked[k] > 2 * tol:
                 assert set(ids) == set(np.argsort(-row)[:k].tolist())
+
+
+def _stream(stack: Stack, route: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    chunks = []
+    with httpx.stream("POST", f"{stack.base_url}{route}", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[len("data: ") :]))
+    return chunks
+
+
+CHAT_KWARGS: list[dict[str, Any] | None] = [
+    None, {"enable_thinking": False}, {"enable_thinking": True}
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("served", ["qwen3"], indirect=True)
+def test_chat_over_http_equals_transformers(served: Served) -> None:
+    """``/v1/chat/completions`` on a Qwen3 checkpoint, with and without
+    ``enable_thinking``: the prompt ids are transformers' ``apply_chat_template`` ids,
+    the greedy tokens and logprobs transformers' ``generate`` on them, ``top_logprobs``
+    k per position in OpenAI's chat shape (streamed too), ``model`` the served name."""
+    import transformers as tf
+
+    model_dir = served.stack.model_dir
+    theirs = tf.AutoTokenizer.from_pretrained(str(model_dir))
+    tol, k, new = BY_NAME[served.name].tolerance, 3, 8
+    chat = CHATS["user"]
+    for kwargs in CHAT_KWARGS:
+        want_ids = theirs.apply_chat_template(
+            chat, tokenize=True, add_generation_prompt=True, **(kwargs or {})
+        )["input_ids"]
+        ref = hf.reference(model_dir, want_ids, new)
+        body: dict[str, Any] = {
+            "model": model_dir.name, "messages": chat, "max_tokens": new, "temperature": 0,
+            "logprobs": True, "top_logprobs": k, "return_token_ids": True,
+        }  # fmt: skip
+        if kwargs is not None:
+            body["chat_template_kwargs"] = kwargs
+        r = httpx.post(f"{served.stack.base_url}/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["model"] == model_dir.name
+        assert out["prompt_token_ids"] == want_ids, kwargs
+        choice = out["choices"][0]
+        assert choice["token_ids"] == ref["tokens"], kwargs
+        content = choice["logprobs"]["content"]
+        got = np.array([c["logprob"] for c in content])
+        assert np.abs(got - ref["logprobs"]).max() < tol, kwargs
+        assert [len(c["top_logprobs"]) for c in content] == [k] * len(ref["tokens"])
+        assert choice["message"]["content"] == theirs.decode(
+            ref["tokens"], skip_special_tokens=True
+        )
+        chunks = _stream(served.stack, "/v1/chat/completions", {**body, "stream": True})
+        assert {c["model"] for c in chunks} == {model_dir.name}
+        ids = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or []]
+        assert ids == ref["tokens"], kwargs
+        streamed = [
+            e for c in chunks for ch in c["choices"] if ch.get("logprobs")
+            for e in ch["logprobs"]["content"]
+        ]  # fmt: skip
+        assert [len(e["top_logprobs"]) for e in streamed] == [k] * len(ref["tokens"])
+
+
+@pytest.mark.parametrize("served", ["qwen3"], indirect=True)
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_list_of_prompts_equals_transformers(served: Served, stream: bool) -> None:
+    """A list mixing text and token-id prompts with ``n`` = 2: choice ``i * n + j`` is
+    transformers' greedy continuation of prompt ``i`` (text encoded by transformers'
+    tokenizer), with its ``prompt_token_ids`` and ``top_logprobs`` k per position — in a
+    stream, every chunk carrying its choice's index."""
+    import transformers as tf
+
+    model_dir = served.stack.model_dir
+    theirs = tf.AutoTokenizer.from_pretrained(str(model_dir))
+    prompts: list[Any] = ["What is the capital of France?", PROMPTS[1], "héllo wörld 🙂"]
+    ids = [theirs(p)["input_ids"] if isinstance(p, str) else p for p in prompts]
+    n, k, new = 2, 3, 8
+    refs = [hf.reference(model_dir, p, new) for p in ids]
+    body = {
+        "prompt": prompts, "n": n, "max_tokens": new, "temperature": 0, "logprobs": k,
+        "return_token_ids": True, "return_tokens_as_token_ids": True,
+    }  # fmt: skip
+    if stream:
+        chunks = _stream(served.stack, "/v1/completions", {**body, "stream": True})
+        tokens: dict[int, list[int]] = {}
+        tops: dict[int, list[dict[str, float]]] = {}
+        for c in chunks:
+            for ch in c["choices"]:
+                tokens.setdefault(ch["index"], []).extend(ch.get("token_ids") or [])
+                if ch.get("logprobs"):
+                    tops.setdefault(ch["index"], []).extend(ch["logprobs"]["top_logprobs"])
+    else:
+        r = httpx.post(f"{served.stack.base_url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        choices = r.json()["choices"]
+        assert [c["index"] for c in choices] == list(range(len(prompts) * n))
+        for c in choices:
+            assert c["prompt_token_ids"] == ids[c["index"] // n]
+        tokens = {c["index"]: c["token_ids"] for c in choices}
+        tops = {c["index"]: c["logprobs"]["top_logprobs"] for c in choices}
+    assert sorted(tokens) == list(range(len(prompts) * n))
+    for index, got in tokens.items():
+        ref = refs[index // n]
+        assert got == ref["tokens"], f"choice {index}"
+        assert [len(t) for t in tops[index]] == [k] * len(got), f"choice {index}"
