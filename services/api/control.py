@@ -37,6 +37,10 @@ def admin_check(deps: Deps, request: Request) -> None:
         )
 
 
+# GET /v1/is_paused's two answers, rendered once
+_IS_PAUSED_BODY = {v: JSONResponse({"is_paused": v}).body for v in (False, True)}
+
+
 def reply_response(reply: m.ControlReply) -> JSONResponse:
     return JSONResponse(m.to_builtins(reply), status_code=reply.error_code)
 
@@ -194,7 +198,11 @@ def routes(deps: Deps) -> list[Route]:
     async def is_paused(request: Request) -> Response:
         reply = await call_reply(deps, request, "is_paused", b"{}")
         if reply.error_code == 200 and reply.result is not None:
-            return _echo(request, JSONResponse({"is_paused": reply.result["is_paused"]}))
+            value = reply.result["is_paused"]
+            if isinstance(value, bool):
+                body = _IS_PAUSED_BODY[value]
+                return _echo(request, Response(body, media_type="application/json"))
+            return _echo(request, JSONResponse({"is_paused": value}))
         return _echo(request, reply_response(reply))
 
     async def sleep(request: Request) -> Response:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 import socket
 import sys
+from typing import Any
 
 import uvicorn
 
@@ -48,6 +50,38 @@ class Server(uvicorn.Server):
             captured.clear()
 
 
+def _importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
+def server_choice() -> tuple[str, str]:
+    """uvicorn's event loop and HTTP parser for the API: ``uvloop`` and ``httptools`` when
+    importable (runtime dependencies; uvloop has no Windows build), else ``asyncio`` and
+    ``h11``. The one place this is decided (the bench's bare route uses it too)."""
+    loop = "uvloop" if _importable("uvloop") else "asyncio"
+    http = "httptools" if _importable("httptools") else "h11"
+    return loop, http
+
+
+def uvicorn_config(app: Any, host: str, port: int) -> uvicorn.Config:
+    """The API's server settings (also the bench's bare-route baseline: like with like)."""
+    loop, http = server_choice()
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        loop=loop,
+        http=http,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=2,  # open streams end then: the whole stop is < 10 s
+    )
+
+
 def main() -> int:
     settings = settings_or_exit("rollbus-api")
     logging.basicConfig(
@@ -55,14 +89,7 @@ def main() -> int:
         format="%(asctime)s api %(levelname)s %(name)s: %(message)s",
     )
     app = create_app(settings)
-    config = uvicorn.Config(
-        app,
-        host=settings.api_host,
-        port=settings.api_port,
-        log_level="warning",
-        access_log=False,
-        timeout_graceful_shutdown=2,  # open streams end then: the whole stop is < 10 s
-    )
+    config = uvicorn_config(app, settings.api_host, settings.api_port)
     server = Server(config, app.state.deps)
     try:
         server.run()
