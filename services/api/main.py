@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import importlib
 import logging
 import socket
@@ -50,6 +51,13 @@ class Server(uvicorn.Server):
             captured.clear()
 
 
+# the largest request head (request line + headers) the API reads; a larger one is
+# refused (431 with httptools, 400 with h11) before it is buffered further
+MAX_HEAD_BYTES = 64 * 1024
+
+log = logging.getLogger("rollbus.api")
+
+
 def _importable(module: str) -> bool:
     try:
         importlib.import_module(module)
@@ -67,6 +75,47 @@ def server_choice() -> tuple[str, str]:
     return loop, http
 
 
+@functools.cache
+def bounded_httptools() -> type[asyncio.Protocol]:
+    """uvicorn's httptools protocol with a bound on the request head. llhttp itself has
+    none (h11 has one: ``h11_max_incomplete_event_size``): without it a client could send
+    megabytes of URL or headers and have them all buffered and handed to the app."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class BoundedHttpToolsProtocol(HttpToolsProtocol):
+        _head_open = False  # a request's head is being read
+        _head_size = 0
+
+        def on_message_begin(self) -> None:
+            self._head_open, self._head_size = True, 0
+            super().on_message_begin()
+
+        def on_headers_complete(self) -> None:
+            self._head_open = False
+            super().on_headers_complete()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if not self._head_open or self.transport.is_closing():
+                return
+            # every byte fed with the head still open belonged to it (or, at most, to the
+            # tail of a pipelined request before it in the same read)
+            self._head_size += len(data)
+            if self._head_size > MAX_HEAD_BYTES:
+                msg = f"request head larger than {MAX_HEAD_BYTES} bytes".encode()
+                self.logger.warning("refused a request head larger than %d bytes",
+                                    MAX_HEAD_BYTES)
+                self.transport.write(
+                    b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+                    b"content-type: text/plain; charset=utf-8\r\n"
+                    b"content-length: " + str(len(msg)).encode() + b"\r\n"
+                    b"connection: close\r\n\r\n" + msg
+                )
+                self.transport.close()
+
+    return BoundedHttpToolsProtocol
+
+
 def uvicorn_config(app: Any, host: str, port: int) -> uvicorn.Config:
     """The API's server settings (also the bench's bare-route baseline: like with like)."""
     loop, http = server_choice()
@@ -75,7 +124,8 @@ def uvicorn_config(app: Any, host: str, port: int) -> uvicorn.Config:
         host=host,
         port=port,
         loop=loop,
-        http=http,
+        http=bounded_httptools() if http == "httptools" else http,
+        h11_max_incomplete_event_size=MAX_HEAD_BYTES,
         log_level="warning",
         access_log=False,
         timeout_graceful_shutdown=2,  # open streams end then: the whole stop is < 10 s
@@ -90,6 +140,7 @@ def main() -> int:
     )
     app = create_app(settings)
     config = uvicorn_config(app, settings.api_host, settings.api_port)
+    log.info("serving with loop=%s http=%s", *server_choice())
     server = Server(config, app.state.deps)
     try:
         server.run()
