@@ -112,7 +112,8 @@ def _echo(request: Request, resp: Response) -> Response:
 
 
 def _client(request: Request) -> str:
-    return f"{request.client.host}:{request.client.port}" if request.client else "?"
+    client = request.scope.get("client")
+    return f"{client[0]}:{client[1]}" if client else "?"
 
 
 def _query_args(request: Request, *names: str) -> dict[str, Any]:
@@ -252,15 +253,15 @@ def routes(deps: Deps) -> list[Route]:
 
         return await fleet.update_weights(deps, request)
 
-    return [
+    return [  # the polled GETs first (routes are matched in order; the paths are distinct)
+        Route("/v1/is_paused", is_paused, methods=["GET"]),
+        Route("/v1/status", status, methods=["GET"]),
         Route("/v1/pause", pause, methods=["POST"]),
         Route("/v1/fleet/update_weights", fleet_update_weights, methods=["POST"]),
         Route("/v1/resume", resume, methods=["POST"]),
-        Route("/v1/is_paused", is_paused, methods=["GET"]),
         Route("/v1/sleep", sleep, methods=["POST"]),
         Route("/v1/wakeup", wakeup, methods=["POST"]),
         Route("/v1/update_weights", update_weights, methods=["POST"]),
-        Route("/v1/status", status, methods=["GET"]),
         Route("/clear_load_weight", legacy("sleep"), methods=["GET"]),
         Route("/update_model_weight", legacy("wakeup"), methods=["GET"]),
     ]
