@@ -84,7 +84,8 @@ def bounded_httptools() -> type[asyncio.Protocol]:
 
     class BoundedHttpToolsProtocol(HttpToolsProtocol):
         _head_open = False  # a request's head is being read
-        _head_size = 0
+        _head_size = 0  # bytes received while it was
+        _too_big = False
 
         def on_message_begin(self) -> None:
             self._head_open, self._head_size = True, 0
@@ -92,26 +93,38 @@ def bounded_httptools() -> type[asyncio.Protocol]:
 
         def on_headers_complete(self) -> None:
             self._head_open = False
+            # the head as parsed: one read may have brought all of it
+            size = len(self.url) + sum(len(k) + len(v) + 4 for k, v in self.headers)
+            if size > MAX_HEAD_BYTES:
+                self._too_big = True
+                # a callback error ends the parse: uvicorn answers (send_400_response)
+                raise ValueError("request head too large")
             super().on_headers_complete()
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
-            if not self._head_open or self.transport.is_closing():
+            if self._too_big or not self._head_open or self.transport.is_closing():
                 return
             # every byte fed with the head still open belonged to it (or, at most, to the
             # tail of a pipelined request before it in the same read)
             self._head_size += len(data)
             if self._head_size > MAX_HEAD_BYTES:
-                msg = f"request head larger than {MAX_HEAD_BYTES} bytes".encode()
-                self.logger.warning("refused a request head larger than %d bytes",
-                                    MAX_HEAD_BYTES)
-                self.transport.write(
-                    b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
-                    b"content-type: text/plain; charset=utf-8\r\n"
-                    b"content-length: " + str(len(msg)).encode() + b"\r\n"
-                    b"connection: close\r\n\r\n" + msg
-                )
-                self.transport.close()
+                self._too_big = True
+                self.send_400_response("")
+
+        def send_400_response(self, msg: str) -> None:
+            if not self._too_big:
+                super().send_400_response(msg)
+                return
+            body = f"request head larger than {MAX_HEAD_BYTES} bytes".encode()
+            self.logger.warning("refused a request head larger than %d bytes", MAX_HEAD_BYTES)
+            self.transport.write(
+                b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+                b"content-type: text/plain; charset=utf-8\r\n"
+                b"content-length: " + str(len(body)).encode() + b"\r\n"
+                b"connection: close\r\n\r\n" + body
+            )
+            self.transport.close()
 
     return BoundedHttpToolsProtocol
 
