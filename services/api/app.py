@@ -115,9 +115,9 @@ def create_app(settings: Settings, bus: Bus | None = None) -> Starlette:
     app = Starlette(
         exception_handlers={HTTPException: http_error},
         routes=[
+            *control_routes,  # first: the polled control GETs match in one or two tries
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
-            *control_routes,
             *openai.routes(deps),
         ],
         middleware=[guard],

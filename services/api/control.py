@@ -37,6 +37,10 @@ def admin_check(deps: Deps, request: Request) -> None:
         )
 
 
+# GET /v1/is_paused's two answers, rendered once
+_IS_PAUSED_BODY = {v: JSONResponse({"is_paused": v}).body for v in (False, True)}
+
+
 def reply_response(reply: m.ControlReply) -> JSONResponse:
     return JSONResponse(m.to_builtins(reply), status_code=reply.error_code)
 
@@ -108,7 +112,8 @@ def _echo(request: Request, resp: Response) -> Response:
 
 
 def _client(request: Request) -> str:
-    return f"{request.client.host}:{request.client.port}" if request.client else "?"
+    client = request.scope.get("client")
+    return f"{client[0]}:{client[1]}" if client else "?"
 
 
 def _query_args(request: Request, *names: str) -> dict[str, Any]:
@@ -194,7 +199,11 @@ def routes(deps: Deps) -> list[Route]:
     async def is_paused(request: Request) -> Response:
         reply = await call_reply(deps, request, "is_paused", b"{}")
         if reply.error_code == 200 and reply.result is not None:
-            return _echo(request, JSONResponse({"is_paused": reply.result["is_paused"]}))
+            value = reply.result["is_paused"]
+            if isinstance(value, bool):
+                body = _IS_PAUSED_BODY[value]
+                return _echo(request, Response(body, media_type="application/json"))
+            return _echo(request, JSONResponse({"is_paused": value}))
         return _echo(request, reply_response(reply))
 
     async def sleep(request: Request) -> Response:
@@ -244,15 +253,15 @@ def routes(deps: Deps) -> list[Route]:
 
         return await fleet.update_weights(deps, request)
 
-    return [
+    return [  # the polled GETs first (routes are matched in order; the paths are distinct)
+        Route("/v1/is_paused", is_paused, methods=["GET"]),
+        Route("/v1/status", status, methods=["GET"]),
         Route("/v1/pause", pause, methods=["POST"]),
         Route("/v1/fleet/update_weights", fleet_update_weights, methods=["POST"]),
         Route("/v1/resume", resume, methods=["POST"]),
-        Route("/v1/is_paused", is_paused, methods=["GET"]),
         Route("/v1/sleep", sleep, methods=["POST"]),
         Route("/v1/wakeup", wakeup, methods=["POST"]),
         Route("/v1/update_weights", update_weights, methods=["POST"]),
-        Route("/v1/status", status, methods=["GET"]),
         Route("/clear_load_weight", legacy("sleep"), methods=["GET"]),
         Route("/update_model_weight", legacy("wakeup"), methods=["GET"]),
     ]

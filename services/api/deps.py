@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import hmac
+import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from services.api.metrics import Metrics
 from shared import messages as m
@@ -34,10 +36,16 @@ class Deps:
     bus: Bus | None = None
     metrics: Metrics = field(default_factory=Metrics)
     current_version: str = ""  # last weight version seen in a reply (for empty outputs)
+    # per-request work done once: the subjects, each method's latency histogram child
+    _subjects: Subjects | None = field(default=None, init=False, repr=False)
+    _latency: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
 
     @property
     def subjects(self) -> Subjects:
-        return Subjects(self.settings.instance)
+        s = self._subjects
+        if s is None or s.instance != self.settings.instance:
+            s = self._subjects = Subjects(self.settings.instance)
+        return s
 
     async def control(
         self, method: str, data: bytes, rid: str, actor: str = "", timeout: float | None = None
@@ -48,15 +56,20 @@ class Deps:
         # the others wait for one step at most (pause, resume) or answer from the engine
         ct = self.settings.control_timeout_s
         t = timeout or (ct if method in ONE_HOP else 2 * ct) + 5.0
+        latency = self._latency.get(method)
+        if latency is None:
+            latency = self._latency[method] = self.metrics.control_latency.labels(method)
+        t0 = time.perf_counter()
         try:
-            with self.metrics.control_latency.labels(method).time():
-                reply = await self.bus.request(
-                    self.subjects.ctl(method),
-                    data,
-                    timeout=t,
-                    request_id=rid,
-                    headers={"Rollbus-Actor": actor} if actor else None,
-                )
+            reply = await self.bus.request(
+                self.subjects.ctl(method),
+                data,
+                timeout=t,
+                request_id=rid,
+                headers={"Rollbus-Actor": actor} if actor else None,
+            )
         except ControlError as e:
             return m.ControlReply(rid, e.code, f"engine: {e.message}")
+        finally:
+            latency.observe(time.perf_counter() - t0)
         return m.json_decode(reply.data, type=m.ControlReply)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import importlib
 import logging
 import socket
 import sys
+from typing import Any
 
 import uvicorn
 
@@ -48,6 +51,100 @@ class Server(uvicorn.Server):
             captured.clear()
 
 
+# the largest request head (request line + headers) the API reads; a larger one is
+# refused (431 with httptools, 400 with h11) before it is buffered further
+MAX_HEAD_BYTES = 64 * 1024
+
+log = logging.getLogger("rollbus.api")
+
+
+def _importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True
+
+
+def server_choice() -> tuple[str, str]:
+    """uvicorn's event loop and HTTP parser for the API: ``uvloop`` and ``httptools`` when
+    importable (runtime dependencies; uvloop has no Windows build), else ``asyncio`` and
+    ``h11``. The one place this is decided (the bench's bare route uses it too)."""
+    loop = "uvloop" if _importable("uvloop") else "asyncio"
+    http = "httptools" if _importable("httptools") else "h11"
+    return loop, http
+
+
+@functools.cache
+def bounded_httptools() -> type[asyncio.Protocol]:
+    """uvicorn's httptools protocol with a bound on the request head. llhttp itself has
+    none (h11 has one: ``h11_max_incomplete_event_size``): without it a client could send
+    megabytes of URL or headers and have them all buffered and handed to the app."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class BoundedHttpToolsProtocol(HttpToolsProtocol):
+        _head_open = False  # a request's head is being read
+        _head_size = 0  # bytes received while it was
+        _too_big = False
+
+        def on_message_begin(self) -> None:
+            self._head_open, self._head_size = True, 0
+            super().on_message_begin()
+
+        def on_headers_complete(self) -> None:
+            self._head_open = False
+            # the head as parsed: one read may have brought all of it
+            size = len(self.url) + sum(len(k) + len(v) + 4 for k, v in self.headers)
+            if size > MAX_HEAD_BYTES:
+                self._too_big = True
+                # a callback error ends the parse: uvicorn answers (send_400_response)
+                raise ValueError("request head too large")
+            super().on_headers_complete()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self._too_big or not self._head_open or self.transport.is_closing():
+                return
+            # every byte fed with the head still open belonged to it (or, at most, to the
+            # tail of a pipelined request before it in the same read)
+            self._head_size += len(data)
+            if self._head_size > MAX_HEAD_BYTES:
+                self._too_big = True
+                self.send_400_response("")
+
+        def send_400_response(self, msg: str) -> None:
+            if not self._too_big:
+                super().send_400_response(msg)
+                return
+            body = f"request head larger than {MAX_HEAD_BYTES} bytes".encode()
+            self.logger.warning("refused a request head larger than %d bytes", MAX_HEAD_BYTES)
+            self.transport.write(
+                b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+                b"content-type: text/plain; charset=utf-8\r\n"
+                b"content-length: " + str(len(body)).encode() + b"\r\n"
+                b"connection: close\r\n\r\n" + body
+            )
+            self.transport.close()
+
+    return BoundedHttpToolsProtocol
+
+
+def uvicorn_config(app: Any, host: str, port: int) -> uvicorn.Config:
+    """The API's server settings (also the bench's bare-route baseline: like with like)."""
+    loop, http = server_choice()
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        loop=loop,
+        http=bounded_httptools() if http == "httptools" else http,
+        h11_max_incomplete_event_size=MAX_HEAD_BYTES,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=2,  # open streams end then: the whole stop is < 10 s
+    )
+
+
 def main() -> int:
     settings = settings_or_exit("rollbus-api")
     logging.basicConfig(
@@ -55,14 +152,8 @@ def main() -> int:
         format="%(asctime)s api %(levelname)s %(name)s: %(message)s",
     )
     app = create_app(settings)
-    config = uvicorn.Config(
-        app,
-        host=settings.api_host,
-        port=settings.api_port,
-        log_level="warning",
-        access_log=False,
-        timeout_graceful_shutdown=2,  # open streams end then: the whole stop is < 10 s
-    )
+    config = uvicorn_config(app, settings.api_host, settings.api_port)
+    log.info("serving with loop=%s http=%s", *server_choice())
     server = Server(config, app.state.deps)
     try:
         server.run()

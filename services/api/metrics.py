@@ -104,9 +104,14 @@ class Metrics:
             registry=r,
         )
         self._seen: dict[tuple[int, str, str], float] = {}
+        self._control_children: dict[tuple[str, int], Any] = {}
 
     def control(self, method: str, code: int) -> None:
-        self.control_requests.labels(method, str(code)).inc()
+        child = self._control_children.get((method, code))
+        if child is None:  # label lookup once per (method, code), not per call
+            child = self.control_requests.labels(method, str(code))
+            self._control_children[(method, code)] = child
+        child.inc()
 
     def _count(self, counter: Counter, process: str, name: str, total: float) -> None:
         """Move ``counter`` to a total counted elsewhere (a restarted process starts over)."""

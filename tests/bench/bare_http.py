@@ -1,9 +1,10 @@
 """The HTTP baseline: a bare Starlette route that does one raw nats-py request.
 
 ``python -m tests.bench.bare_http NATS_URL SUBJECT PORT`` serves ``GET /bare`` with
-uvicorn on 127.0.0.1:PORT, with the API's own uvicorn settings
-(:mod:`services.api.main`); each call requests SUBJECT once and answers
-``{"is_paused": false}``. What rollbus adds over this is its own HTTP path."""
+uvicorn on 127.0.0.1:PORT, with the API's own uvicorn settings, event loop and HTTP
+parser included (:func:`services.api.main.uvicorn_config`: uvloop and httptools when
+importable); each call requests SUBJECT once and answers ``{"is_paused": false}``. What
+rollbus adds over this is its own HTTP path."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import sys
 from collections.abc import AsyncIterator
 
 import nats
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -36,13 +36,10 @@ def create_app(url: str, subject: str) -> Starlette:
 
 
 if __name__ == "__main__":
+    import uvicorn
+
+    from services.api.main import uvicorn_config
+
     url, subject, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    config = uvicorn.Config(  # the API's settings (services/api/main.py)
-        create_app(url, subject),
-        host="127.0.0.1",
-        port=port,
-        log_level="warning",
-        access_log=False,
-        timeout_graceful_shutdown=5,
-    )
+    config = uvicorn_config(create_app(url, subject), "127.0.0.1", port)
     uvicorn.Server(config).run()
