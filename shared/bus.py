@@ -35,7 +35,9 @@ One :class:`Bus` per process. It owns:
   message to ``<inbox prefix>.batch`` (:func:`batch_subject`, :func:`pack_batch`): a
   msgpack array of ``[reply token, request id, data]``; each item goes to its own
   stream as if sent alone (an item whose token is unknown or whose request id is not the
-  one its request was sent with is dropped and counted, like a reply);
+  one its request was sent with is dropped and counted, like a reply). A batch larger
+  than the server's ``max_payload`` goes as several messages, in order
+  (:func:`pack_batches`): e.g. a pause that aborts thousands of queued choices at once;
 * ``serve``: endpoints registered as a NATS micro service (``$SRV.PING/INFO/STATS``),
   with a queue group per caller (a per-rank group makes a broadcast reach every rank).
 """
@@ -217,6 +219,36 @@ def pack_batch(items: list[BatchItem]) -> bytes:
     return _batch_encoder.encode(items)
 
 
+BATCH_HEADROOM = 1024  # bytes of max_payload a batch leaves unused (framing, margin)
+
+
+def _item_bound(item: BatchItem) -> int:
+    """An upper bound of ``item``'s msgpack size (array, two str and one bin headers)."""
+    token, rid, data = item
+    return len(token) + 4 * len(rid) + len(data) + 16
+
+
+def pack_batches(items: list[BatchItem], max_payload: int) -> list[bytes]:
+    """``items`` as few batch messages as fit ``max_payload`` each (a NATS publish past
+    it fails), in order; an item too large alone still goes alone."""
+    limit = max(1024, max_payload - BATCH_HEADROOM)
+    sizes = [_item_bound(i) for i in items]
+    if sum(sizes) <= limit:  # the usual case: one message
+        return [pack_batch(items)]
+    out: list[bytes] = []
+    part: list[BatchItem] = []
+    size = 0
+    for item, n in zip(items, sizes, strict=True):
+        if part and size + n > limit:
+            out.append(pack_batch(part))
+            part, size = [], 0
+        part.append(item)
+        size += n
+    if part:
+        out.append(pack_batch(part))
+    return out
+
+
 def new_request_id() -> str:
     return uuid.uuid4().hex
 
@@ -362,6 +394,11 @@ class Bus:
                 waiter.put(err)
             elif not waiter.done():
                 waiter.set_exception(err)
+
+    @property
+    def max_payload(self) -> int:
+        """The largest message the server takes (its INFO's ``max_payload``)."""
+        return int(self.nc.max_payload)
 
     @property
     def pending(self) -> int:

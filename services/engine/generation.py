@@ -47,7 +47,7 @@ from nats.micro.service import Service
 from services.engine import autoupdate, staleness
 from services.engine.scheduler import Output, Plan, Scheduler, Seq
 from shared import messages as m
-from shared.bus import REQUEST_ID, BatchItem, Sent, batch_subject, pack_batch
+from shared.bus import REQUEST_ID, BatchItem, Sent, batch_subject, pack_batches
 from shared.errors import BAD_REQUEST, TOO_MANY_REQUESTS, UNAVAILABLE, ControlError, Timeout
 from shared.model_config import max_model_len, vocab_size
 from shared.tasks import Supervisor
@@ -61,6 +61,7 @@ HEARTBEAT_S = 5.0
 JSON_REPLY_TTL_S = 60.0  # a JSON client's reply subject is forgotten this long after its end
 SETTLE_POLL_S = 0.1  # how often a settle after a failed step looks for ranks gone
 COALESCE_STEPS = 16  # a coalesced request's held tokens go out at least this often (steps)
+NATS_MAX_PAYLOAD = 1 << 20  # nats-server's default, when the bus cannot tell its own
 
 T = TypeVar("T")
 
@@ -290,8 +291,12 @@ class Generation:
                 continue
             for c in chunks:
                 await self._send(req.reply, c)
+        # a batch past the server's max_payload (thousands of choices aborted at once)
+        # goes as several messages: one publish of it would fail and lose every chunk
+        limit = getattr(self.engine.bus, "max_payload", NATS_MAX_PAYLOAD)
         for subject, items in batches.items():
-            await self.engine.bus.publish(subject, pack_batch(items))
+            for data in pack_batches(items, limit):
+                await self.engine.bus.publish(subject, data)
 
     def _coalesce(self, chunk: m.GenChunk) -> list[m.GenChunk]:
         """What to send now of a coalesced request's choice, given its new ``chunk``:

@@ -9,7 +9,14 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from shared.bus import REQUEST_ID, Bus, StreamOverflow, batch_subject, pack_batch
+from shared.bus import (
+    REQUEST_ID,
+    Bus,
+    StreamOverflow,
+    batch_subject,
+    pack_batch,
+    pack_batches,
+)
 from tests.integration.shared.test_bus import connect, settle, subject
 
 ODD_IDS = ["a.b", "*", ">", "a b", "a.*.>", "ünïcødé ✓", "x" * 1024, "", "~2E"]
@@ -128,6 +135,57 @@ async def test_a_batch_gives_each_stream_exactly_its_own_replies(bus: Bus, nats_
         await bus.flush()
         await settle(bus, nc)
         assert bus.dropped_replies == 3
+    finally:
+        for t in readers:
+            t.cancel()
+        for s in streams.values():
+            await s.aclose()  # type: ignore[attr-defined]
+        await nc.close()
+
+
+async def test_a_batch_past_max_payload_reaches_every_stream_whole(
+    bus: Bus, nats_url: str
+) -> None:
+    """Replies for several streams totalling ~3x the server's max_payload: packed by
+    ``pack_batches`` they go as several messages the server takes, and each stream gets
+    every one of its replies in order (one message of them: MaxPayloadError)."""
+    subj = subject()
+    nc = await connect(nats_url)
+    seen: dict[str, str] = {}
+    ready = asyncio.Event()
+
+    async def record(msg):  # noqa: ANN001
+        seen[(msg.headers or {})[REQUEST_ID]] = msg.reply
+        if len(seen) == 3:
+            ready.set()
+
+    await nc.subscribe(subj, cb=record)
+    await settle(bus, nc)
+    per = 3 * nc.max_payload // (3 * 4096)  # replies per stream, 4 KiB each
+    streams = {rid: bus.stream(subj, b"go", idle_timeout=5, request_id=rid, max_unread=per)
+               for rid in "abc"}
+    got: dict[str, list[bytes]] = {rid: [] for rid in streams}
+
+    async def read(rid: str) -> None:
+        async for rep in streams[rid]:
+            got[rid].append(rep.data)
+            if len(got[rid]) == per:
+                return
+
+    readers = [asyncio.create_task(read(rid)) for rid in streams]
+    try:
+        await asyncio.wait_for(ready.wait(), 5)
+        tok = {rid: batch_subject(reply)[1] for rid, reply in seen.items()}
+        items = [(tok[rid], rid, f"{rid}{i:05d}".encode().ljust(4096, b".")) for i in range(per)
+                 for rid in streams]
+        messages = pack_batches(items, bus.max_payload)
+        assert len(messages) >= 3 and max(map(len, messages)) <= nc.max_payload
+        for data in messages:
+            await nc.publish(batch_subject(seen["a"])[0], data)
+        await asyncio.wait_for(asyncio.gather(*readers), 10)
+        for rid in streams:
+            assert [d[:6] for d in got[rid]] == [f"{rid}{i:05d}".encode() for i in range(per)]
+        assert bus.dropped_replies == 0
     finally:
         for t in readers:
             t.cancel()
