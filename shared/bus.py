@@ -27,7 +27,8 @@ One :class:`Bus` per process. It owns:
   an inbox (``_INBOX…``; a JetStream push delivery's ``$JS.ACK…``), one carrying
   JetStream headers (``Nats-Stream``, ``Nats-Sequence``: a stored message delivered by a
   consumer or a direct get), one with neither a reply subject nor a
-  ``Rollbus-Request-Id`` (a JetStream API answer sent to a subject named as reply). A
+  ``Rollbus-Request-Id`` (a JetStream API answer sent to a subject named as reply), one
+  whose reply subject is a batch inbox (``<prefix>.batch``, below). A
   responder never answers into anything but an inbox, so no client can make the
   server or a responder publish a message onto a subject it may not publish to;
 * batched stream replies: a responder answering many streams of one process at once
@@ -93,6 +94,8 @@ def not_a_request(msg: Msg) -> str:
     headers = msg.headers or {}
     if reply and not reply.startswith("_INBOX"):
         return f"reply subject {reply.split('.', 1)[0]}… is not an inbox"
+    if reply.endswith("." + BATCH_TOKEN):  # a process's batch inbox, never one reply's
+        return "reply subject is a batch inbox"
     if any(h in headers for h in JS_HEADERS):
         return "a JetStream message"
     if not reply and REQUEST_ID not in headers:
