@@ -424,6 +424,11 @@ class Generation:
         self.drained.clear()
         # replaced, never changed in place, by a reconcile
         pids: dict[int, int] = getattr(self.engine, "rank_pids", {})
+        # the ranks this run's steps go to for sure: a rank already gone now (restarted,
+        # not yet reconciled) is another process, which may well answer
+        view = getattr(getattr(self.engine, "ranks", None), "view", None)
+        stale = set(view.gone(pids)) if view is not None and pids else set()
+        targets = {r: p for r, p in pids.items() if r not in stale}
         flying: list[Sent] = []  # sent, reply not taken yet, oldest first
         nxt: tuple[Plan, Sent] | None = None
         try:
@@ -437,7 +442,7 @@ class Generation:
                     nxt = (ahead, await self._send_step(ahead, True))
                     flying.append(nxt[1])
                 try:
-                    outputs = await self._step_reply(plan, sent, pids)
+                    outputs = await self._step_reply(plan, sent, targets)
                 finally:
                     flying.remove(sent)  # answered, or failed (its late reply is dropped)
                 self.last_progress = time.monotonic()
@@ -590,7 +595,8 @@ class Generation:
     async def _reply(self, sent: Sent, step: int, pids: dict[int, int]) -> Reply:
         """The reply of a step in flight within ``CONTROL_TIMEOUT_S``; once it is late
         (``GONE_POLL_S``), a rank it was sent to that is known gone (its process exited,
-        or it was restarted: ``pids`` are the processes it went to) fails it at once,
+        or it was restarted: ``pids`` are the processes it went to, alive when the run
+        started) fails it at once,
         naming the rank, instead of at the timeout: no reply can come (rank 0 would wait
         in the all-reduce for a dead peer)."""
         t = self.engine.settings.control_timeout_s
