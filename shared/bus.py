@@ -187,8 +187,9 @@ class _Stream:
             self.failed = True
             while not self.queue.empty():  # free what it held; the reader sees the error next
                 self.queue.get_nowait()
-            item = StreamOverflow(self.subject, self.limit)
-            self.on_overflow()
+            self.queue.put_nowait(StreamOverflow(self.subject, self.limit))
+            self.on_overflow()  # after: the reader has its error whatever the hook does
+            return
         self.queue.put_nowait(item)
 
 
@@ -463,7 +464,12 @@ class Bus:
             if not isinstance(waiter, _Stream) or rid != self._rids.get(token):
                 self.dropped_replies += 1  # ended meanwhile, or not ours
                 continue
-            waiter.put(Reply(data, {REQUEST_ID: rid}))
+            try:
+                waiter.put(Reply(data, {REQUEST_ID: rid}))
+            except Exception:  # noqa: BLE001 - a bug (e.g. in an overflow hook): that
+                # stream's alone; the batch's other items still go to their streams
+                log.exception("reply batch on %s: stream %s failed", msg.subject, token)
+                self.callback_errors["replies"] = self.callback_errors.get("replies", 0) + 1
 
     async def _send(
         self, subject: str, data: bytes, token: str, rid: str, extra: dict[str, str] | None

@@ -192,3 +192,46 @@ async def test_a_batch_past_max_payload_reaches_every_stream_whole(
         for s in streams.values():
             await s.aclose()  # type: ignore[attr-defined]
         await nc.close()
+
+
+async def test_a_bug_in_one_streams_overflow_hook_leaves_the_batch_to_the_others(
+    bus: Bus, nats_url: str
+) -> None:
+    """An exception while handing a batch item to its stream (here the stream's overflow
+    hook raises) is logged and counted (``callback_errors["replies"]``); that stream's
+    reader still gets its overflow error at once, and the batch's later items reach
+    their own streams."""
+    subj = subject()
+    nc = await connect(nats_url)
+    seen: dict[str, str] = {}
+    ready = asyncio.Event()
+
+    async def record(msg):  # noqa: ANN001
+        seen[(msg.headers or {})[REQUEST_ID]] = msg.reply
+        if len(seen) == 2:
+            ready.set()
+
+    def hook() -> None:
+        raise RuntimeError("a bug in the overflow hook")
+
+    await nc.subscribe(subj, cb=record)
+    await settle(bus, nc)
+    a = bus.stream(subj, b"go", idle_timeout=30, request_id="a", max_unread=2, on_overflow=hook)
+    b = bus.stream(subj, b"go", idle_timeout=30, request_id="b")
+    a_first = asyncio.ensure_future(a.__anext__())  # sends it
+    b_first = asyncio.ensure_future(b.__anext__())
+    try:
+        await asyncio.wait_for(ready.wait(), 5)
+        tok = {rid: batch_subject(reply)[1] for rid, reply in seen.items()}
+        items = [(tok["a"], "a", b"a%d" % i) for i in range(4)] + [(tok["b"], "b", b"b0")]
+        await nc.publish(batch_subject(seen["a"])[0], pack_batch(items))
+        assert (await asyncio.wait_for(b_first, 5)).data == b"b0"
+        with pytest.raises(StreamOverflow):  # its unread replies were freed: the error
+            await asyncio.wait_for(a_first, 5)
+        assert bus.callback_errors.get("replies") == 1
+    finally:
+        for t in (a_first, b_first):
+            t.cancel()
+        for s in (a, b):
+            await s.aclose()  # type: ignore[attr-defined]
+        await nc.close()
