@@ -229,7 +229,7 @@ BATCH_HEADROOM = 1024  # bytes of max_payload a batch leaves unused (framing, ma
 def _item_bound(item: BatchItem) -> int:
     """An upper bound of ``item``'s msgpack size (array, two str and one bin headers)."""
     token, rid, data = item
-    return len(token) + 4 * len(rid) + len(data) + 16
+    return 4 * (len(token) + len(rid)) + len(data) + 16  # str: up to 4 UTF-8 bytes a char
 
 
 def pack_batches(items: list[BatchItem], max_payload: int) -> list[bytes]:

@@ -596,9 +596,8 @@ class Generation:
         """The reply of a step in flight within ``CONTROL_TIMEOUT_S``; once it is late
         (``GONE_POLL_S``), a rank it was sent to that is known gone (its process exited,
         or it was restarted: ``pids`` are the processes it went to, alive when the run
-        started) fails it at once,
-        naming the rank, instead of at the timeout: no reply can come (rank 0 would wait
-        in the all-reduce for a dead peer)."""
+        started) fails it at once, naming the rank, instead of at the timeout: no reply
+        can come (rank 0 would wait in the all-reduce for a dead peer)."""
         t = self.engine.settings.control_timeout_s
         view = getattr(getattr(self.engine, "ranks", None), "view", None)
         if view is None or not pids:
