@@ -27,7 +27,8 @@ One :class:`Bus` per process. It owns:
   an inbox (``_INBOX…``; a JetStream push delivery's ``$JS.ACK…``), one carrying
   JetStream headers (``Nats-Stream``, ``Nats-Sequence``: a stored message delivered by a
   consumer or a direct get), one with neither a reply subject nor a
-  ``Rollbus-Request-Id`` (a JetStream API answer sent to a subject named as reply). A
+  ``Rollbus-Request-Id`` (a JetStream API answer sent to a subject named as reply), one
+  whose reply subject is a batch inbox (``<prefix>.batch``, below). A
   responder never answers into anything but an inbox, so no client can make the
   server or a responder publish a message onto a subject it may not publish to;
 * batched stream replies: a responder answering many streams of one process at once
@@ -35,7 +36,9 @@ One :class:`Bus` per process. It owns:
   message to ``<inbox prefix>.batch`` (:func:`batch_subject`, :func:`pack_batch`): a
   msgpack array of ``[reply token, request id, data]``; each item goes to its own
   stream as if sent alone (an item whose token is unknown or whose request id is not the
-  one its request was sent with is dropped and counted, like a reply);
+  one its request was sent with is dropped and counted, like a reply). A batch larger
+  than the server's ``max_payload`` goes as several messages, in order
+  (:func:`pack_batches`): e.g. a pause that aborts thousands of queued choices at once;
 * ``serve``: endpoints registered as a NATS micro service (``$SRV.PING/INFO/STATS``),
   with a queue group per caller (a per-rank group makes a broadcast reach every rank).
 """
@@ -91,6 +94,8 @@ def not_a_request(msg: Msg) -> str:
     headers = msg.headers or {}
     if reply and not reply.startswith("_INBOX"):
         return f"reply subject {reply.split('.', 1)[0]}… is not an inbox"
+    if reply.endswith("." + BATCH_TOKEN):  # a process's batch inbox, never one reply's
+        return "reply subject is a batch inbox"
     if any(h in headers for h in JS_HEADERS):
         return "a JetStream message"
     if not reply and REQUEST_ID not in headers:
@@ -182,8 +187,9 @@ class _Stream:
             self.failed = True
             while not self.queue.empty():  # free what it held; the reader sees the error next
                 self.queue.get_nowait()
-            item = StreamOverflow(self.subject, self.limit)
-            self.on_overflow()
+            self.queue.put_nowait(StreamOverflow(self.subject, self.limit))
+            self.on_overflow()  # after: the reader has its error whatever the hook does
+            return
         self.queue.put_nowait(item)
 
 
@@ -215,6 +221,36 @@ def batch_subject(reply: str) -> tuple[str, str]:
 def pack_batch(items: list[BatchItem]) -> bytes:
     """One message carrying several stream replies (see the module doc)."""
     return _batch_encoder.encode(items)
+
+
+BATCH_HEADROOM = 1024  # bytes of max_payload a batch leaves unused (framing, margin)
+
+
+def _item_bound(item: BatchItem) -> int:
+    """An upper bound of ``item``'s msgpack size (array, two str and one bin headers)."""
+    token, rid, data = item
+    return 4 * (len(token) + len(rid)) + len(data) + 16  # str: up to 4 UTF-8 bytes a char
+
+
+def pack_batches(items: list[BatchItem], max_payload: int) -> list[bytes]:
+    """``items`` as few batch messages as fit ``max_payload`` each (a NATS publish past
+    it fails), in order; an item too large alone still goes alone."""
+    limit = max(1024, max_payload - BATCH_HEADROOM)
+    sizes = [_item_bound(i) for i in items]
+    if sum(sizes) <= limit:  # the usual case: one message
+        return [pack_batch(items)]
+    out: list[bytes] = []
+    part: list[BatchItem] = []
+    size = 0
+    for item, n in zip(items, sizes, strict=True):
+        if part and size + n > limit:
+            out.append(pack_batch(part))
+            part, size = [], 0
+        part.append(item)
+        size += n
+    if part:
+        out.append(pack_batch(part))
+    return out
 
 
 def new_request_id() -> str:
@@ -364,6 +400,11 @@ class Bus:
                 waiter.set_exception(err)
 
     @property
+    def max_payload(self) -> int:
+        """The largest message the server takes (its INFO's ``max_payload``)."""
+        return int(self.nc.max_payload)
+
+    @property
     def pending(self) -> int:
         """Requests waiting for replies now (0 when idle: nothing leaks)."""
         return len(self._pending)
@@ -423,7 +464,12 @@ class Bus:
             if not isinstance(waiter, _Stream) or rid != self._rids.get(token):
                 self.dropped_replies += 1  # ended meanwhile, or not ours
                 continue
-            waiter.put(Reply(data, {REQUEST_ID: rid}))
+            try:
+                waiter.put(Reply(data, {REQUEST_ID: rid}))
+            except Exception:  # noqa: BLE001 - a bug (e.g. in an overflow hook): that
+                # stream's alone; the batch's other items still go to their streams
+                log.exception("reply batch on %s: stream %s failed", msg.subject, token)
+                self.callback_errors["replies"] = self.callback_errors.get("replies", 0) + 1
 
     async def _send(
         self, subject: str, data: bytes, token: str, rid: str, extra: dict[str, str] | None

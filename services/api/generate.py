@@ -15,9 +15,12 @@ other request cancelled — when any one is refused or fails.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import msgspec
 
 from shared import messages as m
 from shared.bus import Bus, new_request_id
@@ -26,6 +29,18 @@ from shared.subjects import Subjects
 from shared.tokenizer import IncrementalDecoder, Tokenizer
 
 IDLE_TIMEOUT_S = 30.0  # default; the API passes CONTROL_TIMEOUT_S (engine heartbeats faster)
+
+log = logging.getLogger("rollbus.api.generate")
+
+
+def decode_chunk(data: bytes) -> m.GenChunk:
+    """A token chunk from the engine, checked (its top logprobs: 4 bytes per id); a
+    malformed one raises ``ValueError`` or a msgspec error."""
+    chunk = m.unpack(data, type=m.GenChunk)
+    for top in chunk.top or ():
+        if len(top.packed) != 4 * len(top.ids):
+            raise ValueError(f"{len(top.ids)} top ids but {len(top.packed)} bytes of logprobs")
+    return chunk
 
 
 @dataclass
@@ -152,7 +167,18 @@ class GenCall:
                 f"engine: no answer for {e.timeout:g}s (no heartbeat): it stopped or NATS "
                 "is unreachable; the request was not completed",
             ) from None
-        chunk = m.unpack(rep.data, type=m.GenChunk)
+        try:
+            chunk = decode_chunk(rep.data)
+        except (msgspec.MsgspecError, ValueError) as e:
+            # not the engine's chunk (a bug, or a forged message): this request fails
+            # alone, clearly, counted with the bus's dropped replies
+            self.bus.dropped_replies += 1
+            log.warning("request %s: malformed token chunk: %s", self.gen.request_id, e)
+            raise ControlError(
+                UNAVAILABLE,
+                f"engine: malformed token chunk ({type(e).__name__}); the request was not "
+                "completed",
+            ) from None
         if chunk.version:
             self.on_version(chunk.version)
         if chunk.error_code:

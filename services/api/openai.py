@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -49,7 +50,9 @@ from shared.errors import TOO_MANY_REQUESTS, ControlError
 __all__ = ["BadRequest", "error_response", "routes"]
 
 T = TypeVar("T")
+log = logging.getLogger("rollbus.api.openai")
 RETRY_AFTER_S = 1
+INTERNAL_ERROR = 500
 REQUEST_ID_HEADER = "x-request-id"
 
 
@@ -539,6 +542,8 @@ class OpenAIRoutes:
         except ControlError as e:
             err = {"error": {"message": e.message, "type": "server_error", "code": e.code}}
             yield f"data: {json.dumps(err)}\n\n".encode()
+        except Exception as e:  # noqa: BLE001 - a bug: logged, counted, the stream told
+            yield f"data: {json.dumps(self._internal(e, rid, 'sse_writer'))}\n\n".encode()
         finally:
             await call.close()
         if job.include_usage:
@@ -654,6 +659,17 @@ class OpenAIRoutes:
             return error_response(e.message, e.code, (e.result or {}).get("param"))
         except ClientGone:
             return Response(status_code=499)  # nobody reads it; the engine was told to cancel
+        except Exception as e:  # noqa: BLE001 - a bug: logged, counted, answered as OpenAI's
+            return JSONResponse(self._internal(e, "", "generation"), INTERNAL_ERROR)
+
+    def _internal(self, e: Exception, rid: str, task: str) -> dict[str, Any]:
+        """An unexpected exception of a generation request (``task``: its handler or its
+        SSE writer): ERROR with its traceback, ``rollbus_task_failures_total{process="api",
+        task}``, and the error (OpenAI's shape) that tells its client."""
+        log.error("%s %s failed", task, rid, exc_info=e)
+        self.deps.metrics.task_failures.labels("api", task).inc()
+        message = f"internal error: {type(e).__name__}: {e}"[:500]
+        return {"error": {"message": message, "type": "server_error", "code": INTERNAL_ERROR}}
 
     async def models(self, request: Request) -> Response:
         try:

@@ -47,7 +47,7 @@ from nats.micro.service import Service
 from services.engine import autoupdate, staleness
 from services.engine.scheduler import Output, Plan, Scheduler, Seq
 from shared import messages as m
-from shared.bus import REQUEST_ID, BatchItem, Sent, batch_subject, pack_batch
+from shared.bus import REQUEST_ID, BatchItem, Reply, Sent, batch_subject, pack_batches
 from shared.errors import BAD_REQUEST, TOO_MANY_REQUESTS, UNAVAILABLE, ControlError, Timeout
 from shared.model_config import max_model_len, vocab_size
 from shared.tasks import Supervisor
@@ -60,7 +60,9 @@ log = logging.getLogger("rollbus.engine.gen")
 HEARTBEAT_S = 5.0
 JSON_REPLY_TTL_S = 60.0  # a JSON client's reply subject is forgotten this long after its end
 SETTLE_POLL_S = 0.1  # how often a settle after a failed step looks for ranks gone
+GONE_POLL_S = 0.25  # a step not answered this long looks for ranks gone this often
 COALESCE_STEPS = 16  # a coalesced request's held tokens go out at least this often (steps)
+NATS_MAX_PAYLOAD = 1 << 20  # nats-server's default, when the bus cannot tell its own
 
 T = TypeVar("T")
 
@@ -290,8 +292,12 @@ class Generation:
                 continue
             for c in chunks:
                 await self._send(req.reply, c)
+        # a batch past the server's max_payload (thousands of choices aborted at once)
+        # goes as several messages: one publish of it would fail and lose every chunk
+        limit = getattr(self.engine.bus, "max_payload", NATS_MAX_PAYLOAD)
         for subject, items in batches.items():
-            await self.engine.bus.publish(subject, pack_batch(items))
+            for data in pack_batches(items, limit):
+                await self.engine.bus.publish(subject, data)
 
     def _coalesce(self, chunk: m.GenChunk) -> list[m.GenChunk]:
         """What to send now of a coalesced request's choice, given its new ``chunk``:
@@ -418,6 +424,11 @@ class Generation:
         self.drained.clear()
         # replaced, never changed in place, by a reconcile
         pids: dict[int, int] = getattr(self.engine, "rank_pids", {})
+        # the ranks this run's steps go to for sure: a rank already gone now (restarted,
+        # not yet reconciled) is another process, which may well answer
+        view = getattr(getattr(self.engine, "ranks", None), "view", None)
+        stale = set(view.gone(pids)) if view is not None and pids else set()
+        targets = {r: p for r, p in pids.items() if r not in stale}
         flying: list[Sent] = []  # sent, reply not taken yet, oldest first
         nxt: tuple[Plan, Sent] | None = None
         try:
@@ -431,7 +442,7 @@ class Generation:
                     nxt = (ahead, await self._send_step(ahead, True))
                     flying.append(nxt[1])
                 try:
-                    outputs = await self._step_reply(plan, sent)
+                    outputs = await self._step_reply(plan, sent, targets)
                 finally:
                     flying.remove(sent)  # answered, or failed (its late reply is dropped)
                 self.last_progress = time.monotonic()
@@ -554,12 +565,12 @@ class Generation:
         self._sent_at.append(now)
         return sent
 
-    async def _step_reply(self, plan: Plan, sent: Sent) -> list[Output]:
-        """Wait for the reply of the oldest step sent and apply it; a rank's error or no
-        reply within CONTROL_TIMEOUT_S (from when the step before it answered) raises 503."""
-        eng = self.engine
+    async def _step_reply(self, plan: Plan, sent: Sent, pids: dict[int, int]) -> list[Output]:
+        """Wait for the reply of the oldest step sent and apply it; a rank's error, a rank
+        it went to known gone, or no reply within CONTROL_TIMEOUT_S (from when the step
+        before it answered) raises 503."""
         try:
-            rep = await sent.reply(eng.settings.control_timeout_s)
+            rep = await self._reply(sent, plan.step.step, pids)
         finally:
             t0 = max(self._sent_at.pop(0), self._last_reply)
             self._last_reply = time.perf_counter()
@@ -580,6 +591,34 @@ class Generation:
         self.steps += 1
         self.rows += len(plan.step.rows)
         return self.sched.apply(plan, reply, plan.step.version)
+
+    async def _reply(self, sent: Sent, step: int, pids: dict[int, int]) -> Reply:
+        """The reply of a step in flight within ``CONTROL_TIMEOUT_S``; once it is late
+        (``GONE_POLL_S``), a rank it was sent to that is known gone (its process exited,
+        or it was restarted: ``pids`` are the processes it went to, alive when the run
+        started) fails it at once, naming the rank, instead of at the timeout: no reply
+        can come (rank 0 would wait in the all-reduce for a dead peer)."""
+        t = self.engine.settings.control_timeout_s
+        view = getattr(getattr(self.engine, "ranks", None), "view", None)
+        if view is None or not pids:
+            return await sent.reply(t)
+        deadline = time.monotonic() + t
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise Timeout(sent.subject, t)
+                await asyncio.wait((sent.fut,), timeout=min(left, GONE_POLL_S))
+                if sent.fut.done():
+                    return sent.fut.result()
+                gone = view.gone(pids)
+                if gone:
+                    raise ControlError(
+                        UNAVAILABLE,
+                        f"step {step} failed: ranks {gone} gone (process exited or restarted)",
+                    )
+        finally:
+            sent.drop()
 
     async def on_loop_error(self, err: BaseException) -> None:
         """The step loop died: every live request gets 503 (the loop restarts)."""

@@ -301,6 +301,101 @@ async def _publish(stack: Stack, subject: str, data: bytes) -> None:
         await nc.close()
 
 
+def metric(stack: Stack, name: str) -> float:
+    with stack.client() as c:
+        text = c.get("/metrics").text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
+def bad_chunk(rid: str) -> bytes:
+    """A chunk that decodes but is malformed: one top id, no bytes of its logprob."""
+    return m.pack(m.GenChunk(rid, 0, [5], [-0.1], "v0", top=[m.TopLogprobs([1], b"")]))
+
+
+async def _hostile_batches(stack: Stack) -> tuple[list[dict[str, Any]], httpx.Response]:
+    """Forged messages on the API's batch inbox (``<inbox prefix>.batch``, sniffed on the
+    unauthenticated test server) while a stream and a non-streamed request run: garbage,
+    ~700 KB of unknown tokens, a victim's token with another id, then a malformed chunk
+    for each victim (the stream, then the non-streamed one), then one for the ended
+    stream. Returns the stream's events and the non-streamed answer."""
+    nc = await nats.connect(stack.nats_url)
+    seen: dict[str, tuple[str, str]] = {}  # request id -> (batch subject, its token)
+    news = asyncio.Event()
+
+    async def sniff(msg: Any) -> None:
+        for token, rid, _ in msgspec.msgpack.decode(msg.data):
+            if rid not in seen:
+                seen[rid] = (msg.subject, token)
+                news.set()
+
+    async def sniffed(rid: str | None = None, skip: frozenset[str] = frozenset()) -> str:
+        while not (rid in seen if rid else set(seen) - skip):
+            news.clear()
+            await asyncio.wait_for(news.wait(), 60)
+        return rid or sorted(set(seen) - skip)[0]
+
+    await nc.subscribe("_INBOX.*.batch", cb=sniff)
+    await nc.flush()
+    events: list[dict[str, Any]] = []
+    body = {"prompt": "victim", "max_tokens": 2000, "ignore_eos": True, "logprobs": 2}
+    try:
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=120) as c:
+            async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                lines = r.aiter_lines()
+                async for line in lines:
+                    if line.startswith("data: {"):
+                        events.append(json.loads(line[6:]))
+                        break
+                rid = events[0]["id"].removeprefix("cmpl-")
+                subject, token = seen[await sniffed(rid)]
+                bad_top = bad_chunk(rid)
+                for data in [
+                    b"\xc1 not msgpack",
+                    msgspec.msgpack.encode([["f" * 32, rid, b"x" * 64]] * 5000),
+                    msgspec.msgpack.encode([[token, "not-its-id", bad_top]]),
+                    msgspec.msgpack.encode([[token, rid, b"\xc1"]]),  # the victim's own
+                ]:
+                    await nc.publish(subject, data)
+                async for line in lines:
+                    if line.startswith("data: {"):
+                        events.append(json.loads(line[6:]))
+            await nc.publish(subject, msgspec.msgpack.encode([[token, rid, bad_top]]))  # ended
+            known = set(seen)
+            pending = asyncio.ensure_future(c.post("/v1/completions", json=body))
+            other = await sniffed(skip=frozenset(known))
+            subject, token = seen[other]
+            await nc.publish(subject, msgspec.msgpack.encode([[token, other, bad_chunk(other)]]))
+            return events, await pending
+    finally:
+        await nc.close()
+
+
+def test_hostile_batches_on_the_api_inbox_fail_only_their_targets(stack: Stack) -> None:
+    """Nothing sent to the API's batch inbox stops its subscription or reaches another
+    request: garbage and unknown tokens are dropped and counted; a malformed chunk under
+    a request's own token and id fails that request alone with a clear 503 (an error
+    event in its stream, a JSON 503 when not streamed; its engine request cancelled);
+    a stream running beside them completes exactly, the API keeps serving."""
+    before = greedy(stack)
+    dropped = metric(stack, "rollbus_bus_dropped_replies")
+    long = LongStream(stack, tokens=300)
+    long.start()
+    assert long.started.wait(60)
+    events, answer = asyncio.run(_hostile_batches(stack))
+    assert answer.status_code == 503
+    assert "malformed token chunk" in answer.json()["error"]["message"]
+    errors = [e["error"] for e in events if "error" in e]
+    assert len(errors) == 1 and errors[0]["code"] == 503, events[-3:]
+    assert "malformed token chunk" in errors[0]["message"]
+    assert not any(ch["finish_reason"] for e in events for ch in e.get("choices", []))
+    long.assert_complete()
+    wait_for(lambda: stack.status()["requests"] == 0, "the victims cancelled in the engine")
+    assert greedy(stack) == before
+    # garbage, 5000 unknown, another's id, the two malformed, the ended one's
+    assert metric(stack, "rollbus_bus_dropped_replies") >= dropped + 5005
+    assert metric(stack, 'rollbus_task_failures_total{process="api"') == 0
+
+
 def test_hostile_step_messages_get_an_error_reply_and_ranks_keep_serving(stack: Stack) -> None:
     before = greedy(stack)
     assert "not a step" in raw_step(stack, b"\x93garbage").error

@@ -502,6 +502,64 @@ def test_keep_across_update_spans_both_versions(stack: Stack, aclient: Any) -> N
     assert toks[k:] == greedy(stack.model_dir, prompt + toks[:k], n - k, weights_dir=v1)
 
 
+def test_a_coalesced_request_across_an_update_labels_each_token(stack: Stack) -> None:
+    """A non-streamed request (its tokens held and sent every 16 steps by the engine) kept
+    across pause(keep) + update_weights + resume: every token and logprob once, in
+    order; the v0 tokens held at the pause are labelled v0 (not merged into v1's), the
+    rest v1, each part equal to its version's greedy tokens."""
+    import msgspec
+    import nats
+
+    n = 200
+
+    async def go() -> httpx.Response:
+        nc = await nats.connect(stack.nats_url)
+        items = [0]
+        seen = asyncio.Event()
+
+        async def sniff(msg: Any) -> None:  # the API's batches (an unauthenticated server)
+            items[0] += len(msgspec.msgpack.decode(msg.data))
+            if items[0] >= 2:  # the first token, then 16 more held and sent
+                seen.set()
+
+        await nc.subscribe("_INBOX.*.batch", cb=sniff)
+        await nc.flush()
+        body = {"prompt": PROMPT, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+                "logprobs": 2, "return_token_ids": True}
+        try:
+            async with httpx.AsyncClient(base_url=stack.base_url, timeout=120) as c:
+                task = asyncio.create_task(c.post("/v1/completions", json=body))
+                await asyncio.wait_for(seen.wait(), 60)
+                assert (await c.post("/v1/pause?mode=keep")).status_code == 200
+                r = await c.post("/v1/update_weights", json={"version": "v1"})
+                assert r.status_code == 200, r.text
+                assert (await c.post("/v1/resume")).status_code == 200
+                return await task
+        finally:
+            await nc.close()
+
+    r = asyncio.run(go())
+    assert r.status_code == 200, r.text
+    out = r.json()
+    (choice,) = out["choices"]
+    toks = choice["token_ids"]
+    assert len(toks) == n and choice["finish_reason"] == "length"
+    assert out["usage"]["completion_tokens"] == n
+    lp = choice["logprobs"]
+    assert len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(lp["tokens"]) == n
+    spans = choice["weight_versions"]
+    k = spans[0]["end"]
+    assert 17 <= k < n, spans
+    assert spans == [
+        {"version": "v0", "start": 0, "end": k}, {"version": "v1", "start": k, "end": n}
+    ]
+    assert out["weight_version"] == "v1"
+    prompt = prompt_ids(PROMPT)
+    assert toks[:k] == greedy(stack.model_dir, prompt, k)
+    v1 = stack.model_dir / "versions" / "v1"
+    assert toks[k:] == greedy(stack.model_dir, prompt + toks[:k], n - k, weights_dir=v1)
+
+
 def test_sleep_aborts_running_and_queued_wait_for_wakeup(stack: Stack, aclient: Any) -> None:
     async def go() -> tuple[list[dict[str, Any]], dict[str, Any]]:
         seen = [0, 0]

@@ -151,6 +151,7 @@ FORBIDDEN_PUBLISH = {
         "rollbus.ckpt.ctl.published",
         "rollbus.ckpt.events.published",
         "_INBOX_api.x.y",
+        "_INBOX_api.x.batch",  # the engine's batched token chunks: no forged tokens
         "_INBOX_engine.x.y",
         "$KV.rollbus_state.x",
         f"rollbus.{I}.weights.get.x",  # only the two read-only weights subjects
@@ -168,6 +169,8 @@ FORBIDDEN_PUBLISH = {
         f"rollbus.{I}.gen",
         f"rollbus.{I}.events.control",
         "_INBOX_engine.x.y",
+        "_INBOX_api.x.y",
+        "_INBOX_api.x.batch",
         "$JS.API.STREAM.DELETE.OBJ_rollbus_ckpt",
         "$JS.API.STREAM.INFO.ROLLBUS_EVENTS",
         "$KV.rollbus_state.x",
@@ -184,6 +187,9 @@ FORBIDDEN_PUBLISH = {
         "rollbus.ckpt.tiny.published",
         "rollbus.ckpt.ctl.published",
         "_INBOX_engine.x.y",
+        # not even its own inboxes: another API process's tokens come from the engine only
+        "_INBOX_api.x.y",
+        "_INBOX_api.x.batch",
         "$JS.API.STREAM.INFO.ROLLBUS_EVENTS",
         f"rollbus.{I}.weights.get",
         f"rollbus.{I}.weights.0",
@@ -215,6 +221,7 @@ FORBIDDEN_PUBLISH = {
         f"$JS.API.STREAM.MSG.DELETE.OBJ_{BUCKET}",
         "rollbus.ckpt.tiny.published",
         "_INBOX_api.x.y",
+        "_INBOX_api.x.batch",
         "_INBOX_operator.x.y",
         "_INBOX_engine.x.y",  # unasked: a reply only to a request it received
         f"rollbus.{I}.weights.get",
@@ -756,15 +763,20 @@ async def test_reflected_messages_reach_no_handler(server: Server, as_role: obje
         a = await as_role("api")  # type: ignore[operator]
         await a.nc.publish(f"rollbus.{I}.ctl.is_paused", b"{}",
                            reply=f"rollbus.{I}.worker.ctl.sleep")
+        # the operator makes the engine answer into an API process's batch inbox (where
+        # only the engine's batched token chunks belong)
+        o = await as_role("operator")  # type: ignore[operator]
+        await o.nc.publish(f"rollbus.{I}.ctl.is_paused", b"{}", reply="_INBOX_api.x.batch")
         await w.nc.flush()
         await a.nc.flush()
+        await o.nc.flush()
         for _ in range(100):
-            if engine.dropped_requests >= 3 and worker.dropped_requests >= 2:
+            if engine.dropped_requests >= 4 and worker.dropped_requests >= 2:
                 break
             await asyncio.sleep(0.05)
         await asyncio.sleep(0.3)
         assert calls == [] and steps == []
-        assert engine.dropped_requests >= 3 and worker.dropped_requests >= 2
+        assert engine.dropped_requests >= 4 and worker.dropped_requests >= 2
         # a real request still works
         api = await Bus.connect(server.url("api"), "api")
         try:

@@ -24,6 +24,7 @@ import pytest
 from nats.aio.msg import Msg
 
 from services.engine import control
+from services.engine.generation import GONE_POLL_S
 from services.engine.ranks import RankView
 from shared import messages as m
 from shared import procs
@@ -220,3 +221,117 @@ async def test_a_killed_rank_ends_the_settle_at_once(nats_url: str) -> None:
             proc.wait()
     assert sorted(errors) == ["a", "b"] and FAIL + 1 not in steps.done
     assert eng.ranks.busy_at_call == [("sleep", True)]  # the stand-in holds it forever
+
+
+async def test_a_step_in_flight_to_a_killed_rank_fails_at_once_naming_it(nats_url: str) -> None:
+    """A step that can never be answered (a rank it went to was SIGKILLed while it ran:
+    rank 0 would wait in the all-reduce for it) fails as soon as the rank is known gone,
+    naming it — not at CONTROL_TIMEOUT_S (here 120 s) — and every request hears it."""
+    proc = subprocess.Popen(["sleep", "600"])  # noqa: S607
+    eng = engine()
+    eng.settings.step_pipeline = True
+    eng.settings.control_timeout_s = 120.0
+    subj = f"t.{uuid.uuid4().hex}.step"
+    eng.subjects = SimpleNamespace(worker_step=subj, gen=f"{subj}.gen")
+    eng.bus = await Bus.connect(nats_url, "engine")
+    rank_bus = await Bus.connect(nats_url, "ranks")
+    client = await Bus.connect(nats_url, "api")
+    eng.ranks = SimpleNamespace(view=RankView(2, 0.25))
+    reports = {0: {"pid": 1}, 1: {"pid": proc.pid, "pid_space": procs.pid_space()}}
+    eng.rank_pids = {r: rep["pid"] for r, rep in reports.items()}
+    for r, rep in reports.items():
+        eng.ranks.view.record(eng.ranks.view.begin(), r, rep, time.monotonic())
+    gen = eng.scheduler
+    arrived = asyncio.Event()
+    errors: dict[str, str] = {}
+    both = asyncio.Event()
+
+    async def on_step(msg: Msg) -> None:  # never answered
+        arrived.set()
+
+    async def on_chunk(msg: Msg) -> None:
+        chunk = m.unpack(msg.data, type=m.GenChunk)
+        if chunk.finish_reason == "error":
+            errors[chunk.request_id] = chunk.error_message
+            if len(errors) == 2:
+                both.set()
+
+    loop = None
+    try:
+        await rank_bus.subscribe(subj, on_step)
+        await client.nc.subscribe(f"{subj}.reply.*", cb=on_chunk)
+        await rank_bus.flush()
+        await client.flush()
+        for rid in ("a", "b"):
+            gen.sched.add(m.GenRequest(rid, [1, 2, 3], 40), f"{subj}.reply.{rid}")
+        gen.work.set()
+        loop = asyncio.ensure_future(gen.loop())
+        await asyncio.wait_for(arrived.wait(), 10)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        await asyncio.wait_for(both.wait(), 30)  # not the 120 s timeout
+    finally:
+        if loop is not None:
+            loop.cancel()
+            await asyncio.gather(loop, return_exceptions=True)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for bus in (eng.bus, rank_bus, client):
+            await bus.close()
+    for why in errors.values():
+        assert "step 1 failed: ranks [1] gone" in why, why
+    assert not gen.sched.requests
+
+
+async def test_a_slow_step_to_ranks_restarted_before_the_run_is_not_failed(
+    nats_url: str,
+) -> None:
+    """Ranks restarted before a run began (their reports name new pids, the engine has
+    not reconciled yet) are the processes its steps go to: a slow step to them is
+    answered, not failed as sent to a rank gone."""
+    eng = engine()
+    eng.settings.control_timeout_s = 30.0
+    subj = f"t.{uuid.uuid4().hex}.step"
+    eng.subjects = SimpleNamespace(worker_step=subj, gen=f"{subj}.gen")
+    eng.bus = await Bus.connect(nats_url, "engine")
+    rank_bus = await Bus.connect(nats_url, "ranks")
+    client = await Bus.connect(nats_url, "api")
+    eng.ranks = SimpleNamespace(view=RankView(2, 0.25))
+    eng.rank_pids = {0: 1, 1: 2}  # reconciled before the restart
+    for r, pid in ((0, 1), (1, 3)):  # rank 1 restarted meanwhile: a new pid
+        eng.ranks.view.record(eng.ranks.view.begin(), r, {"pid": pid}, time.monotonic())
+    gen = eng.scheduler
+    chunks: list[m.GenChunk] = []
+    ended = asyncio.Event()
+
+    async def on_step(msg: Msg) -> None:  # slow, but answered
+        req = m.unpack(msg.data, type=m.StepRequest)
+        ids = [s.seq_id for r in req.rows for s in r.sample]
+        await asyncio.sleep(2 * GONE_POLL_S + 0.2)
+        await rank_bus.publish(msg.reply, m.pack(m.StepReply(req.step, ids, [5] * len(ids),
+                                                             [-0.1] * len(ids))))
+
+    async def on_chunk(msg: Msg) -> None:
+        chunks.append(m.unpack(msg.data, type=m.GenChunk))
+        if chunks[-1].finish_reason:
+            ended.set()
+
+    loop = None
+    try:
+        await rank_bus.subscribe(subj, on_step)
+        await client.nc.subscribe(f"{subj}.reply.*", cb=on_chunk)
+        await rank_bus.flush()
+        await client.flush()
+        gen.sched.add(m.GenRequest("a", [1, 2, 3], 2), f"{subj}.reply.a")
+        gen.work.set()
+        loop = asyncio.ensure_future(gen.loop())
+        await asyncio.wait_for(ended.wait(), 20)
+    finally:
+        if loop is not None:
+            loop.cancel()
+            await asyncio.gather(loop, return_exceptions=True)
+        for bus in (eng.bus, rank_bus, client):
+            await bus.close()
+    assert [c.finish_reason for c in chunks if c.finish_reason] == ["length"], chunks
+    assert [t for c in chunks for t in c.token_ids] == [5, 5]

@@ -9,7 +9,14 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from shared.bus import REQUEST_ID, Bus, StreamOverflow, batch_subject, pack_batch
+from shared.bus import (
+    REQUEST_ID,
+    Bus,
+    StreamOverflow,
+    batch_subject,
+    pack_batch,
+    pack_batches,
+)
 from tests.integration.shared.test_bus import connect, settle, subject
 
 ODD_IDS = ["a.b", "*", ">", "a b", "a.*.>", "ünïcødé ✓", "x" * 1024, "", "~2E"]
@@ -132,5 +139,99 @@ async def test_a_batch_gives_each_stream_exactly_its_own_replies(bus: Bus, nats_
         for t in readers:
             t.cancel()
         for s in streams.values():
+            await s.aclose()  # type: ignore[attr-defined]
+        await nc.close()
+
+
+async def test_a_batch_past_max_payload_reaches_every_stream_whole(
+    bus: Bus, nats_url: str
+) -> None:
+    """Replies for several streams totalling ~3x the server's max_payload: packed by
+    ``pack_batches`` they go as several messages the server takes, and each stream gets
+    every one of its replies in order (one message of them: MaxPayloadError)."""
+    subj = subject()
+    nc = await connect(nats_url)
+    seen: dict[str, str] = {}
+    ready = asyncio.Event()
+
+    async def record(msg):  # noqa: ANN001
+        seen[(msg.headers or {})[REQUEST_ID]] = msg.reply
+        if len(seen) == 3:
+            ready.set()
+
+    await nc.subscribe(subj, cb=record)
+    await settle(bus, nc)
+    per = 3 * nc.max_payload // (3 * 4096)  # replies per stream, 4 KiB each
+    streams = {rid: bus.stream(subj, b"go", idle_timeout=5, request_id=rid, max_unread=per)
+               for rid in "abc"}
+    got: dict[str, list[bytes]] = {rid: [] for rid in streams}
+
+    async def read(rid: str) -> None:
+        async for rep in streams[rid]:
+            got[rid].append(rep.data)
+            if len(got[rid]) == per:
+                return
+
+    readers = [asyncio.create_task(read(rid)) for rid in streams]
+    try:
+        await asyncio.wait_for(ready.wait(), 5)
+        tok = {rid: batch_subject(reply)[1] for rid, reply in seen.items()}
+        items = [(tok[rid], rid, f"{rid}{i:05d}".encode().ljust(4096, b".")) for i in range(per)
+                 for rid in streams]
+        messages = pack_batches(items, bus.max_payload)
+        assert len(messages) >= 3 and max(map(len, messages)) <= nc.max_payload
+        for data in messages:
+            await nc.publish(batch_subject(seen["a"])[0], data)
+        await asyncio.wait_for(asyncio.gather(*readers), 10)
+        for rid in streams:
+            assert [d[:6] for d in got[rid]] == [f"{rid}{i:05d}".encode() for i in range(per)]
+        assert bus.dropped_replies == 0
+    finally:
+        for t in readers:
+            t.cancel()
+        for s in streams.values():
+            await s.aclose()  # type: ignore[attr-defined]
+        await nc.close()
+
+
+async def test_a_bug_in_one_streams_overflow_hook_leaves_the_batch_to_the_others(
+    bus: Bus, nats_url: str
+) -> None:
+    """An exception while handing a batch item to its stream (here the stream's overflow
+    hook raises) is logged and counted (``callback_errors["replies"]``); that stream's
+    reader still gets its overflow error at once, and the batch's later items reach
+    their own streams."""
+    subj = subject()
+    nc = await connect(nats_url)
+    seen: dict[str, str] = {}
+    ready = asyncio.Event()
+
+    async def record(msg):  # noqa: ANN001
+        seen[(msg.headers or {})[REQUEST_ID]] = msg.reply
+        if len(seen) == 2:
+            ready.set()
+
+    def hook() -> None:
+        raise RuntimeError("a bug in the overflow hook")
+
+    await nc.subscribe(subj, cb=record)
+    await settle(bus, nc)
+    a = bus.stream(subj, b"go", idle_timeout=30, request_id="a", max_unread=2, on_overflow=hook)
+    b = bus.stream(subj, b"go", idle_timeout=30, request_id="b")
+    a_first = asyncio.ensure_future(a.__anext__())  # sends it
+    b_first = asyncio.ensure_future(b.__anext__())
+    try:
+        await asyncio.wait_for(ready.wait(), 5)
+        tok = {rid: batch_subject(reply)[1] for rid, reply in seen.items()}
+        items = [(tok["a"], "a", b"a%d" % i) for i in range(4)] + [(tok["b"], "b", b"b0")]
+        await nc.publish(batch_subject(seen["a"])[0], pack_batch(items))
+        assert (await asyncio.wait_for(b_first, 5)).data == b"b0"
+        with pytest.raises(StreamOverflow):  # its unread replies were freed: the error
+            await asyncio.wait_for(a_first, 5)
+        assert bus.callback_errors.get("replies") == 1
+    finally:
+        for t in (a_first, b_first):
+            t.cancel()
+        for s in (a, b):
             await s.aclose()  # type: ignore[attr-defined]
         await nc.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+import nats.errors
 
 from services.engine.generation import COALESCE_STEPS
 from services.engine.scheduler import Output, Seq
@@ -19,12 +20,17 @@ _items = msgspec.msgpack.Decoder(list[BatchItem])
 
 
 class Wire:
-    """The engine's bus: records every message published."""
+    """The engine's bus: records every message published; one past ``max_payload``
+    fails as nats-py's publish does."""
+
+    max_payload = 1 << 20
 
     def __init__(self) -> None:
         self.sent: list[tuple[str, bytes, dict[str, str] | None]] = []
 
     async def publish(self, subject: str, data: bytes, headers: Any = None) -> None:
+        if len(data) > self.max_payload:
+            raise nats.errors.MaxPayloadError
         self.sent.append((subject, data, headers))
 
     def chunks(self) -> dict[str, list[m.GenChunk]]:
@@ -144,3 +150,28 @@ async def test_a_weight_update_mid_hold_sends_the_old_versions_tokens_first() ->
     assert [(c.version, c.token_ids) for c in chunks] == [
         ("v0", [0]), ("v0", [1, 2, 3]), ("v1", [4, 5])
     ]
+
+
+async def test_a_batch_past_max_payload_goes_as_several_messages_in_order() -> None:
+    """A pause that aborts thousands of queued choices of one API process at once (the
+    engine's batch to that inbox is then megabytes): several messages, each within the
+    server's max_payload, every end delivered once and in order; one message would fail
+    the publish and leave every request waiting for an end that never comes."""
+    g, wire = setup()
+    wire.max_payload = 64 * 1024
+    seqs = []
+    for r in range(40):
+        seqs += add(g, f"req-{r:03d}", f"_INBOX_api.X.t{r}", batch=True, n=64)
+    for s in seqs:
+        s.finish_reason = "abort"
+    await g._end(seqs)  # 2560 ends, ~600 KiB of chunks
+    assert len(wire.sent) > 1
+    assert all(len(data) <= wire.max_payload for _, data, _ in wire.sent)
+    assert {subject for subject, _, _ in wire.sent} == {"_INBOX_api.X.batch"}
+    got = wire.chunks()
+    assert sorted(got) == sorted(f"_INBOX_api.X.t{r}" for r in range(40))
+    for r in range(40):
+        mine = got[f"_INBOX_api.X.t{r}"]
+        assert [(c.request_id, c.index, c.finish_reason) for c in mine] == [
+            (f"req-{r:03d}", i, "abort") for i in range(64)
+        ]

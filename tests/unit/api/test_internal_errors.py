@@ -1,0 +1,109 @@
+"""An unexpected exception in a generation request (a bug: in its handler, or in its
+SSE writer's body) is logged at ERROR with its traceback, counted in /metrics
+(``rollbus_task_failures_total{process="api"}``) and told to its client in OpenAI's
+error shape: a 500 JSON answer, or an error event before ``[DONE]`` (never a stream
+cut off without a word, nor a bare "Internal Server Error")."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from starlette.requests import Request
+
+from services.api.deps import Deps
+from services.api.generate import Delta
+from services.api.openai import OpenAIRoutes
+from shared import messages as m
+from shared.settings import Settings
+
+
+@pytest.fixture(scope="module")
+def routes(tmp_path_factory: pytest.TempPathFactory) -> OpenAIRoutes:
+    from services.tiny_model import create_model_dir
+
+    model = create_model_dir(Path(tmp_path_factory.mktemp("m")) / "tiny", seed=0)
+    return OpenAIRoutes(Deps(Settings(model=str(model), max_n=8, max_model_len=64)))
+
+
+def failures(routes: OpenAIRoutes, task: str) -> float:
+    value = routes.deps.metrics.registry.get_sample_value(
+        "rollbus_task_failures_total", {"process": "api", "task": task}
+    )
+    return value or 0.0
+
+
+class Broken:
+    """A call whose deltas fail with a bug after one token."""
+
+    closed = False
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        yield Delta(0, "a", [1], version="v0")
+        raise RuntimeError("boom in a delta")
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+async def test_a_bug_in_a_stream_ends_it_with_an_error_event(
+    routes: OpenAIRoutes, caplog: pytest.LogCaptureFixture
+) -> None:
+    job = routes.parse({"prompt": "x", "max_tokens": 4, "stream": True}, chat=False)
+    call = Broken()
+    before = failures(routes, "sse_writer")
+    with caplog.at_level(logging.ERROR):
+        events = [e async for e in routes.sse(job, call)]  # type: ignore[arg-type]
+    assert call.closed  # its engine request is cancelled
+    last = [json.loads(e[6:]) for e in events[:-1]][-1]
+    assert last["error"]["code"] == 500 and "boom in a delta" in last["error"]["message"]
+    assert events[-1] == b"data: [DONE]\n\n"
+    assert failures(routes, "sse_writer") == before + 1
+    (rec,) = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert rec.exc_info and "boom in a delta" in str(rec.exc_info[1])
+
+
+async def test_a_bug_in_a_request_answers_500_in_openai_shape(
+    routes: OpenAIRoutes, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def parse(body: Any, chat: bool) -> Any:
+        raise RuntimeError("boom in parse")
+
+    monkeypatch.setattr(routes, "parse", parse)
+    body = b'{"prompt": "x"}'
+    sent = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal sent
+        if sent:
+            return {"type": "http.disconnect"}
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    scope = {
+        "type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
+        "headers": [(b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode())],
+    }
+    before = failures(routes, "generation")
+    with caplog.at_level(logging.ERROR):
+        resp = await routes.handle(Request(scope, receive), chat=False)
+    assert resp.status_code == 500
+    err = json.loads(bytes(resp.body))["error"]
+    assert err["type"] == "server_error" and "boom in parse" in err["message"]
+    assert failures(routes, "generation") == before + 1
+    assert any(r.exc_info for r in caplog.records if r.levelno == logging.ERROR)
+
+
+def test_a_malformed_chunk_is_refused_when_decoded() -> None:
+    from services.api.generate import decode_chunk
+
+    good = m.GenChunk("r", 0, [1], [-0.5], "v0", top=[m.TopLogprobs.of([1, 2], [-0.5, -1.0])])
+    assert decode_chunk(m.pack(good)).top == good.top
+    bad = m.GenChunk("r", 0, [1], [-0.5], "v0", top=[m.TopLogprobs([1, 2], b"\0")])
+    with pytest.raises(ValueError, match="top ids"):
+        decode_chunk(m.pack(bad))
