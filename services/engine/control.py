@@ -246,10 +246,10 @@ async def status(eng: Engine, args: m.StatusArgs | None = None) -> dict[str, Any
     each rank's last report, ``age_ms``, not alive once silent past its bound), or, with
     ``fresh``, as every rank answers now."""
     if args is not None and args.fresh:
-        ranks = await eng.ranks.statuses(timeout=min(2.0, eng.settings.control_timeout_s))
+        seen = await eng.ranks.statuses(timeout=min(2.0, eng.settings.control_timeout_s))
     else:
-        ranks = eng.ranks.view.entries()
-    ranks = [_brought(eng, r) for r in ranks]
+        seen = eng.ranks.view.entries()
+    ranks = [_brought(eng, r) for r in seen]
     ours = eng.state.weight_version
     return {
         "version_mismatch": sorted(
@@ -257,7 +257,7 @@ async def status(eng: Engine, args: m.StatusArgs | None = None) -> dict[str, Any
         )
         if eng.state.state not in (State.UPDATING, State.SLEEPING)
         else [],
-        "problems": eng.problems(),
+        "problems": eng.problems(seen),  # the same look at the ranks as `ranks`
         "tasks": eng.supervisor.report(),
         "state": eng.state.state.value,
         "is_paused": eng.state.is_paused,
