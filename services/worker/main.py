@@ -65,8 +65,7 @@ INIT_FAILED = 3  # exit code: a start that failed for a reason a restart may cle
 CONFIG_ERROR = 2  # exit code: the model dir / config cannot be served; never retried
 STEP_HUNG = 4  # exit code: the compute thread was blocked in one step past the bound
 INIT_TIMEOUT_S = 600.0  # rendezvous + loading one shard of a large model
-# answered on the event loop, not queued behind paddle work; their handlers never await
-# before replying, so each runs in its subscription's callback: no task per call
+# answered on the event loop, not queued behind paddle work
 INLINE = {"ping", "status"}
 
 
@@ -161,6 +160,7 @@ class WorkerServer:
                 self._handler(method),
                 queue=f"rank{self.rank}",
                 reply_headers=hdr,
+                concurrent=method in INLINE,
             )
         await self._serve_weights(svc, hdr)
         self.stepper = Stepper(
