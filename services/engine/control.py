@@ -8,7 +8,9 @@ second one arriving meanwhile gets 409 at once instead of queueing behind it.
 from __future__ import annotations
 
 import logging
+import os
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from services.engine.ranks import RankError
@@ -16,7 +18,7 @@ from services.engine.state import State
 from shared import messages as m
 from shared.bus import new_request_id
 from shared.errors import NOT_FOUND, ControlError
-from shared.model_config import read_hf_config
+from shared.model_config import CONFIG_FILE, read_hf_config
 from shared.versions import check_version_arg, read_version_txt
 
 if TYPE_CHECKING:
@@ -246,10 +248,10 @@ async def status(eng: Engine, args: m.StatusArgs | None = None) -> dict[str, Any
     each rank's last report, ``age_ms``, not alive once silent past its bound), or, with
     ``fresh``, as every rank answers now."""
     if args is not None and args.fresh:
-        ranks = await eng.ranks.statuses(timeout=min(2.0, eng.settings.control_timeout_s))
+        seen = await eng.ranks.statuses(timeout=min(2.0, eng.settings.control_timeout_s))
     else:
-        ranks = eng.ranks.view.entries()
-    ranks = [_brought(eng, r) for r in ranks]
+        seen = eng.ranks.view.entries()
+    ranks = [_brought(eng, r) for r in seen]
     ours = eng.state.weight_version
     return {
         "version_mismatch": sorted(
@@ -257,7 +259,7 @@ async def status(eng: Engine, args: m.StatusArgs | None = None) -> dict[str, Any
         )
         if eng.state.state not in (State.UPDATING, State.SLEEPING)
         else [],
-        "problems": eng.problems(),
+        "problems": eng.problems(seen),  # the same look at the ranks as `ranks`
         "tasks": eng.supervisor.report(),
         "state": eng.state.state.value,
         "is_paused": eng.state.is_paused,
@@ -291,8 +293,34 @@ def _brought(eng: Engine, entry: dict[str, Any]) -> dict[str, Any]:
 
 def model_config(eng: Engine, _: object = None) -> dict[str, Any]:
     """The served model's HF ``config.json``: what a trainer shards a state dict by."""
-    cfg = read_hf_config(eng.settings.model_dir)
-    return {"model": eng.settings.served_model_name, "tp": eng.settings.tp, "config": cfg}
+    cfg = HF_CONFIGS.read(eng.settings.model_dir)
+    return {"model": eng.fixed_status["model"], "tp": eng.settings.tp, "config": cfg}
+
+
+class HFConfigs:
+    """:func:`read_hf_config` of a model dir, read again only when the file changed: its
+    ``os.stat`` (inode, size, mtime in ns) is taken on every call and compared with the
+    one of the copy held (one stat, not open + read + JSON parse per ``model_config``)."""
+
+    def __init__(self) -> None:
+        self.held: dict[Path, tuple[tuple[int, int, int], dict[str, Any]]] = {}
+
+    def read(self, model_dir: Path) -> dict[str, Any]:
+        path = Path(model_dir) / CONFIG_FILE
+        try:
+            st = os.stat(path)
+        except OSError:
+            return read_hf_config(model_dir)  # its error names what is wrong
+        key = (st.st_ino, st.st_size, st.st_mtime_ns)
+        held = self.held.get(path)
+        if held is not None and held[0] == key:
+            return held[1]
+        cfg = read_hf_config(path)
+        self.held = {path: (key, cfg)}  # one model dir per engine
+        return cfg
+
+
+HF_CONFIGS = HFConfigs()
 
 
 def health(eng: Engine, _: object = None) -> dict[str, Any]:

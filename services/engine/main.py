@@ -394,8 +394,10 @@ class Engine:
                 {"engine": ours, "ranks": {str(r): v for r, v in confirmed.items()}},
             )
 
-    def problems(self) -> list[str]:
-        """Why the engine is not healthy now (empty when it is): what ``/health`` says."""
+    def problems(self, entries: list[dict[str, Any]] | None = None) -> list[str]:
+        """Why the engine is not healthy now (empty when it is): what ``/health`` says.
+        ``entries``: ``ranks.view.entries()`` the caller just took (``status``: one look
+        at the ranks for both its ``ranks`` and its ``problems``)."""
         out: list[str] = []
         if not self.ready:
             out.append("engine not ready: waiting for the ranks")
@@ -404,7 +406,7 @@ class Engine:
         else:  # what `status` shows: a rank silent past the view's bound is not alive
             out += [
                 f"rank {e['rank']} not answering: {e['reason']}"
-                for e in self.ranks.view.entries()
+                for e in (self.ranks.view.entries() if entries is None else entries)
                 if not e["alive"]
             ]
         stall = self.scheduler.stall()

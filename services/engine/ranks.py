@@ -164,8 +164,13 @@ class Ranks:
         raw: dict[int, Reply],
         missing: list[int],
         lost: bool = False,
+        decoded: dict[int, m.WorkerReply] | None = None,
     ) -> dict[int, m.WorkerReply]:
-        replies = {r: m.json_decode(rep.data, type=m.WorkerReply) for r, rep in raw.items()}
+        """``decoded``: replies of ``raw`` already decoded as they arrived (not again)."""
+        got = decoded or {}
+        replies = {
+            r: got.get(r) or m.json_decode(rep.data, type=m.WorkerReply) for r, rep in raw.items()
+        }
         if missing:
             # cut short: the engine's NATS connection dropped meanwhile
             why = f"({LOST})" if lost else f"within {t:g}s"
@@ -196,10 +201,11 @@ class Ranks:
         t = timeout or self.view.stale_s
         rnd = self.view.begin()
         view = self.view
+        decoded: dict[int, m.WorkerReply] = {}
 
         def arrived(rank: int, reply: Reply) -> None:
             try:
-                rep = m.json_decode(reply.data, type=m.WorkerReply)
+                rep = decoded[rank] = m.json_decode(reply.data, type=m.WorkerReply)
             except msgspec.DecodeError as e:
                 view.miss(rnd, rank, f"status reply does not decode: {e}")
                 return
@@ -211,7 +217,7 @@ class Ranks:
         raw, missing, lost = await self._scatter("status", None, t, on_reply=arrived)
         for r in missing:
             view.miss(rnd, r, f"did not answer status within {t:g} s")
-        return self._check("status", t, raw, missing, lost)
+        return self._check("status", t, raw, missing, lost, decoded)
 
     async def refresh(self, timeout: float | None = None) -> None:
         """:meth:`poll`, never raising (it ends operations, also in their ``finally``):

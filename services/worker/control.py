@@ -44,10 +44,19 @@ def release_memory() -> None:
         pass
 
 
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+_statm: tuple[int, int] | None = None  # (pid, fd of its /proc/self/statm), kept open
+
+
 def rss_bytes() -> int:
-    """Resident set size of this process (Linux ``/proc``)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    """Resident set size of this process now (Linux ``/proc/self/statm``, read afresh on
+    every call through an fd kept open: one pread(2), not open/read/close — ``status``
+    reports it on every call)."""
+    global _statm
+    pid = os.getpid()
+    if _statm is None or _statm[0] != pid:  # first call, or a forked child
+        _statm = (pid, os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC))
+    return int(os.pread(_statm[1], 256, 0).split()[1]) * _PAGE
 
 
 @dataclass
