@@ -231,7 +231,7 @@ class Scheduler:
             sample = [
                 m.SamplingSpec(
                     t.seq_id, g.temperature, g.top_p, g.top_k, g.seed, t.index, g.logprobs,
-                    g.top_logprobs,
+                    g.top_logprobs, g.logit_bias,
                 )
                 for t in targets
             ]
