@@ -269,6 +269,8 @@ class Stepper:
         for row, s in specs:
             try:
                 bias = s.logit_bias
+                if bias and bias.ids and max(bias.ids) >= host.shape[-1]:
+                    raise ValueError(f"logit_bias: token id beyond the logits ({host.shape[-1]})")
                 p = SamplingParams(
                     s.temperature, s.top_p, s.top_k, s.seed, s.logprobs, s.top_logprobs,
                     bias_ids=bias.ids if bias else (), bias_values=bias.values if bias else (),

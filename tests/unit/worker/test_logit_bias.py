@@ -125,3 +125,23 @@ def test_sampling_spec_without_the_bias_field_still_decodes() -> None:
     assert back.logit_bias == m.LogitBias([3, 9], [100.0, -1.5])
     # no bias costs one nil byte per spec
     assert len(msgspec.msgpack.encode(m.SamplingSpec(5))) == len(old) + 1
+
+
+def test_the_rank_applies_the_step_rows_bias_and_fails_a_bad_one_alone() -> None:
+    from tests.unit.worker.test_step_keep import stepper
+
+    st, _ = stepper()  # greedy picks (last token + 1) % 16 without a bias
+
+    def spec(seq: int, bias: m.LogitBias | None) -> m.StepRow:
+        return m.StepRow(seq, [3], 0, [0], [m.SamplingSpec(seq, temperature=0.0, logit_bias=bias)])
+
+    reply = st.run(
+        m.StepRequest(1, [
+            spec(0, m.LogitBias([9], [100.0])),
+            spec(1, m.LogitBias([4], [-100.0])),
+            spec(2, None),
+            spec(3, m.LogitBias([16], [1.0])),  # beyond the logits: its sequence fails alone
+        ])
+    )  # fmt: skip
+    assert dict(zip(reply.seq_ids, reply.tokens, strict=True)) == {0: 9, 1: 0, 2: 4}
+    assert [(f[0], f[1]) for f in reply.failed] == [(3, 400)]
