@@ -227,6 +227,8 @@ class SamplingSpec(msgspec.Struct, array_like=True):
     top_logprobs: int = 0  # alternatives to report at this position (0: none)
     # last, and None unless asked: one nil byte per spec; older rows (without it) decode
     logit_bias: LogitBias | None = None
+    # ids that may not be sampled here (min_tokens: the stop ids before the minimum)
+    ban: list[int] | None = None
 
 
 class GenRequest(msgspec.Struct):
@@ -251,6 +253,8 @@ class GenRequest(msgspec.Struct):
         msgspec.field(default_factory=list)
     )
     logit_bias: LogitBias | None = None  # OpenAI's logit_bias as two lists; None = none
+    # vLLM's: stop_token_ids cannot be sampled before this many output tokens (<= max_tokens)
+    min_tokens: Annotated[int, msgspec.Meta(ge=0, le=TOKEN_LIMIT)] = 0
     # the request's own staleness bound (versions behind the newest announced); the
     # stricter of it and ROLLBUS_MAX_STALENESS applies; None = the setting's
     max_staleness: Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)] | None = None

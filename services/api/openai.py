@@ -342,6 +342,11 @@ class OpenAIRoutes:
         if isinstance(req, schema.ChatRequest) and req.max_completion_tokens is not None:
             max_name, max_tokens = "max_completion_tokens", req.max_completion_tokens
         budgets = [self._budget(ids, max_name, max_tokens, chat) for ids in prompts]
+        if req.min_tokens and req.min_tokens > min(budgets):
+            raise BadRequest(
+                f"min_tokens ({req.min_tokens}) is more than {max_name} ({min(budgets)})",
+                "min_tokens",
+            )
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         stop_ids = list(req.stop_token_ids or [])
         if any(t >= self.vocab_size for t in stop_ids):
@@ -385,6 +390,7 @@ class OpenAIRoutes:
                 top_logprobs=top,
                 stop_token_ids=stop_ids,
                 logit_bias=bias,
+                min_tokens=req.min_tokens or 0,
                 max_staleness=req.max_staleness,
                 # not streamed, no stop strings: no token is read before the end
                 coalesce=not req.stream and not stops,

@@ -224,6 +224,12 @@ class Generation:
                 raise Refused(
                     BAD_REQUEST, f"{name}: token id out of the vocabulary ({self.vocab_size})", name
                 )
+        if gen.min_tokens > gen.max_tokens:
+            raise Refused(
+                BAD_REQUEST,
+                f"min_tokens ({gen.min_tokens}) is more than max_tokens ({gen.max_tokens})",
+                "min_tokens",
+            )
         bias = gen.logit_bias
         if bias is not None:
             if len(bias.ids) != len(bias.values):

@@ -41,6 +41,7 @@ class SamplingParams:
     # added to the logits first: bias_values[i] to token bias_ids[i] (no id twice)
     bias_ids: Sequence[int] = ()
     bias_values: Sequence[float] = ()
+    ban_ids: Sequence[int] = ()  # never sampled: their logits become -inf (after the bias)
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
@@ -138,6 +139,13 @@ def _sample_row(logits: np.ndarray, p: SamplingParams, gen: np.random.Generator)
             raise ValueError(f"logit_bias: token id out of the logits ({logits.shape[0]})")
         logits = logits.copy()  # the caller's row stays as it was
         logits[p.bias_ids] += p.bias_values
+    if len(p.ban_ids):
+        ban = np.asarray(p.ban_ids, dtype=np.int64)
+        if ban.ndim != 1 or (ban < 0).any() or (ban >= logits.shape[0]).any():
+            raise ValueError(f"ban: token id out of the logits ({logits.shape[0]})")
+        if not len(p.bias_ids):
+            logits = logits.copy()
+        logits[ban] = -np.inf
     raw = _log_softmax(logits)  # every reported logprob comes from this one
     top = top_logprobs(raw, p.top_logprobs) if p.top_logprobs > 0 else None
     if p.temperature == 0:

@@ -274,6 +274,7 @@ class Stepper:
                 p = SamplingParams(
                     s.temperature, s.top_p, s.top_k, s.seed, s.logprobs, s.top_logprobs,
                     bias_ids=bias.ids if bias else (), bias_values=bias.values if bias else (),
+                    ban_ids=s.ban or (),
                 )
             except (ValueError, TypeError) as e:
                 failed.append((s.seq_id, BAD_REQUEST, f"bad sampling parameters: {e}"))

@@ -55,3 +55,15 @@ def test_a_malformed_logit_bias_is_400_naming_it(stack: Stack, bias: Any) -> Non
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert "logit_bias" in err["message"] and (err.get("param") or "").startswith("logit_bias")
+
+
+def test_min_tokens_holds_back_stop_ids_until_the_minimum(stack: Stack) -> None:
+    base = complete(stack, temperature=0)["choices"][0]["token_ids"]
+    stop = {"stop_token_ids": [base[0]], "temperature": 0}
+    early = complete(stack, **stop)["choices"][0]
+    assert early["finish_reason"] == "stop" and early["token_ids"] == base[:1]
+    held = complete(stack, min_tokens=4, **stop)["choices"][0]
+    assert len(held["token_ids"]) >= 4 and base[0] not in held["token_ids"][:4]
+    with stack.client() as c:
+        r = c.post("/v1/completions", json=BODY | {"min_tokens": 7})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"

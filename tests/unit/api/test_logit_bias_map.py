@@ -31,3 +31,15 @@ def test_logit_bias_reaches_the_gen_request(routes: OpenAIRoutes, chat: bool) ->
 def test_no_or_empty_logit_bias_sends_none(routes: OpenAIRoutes) -> None:
     for extra in ({}, {"logit_bias": None}, {"logit_bias": {}}):
         assert routes.parse({"prompt": "hi", **extra}, chat=False).gen.logit_bias is None
+
+
+def test_min_tokens_reaches_the_gen_request_and_over_max_tokens_is_400(
+    routes: OpenAIRoutes,
+) -> None:
+    from services.api.body import BadRequest
+
+    assert routes.parse({"prompt": "hi", "min_tokens": 3}, chat=False).gen.min_tokens == 3
+    assert routes.parse({"prompt": "hi"}, chat=False).gen.min_tokens == 0
+    with pytest.raises(BadRequest) as e:
+        routes.parse({"prompt": "hi", "max_tokens": 2, "min_tokens": 3}, chat=False)
+    assert e.value.param == "min_tokens"

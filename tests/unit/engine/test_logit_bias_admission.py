@@ -69,3 +69,12 @@ def test_a_good_bias_reaches_every_sample_spec(model_dir: Path) -> None:
     req_a, req_b = s.requests["a"], s.requests["b"]
     assert all(specs[x.seq_id].logit_bias == gen.logit_bias for x in req_a.seqs)
     assert specs[req_b.seqs[0].seq_id].logit_bias is None
+
+
+def test_min_tokens_over_max_tokens_is_refused(model_dir: Path) -> None:
+    g = generation(model_dir)
+    body = {"request_id": "r1", "prompt_token_ids": [1], "max_tokens": 4, "min_tokens": 5}
+    with pytest.raises(Refused) as e:
+        g.admit_request(msgspec.msgpack.encode(body))
+    assert e.value.code == 400 and e.value.param == "min_tokens"
+    assert g.admit_request(msgspec.msgpack.encode(body | {"min_tokens": 4})).min_tokens == 4
