@@ -24,6 +24,8 @@ MAX_REQUEST_ID_LEN = 256
 MAX_STOP_TOKEN_IDS = 256  # client-given; the API adds the tokenizer's end-of-sequence ids
 MAX_VERSION_LEN = 256
 MAX_TOP_LOGPROBS = 20  # alternatives per position (OpenAI's maximum)
+MAX_LOGIT_BIAS = 1024  # entries of a request's logit_bias
+MAX_BIAS = 100.0  # |value| of one logit_bias entry (OpenAI's range)
 FLOAT_MAX = sys.float_info.max  # ``le=FLOAT_MAX`` rejects inf; every bound rejects NaN
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 TOKEN_LIMIT = 2**31 - 1
@@ -197,6 +199,21 @@ class WakeupWorkerArgs(msgspec.Struct):
 # msgpack on the wire (hot path); array_like keeps step messages small.
 
 
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=TOKEN_LIMIT)]
+
+
+class LogitBias(msgspec.Struct, array_like=True):
+    """Added to the logits before temperature / top-k / top-p / greedy: ``values[i]`` to
+    token ``ids[i]``. The engine also checks the ids against the vocabulary, that the two
+    lists have one length and that no id repeats (field ``logit_bias``)."""
+
+    ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_LOGIT_BIAS)]
+    values: Annotated[
+        list[Annotated[float, msgspec.Meta(ge=-MAX_BIAS, le=MAX_BIAS)]],
+        msgspec.Meta(max_length=MAX_LOGIT_BIAS),
+    ]
+
+
 class SamplingSpec(msgspec.Struct, array_like=True):
     """How rank 0 samples one sequence's next token."""
 
@@ -208,9 +225,10 @@ class SamplingSpec(msgspec.Struct, array_like=True):
     salt: int = 0  # the choice index: seeded choices of one request differ, yet reproduce
     logprobs: bool = False
     top_logprobs: int = 0  # alternatives to report at this position (0: none)
-
-
-TokenId = Annotated[int, msgspec.Meta(ge=0, le=TOKEN_LIMIT)]
+    # last, and None unless asked: one nil byte per spec; older rows (without it) decode
+    logit_bias: LogitBias | None = None
+    # ids that may not be sampled here (min_tokens: the stop ids before the minimum)
+    ban: list[int] | None = None
 
 
 class GenRequest(msgspec.Struct):
@@ -234,6 +252,9 @@ class GenRequest(msgspec.Struct):
     stop_token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=MAX_STOP_TOKEN_IDS + 16)] = (
         msgspec.field(default_factory=list)
     )
+    logit_bias: LogitBias | None = None  # OpenAI's logit_bias as two lists; None = none
+    # vLLM's: stop_token_ids cannot be sampled before this many output tokens (<= max_tokens)
+    min_tokens: Annotated[int, msgspec.Meta(ge=0, le=TOKEN_LIMIT)] = 0
     # the request's own staleness bound (versions behind the newest announced); the
     # stricter of it and ROLLBUS_MAX_STALENESS applies; None = the setting's
     max_staleness: Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)] | None = None

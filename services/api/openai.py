@@ -345,16 +345,24 @@ class OpenAIRoutes:
         if isinstance(req, schema.ChatRequest) and req.max_completion_tokens is not None:
             max_name, max_tokens = "max_completion_tokens", req.max_completion_tokens
         budgets = [self._budget(ids, max_name, max_tokens, chat) for ids in prompts]
+        if req.min_tokens and req.min_tokens > min(budgets):
+            raise BadRequest(
+                f"min_tokens ({req.min_tokens}) is more than {max_name} ({min(budgets)})",
+                "min_tokens",
+            )
         stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         stop_ids = list(req.stop_token_ids or [])
         if any(t >= self.vocab_size for t in stop_ids):
             raise BadRequest("stop_token_ids: token id out of the vocabulary", "stop_token_ids")
-        for key in req.logit_bias or {}:  # OpenAI's keys: token ids as strings
+        bias_map: dict[int, float] = {}  # "7" and "07" name one token: the last one wins
+        for key, value in (req.logit_bias or {}).items():  # OpenAI's keys: ids as strings
             if not (key.isascii() and key.isdigit() and int(key) < self.vocab_size):
                 raise BadRequest(
                     f"logit_bias: key {key[:32]!r} is not a token id in the vocabulary",
                     "logit_bias",
                 )
+            bias_map[int(key)] = value
+        bias = m.LogitBias(list(bias_map), list(bias_map.values())) if bias_map else None
         if not req.ignore_eos:
             stop_ids += self.tokenizer.stop_token_ids  # every eos id of the model's configs
         if isinstance(req, schema.ChatRequest):
@@ -384,6 +392,8 @@ class OpenAIRoutes:
                 logprobs=logprobs,
                 top_logprobs=top,
                 stop_token_ids=stop_ids,
+                logit_bias=bias,
+                min_tokens=req.min_tokens or 0,
                 max_staleness=req.max_staleness,
                 # not streamed, no stop strings: no token is read before the end
                 coalesce=not req.stream and not stops,

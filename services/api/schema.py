@@ -57,12 +57,13 @@ class Sampling(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None  # vLLM: logprob tokens as "token_id:<id>"
+    # applied on the rank: added to the logits / stop ids masked until then (README "Limits")
+    logit_bias: Annotated[dict[str, Bias], Meta(max_length=MAX_LOGIT_BIAS)] | None = None
+    min_tokens: Annotated[int, Meta(ge=0, le=TOKEN_LIMIT)] | None = None
     # accepted for compatibility and range-checked; not applied (README "Limits")
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=FLOAT_MAX)] | None = None
-    logit_bias: Annotated[dict[str, Bias], Meta(max_length=MAX_LOGIT_BIAS)] | None = None
-    min_tokens: Annotated[int, Meta(ge=0, le=TOKEN_LIMIT)] | None = None
     user: Annotated[str, Meta(max_length=1024)] | None = None
     # rollbus: this request's staleness bound (README "Staleness"); the stricter of it and
     # ROLLBUS_MAX_STALENESS applies

@@ -226,6 +226,24 @@ class Generation:
                 raise Refused(
                     BAD_REQUEST, f"{name}: token id out of the vocabulary ({self.vocab_size})", name
                 )
+        if gen.min_tokens > gen.max_tokens:
+            raise Refused(
+                BAD_REQUEST,
+                f"min_tokens ({gen.min_tokens}) is more than max_tokens ({gen.max_tokens})",
+                "min_tokens",
+            )
+        bias = gen.logit_bias
+        if bias is not None:
+            if len(bias.ids) != len(bias.values):
+                why = f"ids and values differ in length ({len(bias.ids)}, {len(bias.values)})"
+            elif any(t >= self.vocab_size for t in bias.ids):
+                why = f"token id out of the vocabulary ({self.vocab_size})"
+            elif len(set(bias.ids)) != len(bias.ids):
+                why = "a token id appears twice"
+            else:
+                why = ""
+            if why:
+                raise Refused(BAD_REQUEST, f"logit_bias: {why}", "logit_bias")
         if gen.request_id in self.sched.requests:
             raise Refused(
                 BAD_REQUEST, f"request_id {gen.request_id!r} is already running", "request_id"

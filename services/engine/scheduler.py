@@ -231,7 +231,12 @@ class Scheduler:
             sample = [
                 m.SamplingSpec(
                     t.seq_id, g.temperature, g.top_p, g.top_k, g.seed, t.index, g.logprobs,
-                    g.top_logprobs,
+                    g.top_logprobs, g.logit_bias,
+                    # min_tokens: no stop id before the minimum (this samples output index
+                    # t.length - t.prompt_len)
+                    g.stop_token_ids or None
+                    if t.length - t.prompt_len < g.min_tokens
+                    else None,
                 )
                 for t in targets
             ]

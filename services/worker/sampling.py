@@ -1,13 +1,15 @@
 """Per-request token sampling over a step's logits (pure numpy, runs on rank 0).
 
-Order of operations per row: temperature, then top-k, then top-p (nucleus), then a draw
+Order of operations per row: ``logit_bias`` (added to the logits, as OpenAI and vLLM do),
+then temperature, then top-k, then top-p (nucleus), then a draw
 from the renormalised survivors. ``temperature == 0`` means greedy (argmax, lowest id on
 ties, as are top_k=1 and a tiny top_p).
 
 Reported logprobs — the sampled token's and the ``top_logprobs`` alternatives — come
-from one ``log_softmax(logits)`` of the **raw** model output, before temperature, top-k
-and top-p: vLLM's default (``logprobs_mode="raw_logprobs"``). So a token's logprob does
-not depend on the sampling parameters of the request; with the RL defaults
+from one ``log_softmax(logits + logit_bias)``: the model output with the request's bias
+applied (the distribution actually sampled from at temperature 1), before temperature,
+top-k and top-p — without a bias, vLLM's default (``logprobs_mode="raw_logprobs"``). So
+a token's logprob does not depend on temperature / top-k / top-p; with the RL defaults
 (temperature 1, top_p 1, top_k 0) it is exactly the behaviour policy's logprob, and at
 another temperature it is the model's, not the tempered sampler's. The alternatives are
 the ``top_logprobs`` most likely tokens of that distribution, most likely first, ties
@@ -17,6 +19,7 @@ to the lowest id.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -35,6 +38,10 @@ class SamplingParams:
     seed: int | None = None
     logprobs: bool = False
     top_logprobs: int = 0  # alternatives reported per position (0: none)
+    # added to the logits first: bias_values[i] to token bias_ids[i] (no id twice)
+    bias_ids: Sequence[int] = ()
+    bias_values: Sequence[float] = ()
+    ban_ids: Sequence[int] = ()  # never sampled: their logits become -inf (after the bias)
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
@@ -49,6 +56,16 @@ class SamplingParams:
             raise ValueError(
                 f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}"
             )
+        if len(self.bias_ids) != len(self.bias_values):
+            raise ValueError("logit_bias: ids and values differ in length")
+        if self.bias_ids:
+            ids = np.asarray(self.bias_ids, dtype=np.int64)
+            values = np.asarray(self.bias_values, dtype=np.float64)
+            if ids.ndim != 1 or (ids < 0).any() or len(np.unique(ids)) != len(ids):
+                raise ValueError("logit_bias: ids must be distinct token ids")
+            if not np.isfinite(values).all():
+                raise ValueError("logit_bias: values must be finite")
+            self.bias_ids, self.bias_values = ids, values
 
 
 class Sampled(NamedTuple):
@@ -117,6 +134,18 @@ def top_logprobs(logp: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 def _sample_row(logits: np.ndarray, p: SamplingParams, gen: np.random.Generator) -> Sampled:
     if np.isnan(logits).any():  # a broken row must not turn into a silent random token
         raise ValueError("logits contain NaN")
+    if len(p.bias_ids):
+        if int(np.max(p.bias_ids)) >= logits.shape[0]:
+            raise ValueError(f"logit_bias: token id out of the logits ({logits.shape[0]})")
+        logits = logits.copy()  # the caller's row stays as it was
+        logits[p.bias_ids] += p.bias_values
+    if len(p.ban_ids):
+        ban = np.asarray(p.ban_ids, dtype=np.int64)
+        if ban.ndim != 1 or (ban < 0).any() or (ban >= logits.shape[0]).any():
+            raise ValueError(f"ban: token id out of the logits ({logits.shape[0]})")
+        if not len(p.bias_ids):
+            logits = logits.copy()
+        logits[ban] = -np.inf
     raw = _log_softmax(logits)  # every reported logprob comes from this one
     top = top_logprobs(raw, p.top_logprobs) if p.top_logprobs > 0 else None
     if p.temperature == 0:

@@ -268,8 +268,13 @@ class Stepper:
         failed: list[tuple[int, int, str]] = []
         for row, s in specs:
             try:
+                bias = s.logit_bias
+                if bias and bias.ids and max(bias.ids) >= host.shape[-1]:
+                    raise ValueError(f"logit_bias: token id beyond the logits ({host.shape[-1]})")
                 p = SamplingParams(
-                    s.temperature, s.top_p, s.top_k, s.seed, s.logprobs, s.top_logprobs
+                    s.temperature, s.top_p, s.top_k, s.seed, s.logprobs, s.top_logprobs,
+                    bias_ids=bias.ids if bias else (), bias_values=bias.values if bias else (),
+                    ban_ids=s.ban or (),
                 )
             except (ValueError, TypeError) as e:
                 failed.append((s.seq_id, BAD_REQUEST, f"bad sampling parameters: {e}"))
