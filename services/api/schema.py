@@ -17,6 +17,8 @@ from shared.messages import (
     FLOAT_MAX,
     INT64_MAX,
     INT64_MIN,
+    MAX_BIAS,
+    MAX_LOGIT_BIAS,
     MAX_STOP_TOKEN_IDS,
     MAX_TOP_LOGPROBS,
     TOKEN_LIMIT,
@@ -24,7 +26,6 @@ from shared.messages import (
 
 MAX_STOP = 64  # stop strings per request
 MAX_STOP_LEN = 1024  # characters per stop string
-MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 MAX_MESSAGES = 4096  # chat messages per request
 MAX_JSON_DEPTH = 64  # nesting of any request body
 MAX_TEMPLATE_KWARGS = 64  # entries of chat_template_kwargs
@@ -33,7 +34,7 @@ Count = Annotated[int, Meta(ge=1, le=TOKEN_LIMIT)]
 TokenId = Annotated[int, Meta(ge=0, le=TOKEN_LIMIT)]
 StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_LEN)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
-Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
+Bias = Annotated[float, Meta(ge=-MAX_BIAS, le=MAX_BIAS)]
 
 
 class StreamOptions(msgspec.Struct):
