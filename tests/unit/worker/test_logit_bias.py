@@ -4,26 +4,18 @@ distribution; without a bias nothing changes, bit for bit."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import msgspec
 import numpy as np
 import pytest
 
 from services.worker.sampling import SamplingParams, make_generator, sample, sample_each
 from shared import messages as m
+from tests.unit.worker.test_sampling import gens, log_softmax
+from tests.unit.worker.test_sampling import logits as random_logits
 
-
-def logits(n: int = 4, vocab: int = 64, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).normal(0, 3, (n, vocab)).astype(np.float32)
-
-
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    shifted = x - x.max(-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
-
-
-def gens(n: int, seed: int | None = 7) -> list[np.random.Generator]:
-    return [make_generator(seed, i) for i in range(n)]
+logits = partial(random_logits, vocab=64)
 
 
 def test_plus_100_makes_greedy_pick_the_token_and_logprob_is_the_biased_one() -> None:
