@@ -26,6 +26,7 @@ MAX_VERSION_LEN = 256
 MAX_TOP_LOGPROBS = 20  # alternatives per position (OpenAI's maximum)
 MAX_LOGIT_BIAS = 1024  # entries of a request's logit_bias
 MAX_BIAS = 100.0  # |value| of one logit_bias entry (OpenAI's range)
+MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range)
 FLOAT_MAX = sys.float_info.max  # ``le=FLOAT_MAX`` rejects inf; every bound rejects NaN
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 TOKEN_LIMIT = 2**31 - 1
@@ -214,6 +215,20 @@ class LogitBias(msgspec.Struct, array_like=True):
     ]
 
 
+class Penalties(msgspec.Struct, array_like=True):
+    """vLLM's penalties of one sample position, applied by rank 0 after ``logit_bias``:
+    ``repetition`` over the ids in the prompt and the output so far (a positive logit
+    divided by it, a negative one multiplied; 1 = off), then ``frequency`` times each id's
+    count in the output and ``presence`` once per id in the output subtracted. The ids come
+    from rank 0's record of the sequence (its rows carry ``history``); the first
+    ``prompt_len`` positions are the prompt."""
+
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
+    prompt_len: int = 0
+
+
 class SamplingSpec(msgspec.Struct, array_like=True):
     """How rank 0 samples one sequence's next token."""
 
@@ -229,6 +244,7 @@ class SamplingSpec(msgspec.Struct, array_like=True):
     logit_bias: LogitBias | None = None
     # ids that may not be sampled here (min_tokens: the stop ids before the minimum)
     ban: list[int] | None = None
+    penalties: Penalties | None = None  # None unless the request has one (one nil byte)
 
 
 class GenRequest(msgspec.Struct):
@@ -255,6 +271,10 @@ class GenRequest(msgspec.Struct):
     logit_bias: LogitBias | None = None  # OpenAI's logit_bias as two lists; None = none
     # vLLM's: stop_token_ids cannot be sampled before this many output tokens (<= max_tokens)
     min_tokens: Annotated[int, msgspec.Meta(ge=0, le=TOKEN_LIMIT)] = 0
+    # OpenAI's / vLLM's penalties (see Penalties); the defaults are off
+    presence_penalty: Annotated[float, msgspec.Meta(ge=-MAX_PENALTY, le=MAX_PENALTY)] = 0.0
+    frequency_penalty: Annotated[float, msgspec.Meta(ge=-MAX_PENALTY, le=MAX_PENALTY)] = 0.0
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0, le=FLOAT_MAX)] = 1.0
     # the request's own staleness bound (versions behind the newest announced); the
     # stricter of it and ROLLBUS_MAX_STALENESS applies; None = the setting's
     max_staleness: Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)] | None = None
@@ -319,7 +339,10 @@ class StepRow(msgspec.Struct, array_like=True):
 
     ``prev``: one more new token follows ``token_ids`` — the one the ranks sampled for
     this sequence in the step just before (kept because that step said ``keep``), which
-    the engine had not received when it sent this one (pipelined steps)."""
+    the engine had not received when it sent this one (pipelined steps).
+
+    ``history``: rank 0 records the sequence's tokens (every row of it has the flag, the
+    first from position 0) for its sample specs' ``penalties``."""
 
     seq_id: int
     token_ids: list[int]
@@ -327,6 +350,7 @@ class StepRow(msgspec.Struct, array_like=True):
     block_table: list[int]
     sample: list[SamplingSpec]
     prev: bool = False
+    history: bool = False
 
     @property
     def num_new(self) -> int:

@@ -394,6 +394,9 @@ class OpenAIRoutes:
                 stop_token_ids=stop_ids,
                 logit_bias=bias,
                 min_tokens=req.min_tokens or 0,
+                presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=req.repetition_penalty or 1.0,
                 max_staleness=req.max_staleness,
                 # not streamed, no stop strings: no token is read before the end
                 coalesce=not req.stream and not stops,

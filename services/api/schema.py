@@ -19,6 +19,7 @@ from shared.messages import (
     INT64_MIN,
     MAX_BIAS,
     MAX_LOGIT_BIAS,
+    MAX_PENALTY,
     MAX_STOP_TOKEN_IDS,
     MAX_TOP_LOGPROBS,
     TOKEN_LIMIT,
@@ -33,7 +34,7 @@ MAX_TEMPLATE_KWARGS = 64  # entries of chat_template_kwargs
 Count = Annotated[int, Meta(ge=1, le=TOKEN_LIMIT)]
 TokenId = Annotated[int, Meta(ge=0, le=TOKEN_LIMIT)]
 StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_LEN)]
-Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+Penalty = Annotated[float, Meta(ge=-MAX_PENALTY, le=MAX_PENALTY)]
 Bias = Annotated[float, Meta(ge=-MAX_BIAS, le=MAX_BIAS)]
 
 
@@ -58,10 +59,10 @@ class Sampling(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None  # vLLM: logprob tokens as "token_id:<id>"
-    # applied on the rank: added to the logits / stop ids masked until then (README "Limits")
+    # applied on the rank: added to the logits / stop ids masked until then / vLLM's
+    # penalties (README "Limits")
     logit_bias: Annotated[dict[str, Bias], Meta(max_length=MAX_LOGIT_BIAS)] | None = None
     min_tokens: Annotated[int, Meta(ge=0, le=TOKEN_LIMIT)] | None = None
-    # accepted for compatibility and range-checked; not applied (README "Limits")
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=FLOAT_MAX)] | None = None

@@ -35,6 +35,17 @@ from services.engine import staleness
 from shared import messages as m
 
 
+def penalties(gen: m.GenRequest) -> m.Penalties | None:
+    """The request's penalties for its sample specs; None when they are all off (its
+    rows then carry no ``history``: rank 0 does nothing more for them)."""
+    if gen.presence_penalty == 0 and gen.frequency_penalty == 0 and gen.repetition_penalty == 1:
+        return None
+    return m.Penalties(
+        gen.presence_penalty, gen.frequency_penalty, gen.repetition_penalty,
+        len(gen.prompt_token_ids),
+    )  # fmt: skip
+
+
 class BlockAllocator:
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
@@ -73,6 +84,7 @@ class Request:
     seqs: list[Seq] = field(default_factory=list)
     forked: bool = False
     started: bool = False  # scheduled once: no longer counts against the waiting limit
+    penalties: m.Penalties | None = None  # its sample specs' (see ``penalties``)
 
     @property
     def request_id(self) -> str:
@@ -180,7 +192,7 @@ class Scheduler:
         return None
 
     def add(self, gen: m.GenRequest, reply: str) -> Request:
-        req = Request(gen, reply)
+        req = Request(gen, reply, penalties=penalties(gen))
         prompt = list(gen.prompt_token_ids)
         for i in range(max(1, gen.n)):
             req.seqs.append(Seq(self._next_seq, req, i, list(prompt), len(prompt)))
@@ -237,10 +249,14 @@ class Scheduler:
                     g.stop_token_ids or None
                     if t.length - t.prompt_len < g.min_tokens
                     else None,
+                    req.penalties,
                 )
                 for t in targets
             ]
-        return m.StepRow(seq.seq_id, new, seq.num_computed, list(seq.blocks), sample, prev)
+        history = seq.req.penalties is not None  # rank 0 records this sequence's tokens
+        return m.StepRow(
+            seq.seq_id, new, seq.num_computed, list(seq.blocks), sample, prev, history
+        )
 
     def _fair_order(self, admitting: bool) -> list[Seq]:
         """Running sequences in the order they get rows: round-robin over requests,

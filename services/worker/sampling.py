@@ -1,23 +1,33 @@
 """Per-request token sampling over a step's logits (pure numpy, runs on rank 0).
 
 Order of operations per row: ``logit_bias`` (added to the logits, as OpenAI and vLLM do),
-then temperature, then top-k, then top-p (nucleus), then a draw
-from the renormalised survivors. ``temperature == 0`` means greedy (argmax, lowest id on
-ties, as are top_k=1 and a tiny top_p).
+the ban (``min_tokens``: -inf), then vLLM's penalties — ``repetition_penalty`` over every
+id in the prompt and the output so far (a positive logit divided by it, a negative one
+multiplied), then ``frequency_penalty`` times the id's count in the output and
+``presence_penalty`` once per id in the output subtracted — then temperature, then
+top-k, then top-p (nucleus), then a draw from the renormalised survivors.
+``temperature == 0`` means greedy (argmax, lowest id on ties, as are top_k=1 and a tiny
+top_p). The penalties are applied to all the rows that have one at once (one gather and
+one scatter over the step's penalised rows); a row without one costs nothing more.
 
 Reported logprobs — the sampled token's and the ``top_logprobs`` alternatives — come
-from one ``log_softmax(logits + logit_bias)``: the model output with the request's bias
-applied (the distribution actually sampled from at temperature 1), before temperature,
-top-k and top-p — without a bias, vLLM's default (``logprobs_mode="raw_logprobs"``). So
+from one ``log_softmax`` of the logits after ``logit_bias``, the ban and the penalties:
+the distribution actually sampled from at temperature 1, before temperature, top-k and
+top-p — without a bias or a penalty, vLLM's default (``logprobs_mode="raw_logprobs"``;
+with them, vLLM's raw logprobs would be of the unprocessed logits). So
 a token's logprob does not depend on temperature / top-k / top-p; with the RL defaults
 (temperature 1, top_p 1, top_k 0) it is exactly the behaviour policy's logprob, and at
 another temperature it is the model's, not the tempered sampler's. The alternatives are
 the ``top_logprobs`` most likely tokens of that distribution, most likely first, ties
 to the lowest id.
+
+:class:`TokenHistory` is one sequence's record (prompt then output) on rank 0, kept up
+to date incrementally from its step rows, that the penalties read.
 """
 
 from __future__ import annotations
 
+import array
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,6 +38,7 @@ import numpy as np
 from shared.messages import MAX_TOP_LOGPROBS
 
 _SEED_MASK = (1 << 64) - 1
+_FLOAT_MAX = float(np.finfo(np.float64).max)
 
 
 @dataclass
@@ -42,6 +53,14 @@ class SamplingParams:
     bias_ids: Sequence[int] = ()
     bias_values: Sequence[float] = ()
     ban_ids: Sequence[int] = ()  # never sampled: their logits become -inf (after the bias)
+    # vLLM's penalties (off by default), over ``seen_ids``: the sequence's distinct ids so
+    # far (prompt and output, no id twice) with ``output_counts``, the times each is in
+    # the output (0 for a prompt-only id) — as :meth:`TokenHistory.penalty_view` gives
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seen_ids: Sequence[int] | np.ndarray = ()
+    output_counts: Sequence[float] | np.ndarray = ()
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
@@ -66,6 +85,22 @@ class SamplingParams:
             if not np.isfinite(values).all():
                 raise ValueError("logit_bias: values must be finite")
             self.bias_ids, self.bias_values = ids, values
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if len(self.seen_ids) != len(self.output_counts):
+            raise ValueError("penalties: seen_ids and output_counts differ in length")
+
+    @property
+    def penalized(self) -> bool:
+        """Some penalty changes this row's logits."""
+        return len(self.seen_ids) > 0 and (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
 
 class Sampled(NamedTuple):
@@ -90,15 +125,15 @@ def make_generator(seed: int | None, request_salt: int) -> np.random.Generator:
 def sample(
     logits: np.ndarray, params: list[SamplingParams], generators: list[np.random.Generator]
 ) -> tuple[list[int], list[float]]:
-    """Sample one token per row of `logits` [n, vocab]; returns (token ids, logprobs)."""
-    if logits.ndim != 2 or not len(params) == len(generators) == logits.shape[0]:
-        raise ValueError("need one SamplingParams and one generator per logits row")
+    """Sample one token per row of `logits` [n, vocab]; returns (token ids, logprobs).
+    Raises the first row's error, if any."""
     tokens: list[int] = []
     logprobs: list[float] = []
-    for row, p, gen in zip(logits, params, generators, strict=True):
-        token, logprob, _ = _sample_row(row.astype(np.float64), p, gen)
-        tokens.append(token)
-        logprobs.append(logprob)
+    for res in sample_each(logits, params, generators):
+        if isinstance(res, Exception):
+            raise res
+        tokens.append(res.token)
+        logprobs.append(res.logprob)
     return tokens, logprobs
 
 
@@ -107,13 +142,75 @@ def sample_each(
 ) -> list[Sampled | Exception]:
     """Like :func:`sample` (with the alternatives when asked), but a row that fails (e.g.
     non-finite logits) yields its exception instead of failing the others."""
+    if logits.ndim != 2 or not len(params) == len(generators) == logits.shape[0]:
+        raise ValueError("need one SamplingParams and one generator per logits row")
+    x = np.array(logits, dtype=np.float64)  # a copy: the caller's rows stay as they were
+    rows = _process(x, params)
     out: list[Sampled | Exception] = []
-    for row, p, gen in zip(logits, params, generators, strict=True):
+    for row, p, gen in zip(rows, params, generators, strict=True):
+        if isinstance(row, Exception):
+            out.append(row)
+            continue
         try:
-            out.append(_sample_row(row.astype(np.float64), p, gen))
+            out.append(_sample_row(row, p, gen))
         except Exception as e:  # noqa: BLE001 - belongs to this row's request only
             out.append(e)
     return out
+
+
+def _process(x: np.ndarray, params: list[SamplingParams]) -> list[np.ndarray | Exception]:
+    """``x`` [n, vocab] float64 in place: each row's bias, then its ban, then the
+    penalties of every penalised row at once. A row that cannot be processed is its
+    exception (and gets no penalty)."""
+    vocab = x.shape[1]
+    rows: list[np.ndarray | Exception] = []
+    penalised: list[int] = []
+    for i, p in enumerate(params):
+        row = x[i]
+        try:
+            if np.isnan(row).any():  # a broken row must not turn into a silent random token
+                raise ValueError("logits contain NaN")
+            if len(p.bias_ids):
+                if int(np.max(p.bias_ids)) >= vocab:
+                    raise ValueError(f"logit_bias: token id out of the logits ({vocab})")
+                row[p.bias_ids] += p.bias_values
+            if len(p.ban_ids):
+                ban = np.asarray(p.ban_ids, dtype=np.int64)
+                if ban.ndim != 1 or (ban < 0).any() or (ban >= vocab).any():
+                    raise ValueError(f"ban: token id out of the logits ({vocab})")
+                row[ban] = -np.inf
+            if p.penalized:
+                seen = np.asarray(p.seen_ids)
+                if seen.ndim != 1 or int(seen.min()) < 0 or int(seen.max()) >= vocab:
+                    raise ValueError(f"penalties: token id out of the logits ({vocab})")
+                penalised.append(i)
+        except Exception as e:  # noqa: BLE001 - belongs to this row's request only
+            rows.append(e)
+            continue
+        rows.append(row)
+    if penalised:
+        _penalise(x, penalised, params)
+    return rows
+
+
+def _penalise(x: np.ndarray, which: list[int], params: list[SamplingParams]) -> None:
+    """vLLM's penalties on rows ``which`` of ``x``, in place: one gather and one scatter
+    of every (row, seen id) pair."""
+    ps = [params[i] for i in which]
+    lens = np.fromiter((len(p.seen_ids) for p in ps), dtype=np.int64, count=len(ps))
+    r = np.repeat(np.asarray(which, dtype=np.int64), lens)
+    ids = np.concatenate([np.asarray(p.seen_ids, dtype=np.int64) for p in ps])
+    counts = np.concatenate([np.asarray(p.output_counts, dtype=np.float64) for p in ps])
+
+    def per_pair(name: str) -> np.ndarray:
+        return np.repeat(np.fromiter((getattr(p, name) for p in ps), np.float64, len(ps)), lens)
+
+    v = x[r, ids]
+    rep = per_pair("repetition_penalty")
+    with np.errstate(over="ignore"):  # a tiny penalty may send a logit past float64
+        v = np.where(v > 0, np.minimum(v / rep, _FLOAT_MAX), v * rep)
+    v -= per_pair("frequency_penalty") * counts + per_pair("presence_penalty") * (counts > 0)
+    x[r, ids] = v
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -132,20 +229,7 @@ def top_logprobs(logp: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _sample_row(logits: np.ndarray, p: SamplingParams, gen: np.random.Generator) -> Sampled:
-    if np.isnan(logits).any():  # a broken row must not turn into a silent random token
-        raise ValueError("logits contain NaN")
-    if len(p.bias_ids):
-        if int(np.max(p.bias_ids)) >= logits.shape[0]:
-            raise ValueError(f"logit_bias: token id out of the logits ({logits.shape[0]})")
-        logits = logits.copy()  # the caller's row stays as it was
-        logits[p.bias_ids] += p.bias_values
-    if len(p.ban_ids):
-        ban = np.asarray(p.ban_ids, dtype=np.int64)
-        if ban.ndim != 1 or (ban < 0).any() or (ban >= logits.shape[0]).any():
-            raise ValueError(f"ban: token id out of the logits ({logits.shape[0]})")
-        if not len(p.bias_ids):
-            logits = logits.copy()
-        logits[ban] = -np.inf
+    """One row already processed by :func:`_process` (bias, ban, penalties)."""
     raw = _log_softmax(logits)  # every reported logprob comes from this one
     top = top_logprobs(raw, p.top_logprobs) if p.top_logprobs > 0 else None
     if p.temperature == 0:
@@ -190,3 +274,81 @@ def _truncate(logp: np.ndarray, top_k: int, top_p: float) -> np.ndarray | None:
         keep = int(np.searchsorted(cum, top_p, side="left")) + 1
         ids = ids[: min(keep, len(ids))]
     return ids
+
+
+class TokenHistory:
+    """One sequence's tokens, position by position (prompt then output), as its step rows
+    bring them to rank 0, and what the penalties read from them: the distinct ids so far
+    and how often each is in the output. Kept up to date incrementally — a decode step
+    adds one token in O(1) — and rebuilt (numpy) only when positions are rewritten
+    (recompute after a preemption) or the prompt length changes.
+
+    ``lost``: positions were skipped (a row began past the end of the record, e.g. rank 0
+    restarted mid-sequence): what it holds is not the sequence, so it must not be used
+    until a row starting at position 0 rebuilds it."""
+
+    _REBUILD = 64  # more new positions than this at once: a numpy rebuild, not a loop
+
+    def __init__(self) -> None:
+        self.tokens = array.array("i")  # int32: token ids are < 2**31
+        self.lost = False
+        self._split = -1  # the prompt length the counts are split at (-1: none yet)
+        self._folded = 0  # positions folded into the ids / counts below
+        self._slot: dict[int, int] = {}  # id -> its index in _ids / _counts
+        self._ids = np.zeros(16, np.int64)
+        self._counts = np.zeros(16, np.float64)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def record(self, start: int, tokens: Sequence[int]) -> None:
+        """``tokens`` are positions ``start``, ``start + 1``, ... of the sequence."""
+        if start > len(self.tokens):
+            self.lost = True
+            return
+        if start == 0:
+            self.lost = False
+        if start < len(self.tokens):
+            del self.tokens[start:]
+            if start < self._folded:
+                self._split = -1  # positions the counts were made of changed: rebuild
+        self.tokens.extend(tokens)
+
+    def copy(self) -> TokenHistory:
+        other = TokenHistory()
+        other.tokens = array.array("i", self.tokens)
+        other.lost = self.lost
+        return other
+
+    def penalty_view(self, prompt_len: int) -> tuple[np.ndarray, np.ndarray]:
+        """(distinct ids so far, the times each is at a position >= ``prompt_len``): views
+        valid until the next :meth:`record`."""
+        n = len(self.tokens)
+        if self._split != prompt_len or self._folded > n or n - self._folded > self._REBUILD:
+            self._rebuild(prompt_len)
+        for pos in range(self._folded, n):
+            tok = self.tokens[pos]
+            slot = self._slot.get(tok)
+            if slot is None:
+                slot = self._slot[tok] = len(self._slot)
+                if slot == len(self._ids):
+                    self._ids = np.concatenate([self._ids, np.zeros_like(self._ids)])
+                    self._counts = np.concatenate([self._counts, np.zeros_like(self._counts)])
+                self._ids[slot] = tok
+            if pos >= prompt_len:
+                self._counts[slot] += 1
+        self._folded = n
+        k = len(self._slot)
+        return self._ids[:k], self._counts[:k]
+
+    def _rebuild(self, prompt_len: int) -> None:
+        arr = np.frombuffer(self.tokens, dtype=np.int32) if self.tokens else np.zeros(0, np.int32)
+        ids, inverse = np.unique(arr, return_inverse=True)
+        counts = np.bincount(inverse[prompt_len:], minlength=len(ids)).astype(np.float64)
+        cap = max(16, 2 * len(ids))
+        self._ids = np.zeros(cap, np.int64)
+        self._counts = np.zeros(cap, np.float64)
+        self._ids[: len(ids)] = ids
+        self._counts[: len(ids)] = counts
+        self._slot = dict(zip(ids.tolist(), range(len(ids)), strict=True))
+        self._split, self._folded = prompt_len, len(arr)

@@ -3,6 +3,9 @@
 Every rank runs the forward pass of the step (the all-reduces need all of them);
 rank 0 alone samples and replies. Sampling state (one generator per sequence) lives on
 rank 0 and survives preemption; the engine names finished sequences so it is dropped.
+So does each penalised sequence's :class:`TokenHistory` (its rows carry ``history``):
+rank 0 records their tokens as the rows bring them — the only rank that samples, so the
+only one that needs them; the other ranks get the sampled tokens, never the logits.
 
 A step only some ranks received must not hang the others: steps are numbered 1, 2, ...
 by the engine, so a rank that sees a gap (it missed a step its peers may be running)
@@ -31,7 +34,7 @@ from nats.aio.msg import Msg
 
 from services.worker import model as mdl
 from services.worker.control import Rank
-from services.worker.sampling import SamplingParams, make_generator, sample_each
+from services.worker.sampling import SamplingParams, TokenHistory, make_generator, sample_each
 from services.worker.stepcheck import StepLimits, check_step
 from shared import messages as m
 from shared.bus import RANK, REQUEST_ID, Bus
@@ -41,6 +44,10 @@ log = logging.getLogger("rollbus.worker.step")
 
 T = TypeVar("T")
 QUEUED_STEPS = 2  # steps a rank takes before its replies: the one running and the next
+
+
+class NoHistory(RuntimeError):
+    """Rank 0 lacks tokens of a penalised sequence: its penalties cannot be applied."""
 
 
 class Watermark:
@@ -80,6 +87,7 @@ class Stepper:
         self.watermark = watermark or Watermark()
         self.peers = peers  # (ping subject of every rank, tp)
         self.generators: dict[int, np.random.Generator] = {}
+        self.histories: dict[int, TokenHistory] = {}  # rank 0: the penalised sequences'
         # tokens sampled in the last step run, by sequence, when it said ``keep``: a
         # pipelined step's ``prev`` rows continue with them (every rank has them)
         self.kept: dict[int, int] = {}
@@ -210,6 +218,7 @@ class Stepper:
         self.kept, self.kept_step = {}, -1
         for seq_id in req.finished:
             self.generators.pop(seq_id, None)
+            self.histories.pop(seq_id, None)
         if req.version and req.version != st.weights.version:
             # e.g. a restarted rank on the model dir's version, not yet brought to the
             # engine's: never serve a version alone
@@ -223,8 +232,16 @@ class Stepper:
                 t[dst] = t[src]
         if not req.rows:
             return m.StepReply(req.step, [], [], [], seconds=time.perf_counter() - t0)
+        new = [self._tokens(r, kept) for r in req.rows]
+        if self.rank == 0:
+            for r, toks in zip(req.rows, new, strict=True):
+                if r.history:  # the penalised sequences only: nothing for the others
+                    h = self.histories.get(r.seq_id)
+                    if h is None:
+                        h = self.histories[r.seq_id] = TokenHistory()
+                    h.record(r.start_pos, toks)
         batch = mdl.Batch(
-            token_ids=[self._tokens(r, kept) for r in req.rows],
+            token_ids=new,
             start_pos=[r.start_pos for r in req.rows],
             block_tables=[r.block_table for r in req.rows],
         )
@@ -271,11 +288,21 @@ class Stepper:
                 bias = s.logit_bias
                 if bias and bias.ids and max(bias.ids) >= host.shape[-1]:
                     raise ValueError(f"logit_bias: token id beyond the logits ({host.shape[-1]})")
+                pen = s.penalties
+                seen, counts = self._penalty_view(req.rows[row], s) if pen else ((), ())
                 p = SamplingParams(
                     s.temperature, s.top_p, s.top_k, s.seed, s.logprobs, s.top_logprobs,
                     bias_ids=bias.ids if bias else (), bias_values=bias.values if bias else (),
                     ban_ids=s.ban or (),
+                    presence_penalty=pen.presence if pen else 0.0,
+                    frequency_penalty=pen.frequency if pen else 0.0,
+                    repetition_penalty=pen.repetition if pen else 1.0,
+                    seen_ids=seen,
+                    output_counts=counts,
                 )
+            except NoHistory as e:
+                failed.append((s.seq_id, INTERNAL, str(e)))
+                continue
             except (ValueError, TypeError) as e:
                 failed.append((s.seq_id, BAD_REQUEST, f"bad sampling parameters: {e}"))
                 continue
@@ -305,6 +332,27 @@ class Stepper:
         by_seq = dict(zip(seq_ids, tokens, strict=True))
         reply = m.StepReply(req.step, seq_ids, tokens, logprobs, failed=failed, top=top)
         return reply, [by_seq.get(s.seq_id, -1) for _, s in specs]
+
+    def _penalty_view(
+        self, row: m.StepRow, spec: m.SamplingSpec
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The ids and output counts ``spec``'s penalties act on: from the record of
+        ``row``'s sequence (another choice sampling from its prompt gets a copy of it)."""
+        assert spec.penalties is not None
+        end = row.start_pos + row.num_new  # the positions before the sampled one
+        if not row.history:
+            raise ValueError("penalties: the row does not carry its history")
+        if not 0 <= spec.penalties.prompt_len <= end:
+            raise ValueError(f"penalties: prompt_len {spec.penalties.prompt_len} beyond {end}")
+        h = self.histories.get(row.seq_id)
+        if h is None or h.lost or len(h) != end:
+            raise NoHistory(
+                f"penalties: rank 0 has not seen every token of sequence {row.seq_id} "
+                f"({0 if h is None else len(h)} of {end}; it restarted?): not sampled"
+            )
+        if spec.seq_id != row.seq_id:  # a choice forking from this prompt: its own record
+            h = self.histories[spec.seq_id] = h.copy()
+        return h.penalty_view(spec.penalties.prompt_len)
 
     def _generator(self, spec: m.SamplingSpec) -> np.random.Generator:
         gen = self.generators.get(spec.seq_id)
