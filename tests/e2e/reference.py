@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -27,9 +28,11 @@ def greedy(
     weights_dir: Path | None = None,
     stop: int | None = None,
     weights: dict[str, np.ndarray] | None = None,
+    process: Callable[[np.ndarray, list[int]], np.ndarray] | None = None,
 ) -> list[int]:
     """Greedy tokens for ``prompt`` with the HF-named weights of ``weights`` (a dict),
-    ``weights_dir`` or the model dir itself."""
+    ``weights_dir`` or the model dir itself; ``process(logits, output so far)``: the
+    logits the argmax is taken of (e.g. penalised)."""
     cfg = ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
     host = weights if weights is not None else load_weights(weights_dir or model_dir)
     w = {k: paddle.to_tensor(v) for k, v in host.items()}
@@ -44,6 +47,8 @@ def greedy(
     new = list(prompt)
     for _ in range(n):
         logits = model.forward(w, kv, mdl.Batch([new], [pos], [table])).numpy()[0]
+        if process is not None:
+            logits = process(logits, out)
         tok = int(np.argmax(logits))
         pos += len(new)
         out.append(tok)
