@@ -130,11 +130,15 @@ def load(model_dir: Path) -> Any:
     return model.eval()
 
 
-def reference(model_dir: Path, prompt: list[int], new_tokens: int) -> dict[str, Any]:
+def reference(
+    model_dir: Path, prompt: list[int], new_tokens: int, repetition_penalty: float | None = None
+) -> dict[str, Any]:
     """transformers' greedy ``generate``: tokens (stopping where it stops on an eos id)
-    and the logprob of each chosen token (``log_softmax`` of that step's logits)."""
+    and the logprob of each chosen token (``log_softmax`` of that step's logits — with a
+    ``repetition_penalty``, of the logits its processor left, the ones argmax took)."""
     model = load(model_dir)
     ids = torch.tensor([prompt])
+    extra = {} if repetition_penalty is None else {"repetition_penalty": repetition_penalty}
     with torch.no_grad():
         out = model.generate(
             ids,
@@ -142,11 +146,14 @@ def reference(model_dir: Path, prompt: list[int], new_tokens: int) -> dict[str, 
             max_new_tokens=new_tokens,
             do_sample=False,
             output_logits=True,
+            output_scores=True,
             return_dict_in_generate=True,
             pad_token_id=0,
+            **extra,
         )
     tokens = out.sequences[0, len(prompt) :].tolist()
-    logp = np.stack([torch.log_softmax(x[0].double(), -1).numpy() for x in out.logits])
+    steps = out.logits if repetition_penalty is None else out.scores
+    logp = np.stack([torch.log_softmax(x[0].double(), -1).numpy() for x in steps])
     top2 = np.sort(logp, axis=-1)[:, -2:]
     margin = float((top2[:, 1] - top2[:, 0]).min())
     if margin < MIN_MARGIN:
