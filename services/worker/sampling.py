@@ -205,12 +205,14 @@ def _penalise(x: np.ndarray, which: list[int], params: list[SamplingParams]) -> 
     def per_pair(name: str) -> np.ndarray:
         return np.repeat(np.fromiter((getattr(p, name) for p in ps), np.float64, len(ps)), lens)
 
-    v = x[r, ids]
+    flat = x.reshape(-1)  # a view (x is C-contiguous): flat indices gather fastest
+    at = r * x.shape[1] + ids
+    v = flat[at]
     rep = per_pair("repetition_penalty")
     with np.errstate(over="ignore"):  # a tiny penalty may send a logit past float64
         v = np.where(v > 0, np.minimum(v / rep, _FLOAT_MAX), v * rep)
     v -= per_pair("frequency_penalty") * counts + per_pair("presence_penalty") * (counts > 0)
-    x[r, ids] = v
+    flat[at] = v
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
