@@ -351,3 +351,68 @@ def test_rows_and_specs_of_before_the_penalties_still_decode() -> None:
     assert m.unpack(old_spec, type=m.SamplingSpec).penalties is None
     spec = m.SamplingSpec(1, penalties=m.Penalties(0.5, -0.5, 1.1, 7))
     assert m.unpack(m.pack(spec), type=m.SamplingSpec) == spec
+
+
+# --------------------------------------------------------------------------- admission
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("presence_penalty", 2.01),
+        ("frequency_penalty", -2.5),
+        ("presence_penalty", float("nan")),
+        ("repetition_penalty", 0.0),
+        ("repetition_penalty", -1.0),
+        ("repetition_penalty", float("inf")),
+        ("frequency_penalty", "x"),
+    ],
+)
+def test_the_engine_refuses_an_out_of_range_penalty_naming_it(
+    tmp_path_factory: pytest.TempPathFactory, field: str, value: object
+) -> None:
+    """Over raw NATS too: the GenRequest's constraints, 400 naming the field."""
+    from services.engine.generation import Refused
+    from tests.unit.engine.test_logit_bias_admission import generation
+
+    g = generation(tiny_model(tmp_path_factory))
+    body = {"request_id": "r1", "prompt_token_ids": [1, 2], "max_tokens": 4, field: value}
+    with pytest.raises(Refused) as e:
+        g.admit_request(m.pack(body))
+    assert e.value.code == 400 and e.value.param == field, e.value
+    assert not g.sched.requests
+
+
+_TINY: list[Any] = []
+
+
+def tiny_model(tmp: pytest.TempPathFactory) -> Any:
+    if not _TINY:
+        from services.tiny_model import create_model_dir
+
+        _TINY.append(create_model_dir(tmp.mktemp("m") / "tiny", seed=0))
+    return _TINY[0]
+
+
+def test_the_api_maps_the_penalties_and_the_engine_keeps_them(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    from services.api.deps import Deps
+    from services.api.openai import OpenAIRoutes
+    from shared.settings import Settings
+    from tests.unit.engine.test_logit_bias_admission import generation
+
+    model = tiny_model(tmp_path_factory)
+    routes = OpenAIRoutes(Deps(Settings(model=str(model), max_n=8, max_model_len=64)))
+    pen = {"presence_penalty": -0.5, "frequency_penalty": 2.0, "repetition_penalty": 1.1}
+    for chat in (False, True):
+        body = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
+        gen = routes.parse(body | pen, chat).gen
+        assert (gen.presence_penalty, gen.frequency_penalty, gen.repetition_penalty) == (
+            -0.5, 2.0, 1.1
+        )  # fmt: skip
+        g = generation(model)
+        back = g.admit_request(m.pack(gen))
+        assert back.repetition_penalty == 1.1 and back.frequency_penalty == 2.0
+    off = routes.parse({"prompt": "hi", "presence_penalty": None}, False).gen
+    assert (off.presence_penalty, off.frequency_penalty, off.repetition_penalty) == (0, 0, 1)
