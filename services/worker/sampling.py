@@ -7,8 +7,11 @@ multiplied), then ``frequency_penalty`` times the id's count in the output and
 ``presence_penalty`` once per id in the output subtracted — then temperature, then
 top-k, then top-p (nucleus), then a draw from the renormalised survivors.
 ``temperature == 0`` means greedy (argmax, lowest id on ties, as are top_k=1 and a tiny
-top_p). The penalties are applied to all the rows that have one at once (one gather and
-one scatter over the step's penalised rows); a row without one costs nothing more.
+top_p). The penalties of all the rows that have one are computed at once (one gather of
+every (row, seen id) pair from the step's logits, the formulas over all of them), then
+written into each row as it is sampled; rows are still converted to float64 and sampled
+one at a time (cache-friendly, no step-sized copy), and a row without a penalty costs
+nothing more.
 
 Reported logprobs — the sampled token's and the ``top_logprobs`` alternatives — come
 from one ``log_softmax`` of the logits after ``logit_bias``, the ban and the penalties:
@@ -144,75 +147,103 @@ def sample_each(
     non-finite logits) yields its exception instead of failing the others."""
     if logits.ndim != 2 or not len(params) == len(generators) == logits.shape[0]:
         raise ValueError("need one SamplingParams and one generator per logits row")
-    x = np.array(logits, dtype=np.float64)  # a copy: the caller's rows stay as they were
-    rows = _process(x, params)
+    pen = _penalties(logits, params)  # {} when no row has a penalty
     out: list[Sampled | Exception] = []
-    for row, p, gen in zip(rows, params, generators, strict=True):
-        if isinstance(row, Exception):
-            out.append(row)
-            continue
+    for i, (row, p, gen) in enumerate(zip(logits, params, generators, strict=True)):
         try:
-            out.append(_sample_row(row, p, gen))
+            done = pen.get(i)
+            if isinstance(done, Exception):
+                raise done
+            if done is not None and done.row is not None:
+                x = done.row  # prepared already (its bias / ban came before the penalties)
+            else:  # one float64 row at a time; the caller's rows stay as they were
+                x = row.astype(np.float64)
+                _prepare(x, p)
+            if done is not None:
+                x[done.ids] = done.values
+            out.append(_sample_row(x, p, gen))
         except Exception as e:  # noqa: BLE001 - belongs to this row's request only
             out.append(e)
     return out
 
 
-def _process(x: np.ndarray, params: list[SamplingParams]) -> list[np.ndarray | Exception]:
-    """``x`` [n, vocab] float64 in place: each row's bias, then its ban, then the
-    penalties of every penalised row at once. A row that cannot be processed is its
-    exception (and gets no penalty)."""
-    vocab = x.shape[1]
-    rows: list[np.ndarray | Exception] = []
-    penalised: list[int] = []
+def _prepare(row: np.ndarray, p: SamplingParams) -> None:
+    """``row`` (float64, ours) in place: the bias, then the ban; raises for a bad row."""
+    vocab = row.shape[0]
+    if np.isnan(row).any():  # a broken row must not turn into a silent random token
+        raise ValueError("logits contain NaN")
+    if len(p.bias_ids):
+        if int(np.max(p.bias_ids)) >= vocab:
+            raise ValueError(f"logit_bias: token id out of the logits ({vocab})")
+        row[p.bias_ids] += p.bias_values
+    if len(p.ban_ids):
+        ban = np.asarray(p.ban_ids, dtype=np.int64)
+        if ban.ndim != 1 or (ban < 0).any() or (ban >= vocab).any():
+            raise ValueError(f"ban: token id out of the logits ({vocab})")
+        row[ban] = -np.inf
+
+
+class _Penalised(NamedTuple):
+    """One row's penalised logits: ``values`` for ``ids``; ``row``: the row itself when
+    it had to be prepared first (a bias or a ban on it)."""
+
+    ids: np.ndarray
+    values: np.ndarray
+    row: np.ndarray | None
+
+
+def _penalties(
+    logits: np.ndarray, params: list[SamplingParams]
+) -> dict[int, _Penalised | Exception]:
+    """The penalised rows' new logits for their seen ids, by row: one gather from
+    ``logits`` over every (row, seen id) pair, the penalties computed on all of them at
+    once; only the rows with a bias or a ban are converted here (the penalties apply
+    after those), the others stay one row at a time in :func:`sample_each`."""
+    vocab = logits.shape[1]
+    out: dict[int, _Penalised | Exception] = {}
+    which: list[int] = []
     for i, p in enumerate(params):
-        row = x[i]
-        try:
-            if np.isnan(row).any():  # a broken row must not turn into a silent random token
-                raise ValueError("logits contain NaN")
-            if len(p.bias_ids):
-                if int(np.max(p.bias_ids)) >= vocab:
-                    raise ValueError(f"logit_bias: token id out of the logits ({vocab})")
-                row[p.bias_ids] += p.bias_values
-            if len(p.ban_ids):
-                ban = np.asarray(p.ban_ids, dtype=np.int64)
-                if ban.ndim != 1 or (ban < 0).any() or (ban >= vocab).any():
-                    raise ValueError(f"ban: token id out of the logits ({vocab})")
-                row[ban] = -np.inf
-            if p.penalized:
-                seen = np.asarray(p.seen_ids)
-                if seen.ndim != 1 or int(seen.min()) < 0 or int(seen.max()) >= vocab:
-                    raise ValueError(f"penalties: token id out of the logits ({vocab})")
-                penalised.append(i)
-        except Exception as e:  # noqa: BLE001 - belongs to this row's request only
-            rows.append(e)
+        if not p.penalized:
             continue
-        rows.append(row)
-    if penalised:
-        _penalise(x, penalised, params)
-    return rows
-
-
-def _penalise(x: np.ndarray, which: list[int], params: list[SamplingParams]) -> None:
-    """vLLM's penalties on rows ``which`` of ``x``, in place: one gather and one scatter
-    of every (row, seen id) pair."""
+        seen = np.asarray(p.seen_ids)
+        if seen.ndim != 1 or int(seen.min()) < 0 or int(seen.max()) >= vocab:
+            out[i] = ValueError(f"penalties: token id out of the logits ({vocab})")
+            continue
+        which.append(i)
+    if not which:
+        return out
     ps = [params[i] for i in which]
     lens = np.fromiter((len(p.seen_ids) for p in ps), dtype=np.int64, count=len(ps))
-    r = np.repeat(np.asarray(which, dtype=np.int64), lens)
+    ends = np.cumsum(lens)
     ids = np.concatenate([np.asarray(p.seen_ids, dtype=np.int64) for p in ps])
     counts = np.concatenate([np.asarray(p.output_counts, dtype=np.float64) for p in ps])
+    rows = np.repeat(np.asarray(which, dtype=np.int64), lens)
+    v = np.ascontiguousarray(logits).reshape(-1)[rows * vocab + ids].astype(np.float64)
+    prepared: dict[int, np.ndarray] = {}
+    for j, (i, p) in enumerate(zip(which, ps, strict=True)):
+        if len(p.bias_ids) or len(p.ban_ids):
+            x = logits[i].astype(np.float64)
+            try:
+                _prepare(x, p)
+            except Exception as e:  # noqa: BLE001 - belongs to this row's request only
+                out[i] = e
+                continue
+            prepared[i] = x
+            lo = ends[j] - lens[j]
+            v[lo : ends[j]] = x[ids[lo : ends[j]]]
 
     def per_pair(name: str) -> np.ndarray:
         return np.repeat(np.fromiter((getattr(p, name) for p in ps), np.float64, len(ps)), lens)
 
-    flat = x.reshape(-1)  # a view (x is C-contiguous): flat indices gather fastest
-    at = r * x.shape[1] + ids
-    v = flat[at]
     rep = per_pair("repetition_penalty")
-    with np.errstate(over="ignore"):  # a tiny penalty may send a logit past float64
+    with np.errstate(over="ignore", invalid="ignore"):  # a tiny penalty: past float64
         v = np.where(v > 0, np.minimum(v / rep, _FLOAT_MAX), v * rep)
-    v -= per_pair("frequency_penalty") * counts + per_pair("presence_penalty") * (counts > 0)
-    flat[at] = v
+        v -= per_pair("frequency_penalty") * counts + per_pair("presence_penalty") * (counts > 0)
+    for j, i in enumerate(which):
+        if i not in out:
+            lo = ends[j] - lens[j]
+            out[i] = _Penalised(ids[lo : ends[j]], v[lo : ends[j]], prepared.get(i))
+    return out
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -231,7 +262,7 @@ def top_logprobs(logp: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _sample_row(logits: np.ndarray, p: SamplingParams, gen: np.random.Generator) -> Sampled:
-    """One row already processed by :func:`_process` (bias, ban, penalties)."""
+    """One row already prepared (bias, ban) and penalised."""
     raw = _log_softmax(logits)  # every reported logprob comes from this one
     top = top_logprobs(raw, p.top_logprobs) if p.top_logprobs > 0 else None
     if p.temperature == 0:

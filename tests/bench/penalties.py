@@ -9,7 +9,8 @@ rows penalised (repetition + presence + frequency), and half the rows penalised.
 rank 0's CPU seconds per step (``time.process_time``, robust to other load) and the
 extra per step over no penalties — on a busy machine that difference is within the noise
 of the sampling itself, so the penalty path alone (record one token, the ids / counts
-view, the batched gather / scatter: what the penalties add) is timed separately too.
+view, the batched gather and formulas, the write into each row: what the penalties add)
+is timed separately too.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from services.worker.sampling import SamplingParams, TokenHistory, _penalise
+from services.worker.sampling import SamplingParams, TokenHistory, _penalties
 from services.worker.stepper import Stepper
 from shared import messages as m
 
@@ -90,7 +91,9 @@ def penalty_path(args: argparse.Namespace, rng: np.random.Generator, logits: np.
             ps.append(SamplingParams(repetition_penalty=1.2, presence_penalty=0.5,
                                      frequency_penalty=0.3, seen_ids=seen,
                                      output_counts=counts))  # fmt: skip
-        _penalise(x, list(range(args.batch)), ps)
+        for i, done in _penalties(logits, ps).items():
+            assert not isinstance(done, Exception)
+            x[i][done.ids] = done.values
     distinct = sum(len(h.penalty_view(args.prompt)[0]) for h in hs)
     return (time.process_time() - t0) / steps, distinct
 
