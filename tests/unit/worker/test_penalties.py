@@ -150,7 +150,9 @@ def test_off_is_bit_for_bit_no_penalty_and_other_rows_are_untouched(kw: dict[str
     off = params([1, 2, 3], [4, 4], seed=9, **kw)  # a record, every penalty at its default
     again = sample_each(x, [off] * 6, gens(6, 9))
     hit = params([1], [int(np.argmax(x[0]))] * 3, seed=9, repetition_penalty=3.0, **kw)
+    before = x.copy()
     mixed = sample_each(x, [hit] + [off] * 5, gens(6, 9))  # row 0 penalised, the others not
+    assert x.tobytes() == before.tobytes()  # the caller's logits stay as they were
     for i, (a, b, c) in enumerate(zip(plain, again, mixed, strict=True)):
         assert not isinstance(a, Exception) and not isinstance(b, Exception)
         assert (a.token, a.logprob) == (b.token, b.logprob)
