@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -63,30 +63,27 @@ class RankThread:
         await server.start()
         return server
 
-    def hold_loop(self) -> threading.Event:
-        """Block the rank's event loop (nothing it reads is handled) until the returned
-        event is set."""
+    @staticmethod
+    def _hold(run: Callable[[Callable[[], None]], Any]) -> threading.Event:
+        """``run`` a job that blocks until the returned event is set; returns once it
+        blocks."""
         held, release = threading.Event(), threading.Event()
 
         def block() -> None:
             held.set()
             release.wait(30)
 
-        self.loop.call_soon_threadsafe(block)
+        run(block)
         assert held.wait(10)
         return release
+
+    def hold_loop(self) -> threading.Event:
+        """Block the rank's event loop (nothing it reads is handled)."""
+        return self._hold(self.loop.call_soon_threadsafe)
 
     def hold_paddle(self) -> threading.Event:
-        """Keep the rank's paddle thread busy until the returned event is set."""
-        held, release = threading.Event(), threading.Event()
-
-        def block() -> None:
-            held.set()
-            release.wait(30)
-
-        self.server.pool.submit(block)
-        assert held.wait(10)
-        return release
+        """Keep the rank's paddle thread busy."""
+        return self._hold(self.server.pool.submit)
 
     def close(self) -> None:
         self.run(self.server.bus.close())
