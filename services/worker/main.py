@@ -36,7 +36,7 @@ from shared import messages as m
 from shared import readout as ro
 from shared.bus import RANK, Bus
 from shared.device import DeviceError
-from shared.errors import INTERNAL, ControlError
+from shared.errors import INTERNAL, UNAVAILABLE, ControlError
 from shared.model_config import ModelConfig, load_config
 from shared.settings import Settings, settings_or_exit
 from shared.subjects import Subjects
@@ -67,6 +67,13 @@ STEP_HUNG = 4  # exit code: the compute thread was blocked in one step past the 
 INIT_TIMEOUT_S = 600.0  # rendezvous + loading one shard of a large model
 # answered on the event loop, not queued behind paddle work
 INLINE = {"ping", "status"}
+# recorded on the event loop the moment the message arrives, before its paddle work is
+# queued: a rollback's update id is refused to every commit that runs after that
+ON_RECEIPT: dict[str, Callable[[control.Rank, Any], None]] = {
+    "rollback": lambda r, args: r.weights.revoke(args.update_id),
+}
+# a commit runs only after a bus barrier (see WorkerServer.barrier)
+BARRIER = {"commit"}
 
 
 class TransientStartError(RuntimeError):
@@ -131,9 +138,13 @@ class WorkerServer:
                 args = m.decode_args(data, argtype) if argtype else None
                 if method in INLINE:
                     return self.reply({**fn(self.state, args), **self.health()})
+                if hook := ON_RECEIPT.get(method):
+                    hook(self.state, args)  # before any await: see ON_RECEIPT
                 if delay := self.test_delays.get(method):
                     log.warning("rank %d: test delay before %s: %gs", self.rank, method, delay)
                     await asyncio.sleep(delay)
+                if method in BARRIER:
+                    await self.barrier()
                 loop = asyncio.get_running_loop()
                 result = await loop.run_in_executor(
                     self.pool, self.watermark.run, method, fn, self.state, args
@@ -146,6 +157,25 @@ class WorkerServer:
                 return self.reply(err=ControlError(INTERNAL, f"rank {self.rank}: {method}: {e!r}"))
 
         return handle
+
+    async def barrier(self) -> None:
+        """Before a commit runs: the paddle thread is free, then a PING/PONG with the
+        server. The server relays a connection's messages in order, so every message it
+        sent this rank before the PONG has been read and dispatched — a rollback of this
+        update the engine sent before the commit runs (it timed out while this rank was
+        stopped or busy) has recorded its id (ON_RECEIPT), and the commit is refused by
+        that record, not by which handler the rank happened to schedule first. Without a
+        barrier the commit is refused too (503): a rank that cannot reach the server
+        must not switch alone."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self.pool, _noop)
+        try:
+            await self.bus.flush(self.settings.control_timeout_s)
+        except Exception as e:  # noqa: BLE001 - no barrier, no commit
+            raise ControlError(
+                UNAVAILABLE, f"rank {self.rank}: commit refused: no bus barrier ({e!r})"
+            ) from None
+        await asyncio.sleep(0)  # the rollback handler woken by the same read runs first
 
     async def start(self) -> None:
         svc = await self.bus.add_service(
@@ -245,6 +275,10 @@ async def amain(settings: Settings, rank: int) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _noop() -> None:
+    pass
 
 
 def shm_bytes(settings: Settings, cfg: ModelConfig) -> int:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -274,7 +275,9 @@ class WeightStore:
     ``finalize``, so the engine can ``rollback`` the ranks that committed when another
     rank failed to: all ranks end on the new version, or all on the old one. A rolled
     back id is remembered, so a commit that arrives late (a rank that was stalled) is
-    refused instead of switching one rank alone.
+    refused instead of switching one rank alone. The rank records that id (``revoke``)
+    as soon as a rollback *arrives*, on its event loop, not when the rollback's turn on
+    the paddle thread comes: a commit queued before it but run after it is refused too.
     """
 
     def __init__(self, rank: int, source: Source) -> None:
@@ -287,6 +290,7 @@ class WeightStore:
         self._staged: tuple[str, str, dict[str, paddle.Tensor] | None] | None = None
         self._previous: tuple[str, str, dict[str, paddle.Tensor] | None] | None = None
         self._rolled_back: deque[str] = deque(maxlen=64)
+        self._revoke_lock = threading.Lock()  # revoke (event loop) vs commit (paddle thread)
 
     @property
     def nbytes(self) -> int:
@@ -336,8 +340,19 @@ class WeightStore:
         shard.timings["to_device_s"] = time.perf_counter() - t0
         return {"version": version, "bytes": shard.nbytes, "files": shard.files, **shard.timings}
 
+    def revoke(self, update_id: str) -> None:
+        """Refuse every later commit of ``update_id`` (its rollback arrived). Cheap and
+        thread-safe: called on the event loop when the rollback message is received."""
+        with self._revoke_lock:
+            if update_id not in self._rolled_back:
+                self._rolled_back.append(update_id)
+
+    def revoked(self, update_id: str) -> bool:
+        with self._revoke_lock:
+            return bool(update_id) and update_id in self._rolled_back
+
     def commit(self, version: str, update_id: str = "") -> None:
-        if update_id and update_id in self._rolled_back:
+        if self.revoked(update_id):
             raise ControlError(409, f"rank {self.rank}: update {update_id} was rolled back")
         if self._staged is None or self._staged[:2] != (update_id, version):
             raise ControlError(409, f"rank {self.rank}: nothing staged for version {version!r}")
@@ -354,7 +369,7 @@ class WeightStore:
 
     def rollback(self, update_id: str) -> bool:
         """Undo ``update_id`` here: drop it if staged, swap back if committed."""
-        self._rolled_back.append(update_id)
+        self.revoke(update_id)
         if self._staged is not None and self._staged[0] == update_id:
             self.abort()
         if self._previous is None or self._previous[0] != update_id:

@@ -93,6 +93,57 @@ class Ranks(ScriptedRanks):
         return await super().call(method, args, **kw)
 
 
+async def wired(nats_url: str, timeout: float) -> tuple[Any, str, Bus, Bus]:
+    """An engine on a real bus with a step subject of its own (``CONTROL_TIMEOUT_S`` =
+    ``timeout``), and the buses of the stand-in ranks and of the API."""
+    eng = engine()
+    eng.settings.control_timeout_s = timeout
+    subj = f"t.{uuid.uuid4().hex}.step"
+    eng.subjects = SimpleNamespace(worker_step=subj, gen=f"{subj}.gen")
+    eng.bus = await Bus.connect(nats_url, "engine")
+    return eng, subj, await Bus.connect(nats_url, "ranks"), await Bus.connect(nats_url, "api")
+
+
+def reported(
+    eng: Any, reports: dict[int, dict[str, Any]], pids: dict[int, int] | None = None
+) -> None:
+    """Each rank's last status report in the engine's view; ``pids``: the ones the engine
+    reconciled (default: the reported ones)."""
+    eng.rank_pids = pids or {r: rep["pid"] for r, rep in reports.items()}
+    for r, rep in reports.items():
+        eng.ranks.view.record(eng.ranks.view.begin(), r, rep, time.monotonic())
+
+
+async def start(
+    eng: Any,
+    subj: str,
+    buses: tuple[Bus, Bus],
+    on_step: Any,
+    on_chunk: Any,
+    rids: dict[str, int] | None = None,
+) -> asyncio.Future[Any]:
+    """Steps (on the ranks' bus) to ``on_step``, chunks (on the API's) to ``on_chunk``;
+    requests ``rids`` (id -> max_tokens; default a and b, 40 each) queued and the
+    engine's step loop started (returned)."""
+    rank_bus, client = buses
+    await rank_bus.subscribe(subj, on_step)
+    await client.nc.subscribe(f"{subj}.reply.*", cb=on_chunk)
+    await rank_bus.flush()
+    await client.flush()
+    for rid, n in (rids or {"a": 40, "b": 40}).items():
+        eng.scheduler.sched.add(m.GenRequest(rid, [1, 2, 3], n), f"{subj}.reply.{rid}")
+    eng.scheduler.work.set()
+    return asyncio.ensure_future(eng.scheduler.loop())
+
+
+async def stop(loop: asyncio.Future[Any] | None, *buses: Bus) -> None:
+    if loop is not None:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+    for bus in buses:
+        await bus.close()
+
+
 async def run(
     nats_url: str,
     fail: str,
@@ -106,20 +157,11 @@ async def run(
     both have their error; then ``sleep`` (within ``bound``, default timeout + 10 s).
     ``reports``: each rank's last status report (its pid). Returns the engine, the
     stand-in ranks, when each request's error came, and how long the sleep took."""
-    eng = engine()
+    eng, subj, rank_bus, client = await wired(nats_url, timeout)
     eng.settings.step_pipeline = True
-    eng.settings.control_timeout_s = timeout
-    subj = f"t.{uuid.uuid4().hex}.step"
-    eng.subjects = SimpleNamespace(worker_step=subj, gen=f"{subj}.gen")
-    eng.bus = await Bus.connect(nats_url, "engine")
-    rank_bus = await Bus.connect(nats_url, "ranks")
-    client = await Bus.connect(nats_url, "api")
     steps = StandInRanks(rank_bus, fail, hold)
     eng.ranks = Ranks(steps)
-    reports = reports or {0: {"pid": 1}, 1: {"pid": 2}}
-    eng.rank_pids = {r: rep["pid"] for r, rep in reports.items()}
-    for r, rep in reports.items():
-        eng.ranks.view.record(eng.ranks.view.begin(), r, rep, time.monotonic())
+    reported(eng, reports or {0: {"pid": 1}, 1: {"pid": 2}})
     gen = eng.scheduler
     errors: dict[str, float] = {}
     bad: list[m.GenChunk] = []  # a chunk that should not have come
@@ -151,14 +193,7 @@ async def run(
         gen._publish = publish  # type: ignore[method-assign]
     loop = None
     try:
-        await rank_bus.subscribe(subj, steps.on_step)
-        await client.nc.subscribe(f"{subj}.reply.*", cb=on_chunk)
-        await rank_bus.flush()
-        await client.flush()
-        for rid in ("a", "b"):
-            gen.sched.add(m.GenRequest(rid, [1, 2, 3], 40), f"{subj}.reply.{rid}")
-        gen.work.set()
-        loop = asyncio.ensure_future(gen.loop())
+        loop = await start(eng, subj, (rank_bus, client), steps.on_step, on_chunk)
         await asyncio.wait_for(all_errored.wait(), timeout + 10)
         if during is not None:
             during(eng)
@@ -166,12 +201,8 @@ async def run(
         await asyncio.wait_for(control.sleep(eng, m.TagArgs()), bound or timeout + 10)
         took = time.monotonic() - t0
     finally:
-        if loop is not None:
-            loop.cancel()
-            await asyncio.gather(loop, return_exceptions=True)
         steps.task.cancel()
-        for bus in (eng.bus, rank_bus, client):
-            await bus.close()
+        await stop(loop, eng.bus, rank_bus, client)
     assert not bad, bad
     assert not gen.sched.requests and gen.sched.alloc.num_free == eng.settings.kv_cache_blocks
     return eng, steps, errors, took
@@ -228,19 +259,10 @@ async def test_a_step_in_flight_to_a_killed_rank_fails_at_once_naming_it(nats_ur
     rank 0 would wait in the all-reduce for it) fails as soon as the rank is known gone,
     naming it — not at CONTROL_TIMEOUT_S (here 120 s) — and every request hears it."""
     proc = subprocess.Popen(["sleep", "600"])  # noqa: S607
-    eng = engine()
+    eng, subj, rank_bus, client = await wired(nats_url, 120.0)
     eng.settings.step_pipeline = True
-    eng.settings.control_timeout_s = 120.0
-    subj = f"t.{uuid.uuid4().hex}.step"
-    eng.subjects = SimpleNamespace(worker_step=subj, gen=f"{subj}.gen")
-    eng.bus = await Bus.connect(nats_url, "engine")
-    rank_bus = await Bus.connect(nats_url, "ranks")
-    client = await Bus.connect(nats_url, "api")
     eng.ranks = SimpleNamespace(view=RankView(2, 0.25))
-    reports = {0: {"pid": 1}, 1: {"pid": proc.pid, "pid_space": procs.pid_space()}}
-    eng.rank_pids = {r: rep["pid"] for r, rep in reports.items()}
-    for r, rep in reports.items():
-        eng.ranks.view.record(eng.ranks.view.begin(), r, rep, time.monotonic())
+    reported(eng, {0: {"pid": 1}, 1: {"pid": proc.pid, "pid_space": procs.pid_space()}})
     gen = eng.scheduler
     arrived = asyncio.Event()
     errors: dict[str, str] = {}
@@ -258,27 +280,16 @@ async def test_a_step_in_flight_to_a_killed_rank_fails_at_once_naming_it(nats_ur
 
     loop = None
     try:
-        await rank_bus.subscribe(subj, on_step)
-        await client.nc.subscribe(f"{subj}.reply.*", cb=on_chunk)
-        await rank_bus.flush()
-        await client.flush()
-        for rid in ("a", "b"):
-            gen.sched.add(m.GenRequest(rid, [1, 2, 3], 40), f"{subj}.reply.{rid}")
-        gen.work.set()
-        loop = asyncio.ensure_future(gen.loop())
+        loop = await start(eng, subj, (rank_bus, client), on_step, on_chunk)
         await asyncio.wait_for(arrived.wait(), 10)
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         await asyncio.wait_for(both.wait(), 30)  # not the 120 s timeout
     finally:
-        if loop is not None:
-            loop.cancel()
-            await asyncio.gather(loop, return_exceptions=True)
+        await stop(loop, eng.bus, rank_bus, client)
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        for bus in (eng.bus, rank_bus, client):
-            await bus.close()
     for why in errors.values():
         assert "step 1 failed: ranks [1] gone" in why, why
     assert not gen.sched.requests
@@ -290,18 +301,10 @@ async def test_a_slow_step_to_ranks_restarted_before_the_run_is_not_failed(
     """Ranks restarted before a run began (their reports name new pids, the engine has
     not reconciled yet) are the processes its steps go to: a slow step to them is
     answered, not failed as sent to a rank gone."""
-    eng = engine()
-    eng.settings.control_timeout_s = 30.0
-    subj = f"t.{uuid.uuid4().hex}.step"
-    eng.subjects = SimpleNamespace(worker_step=subj, gen=f"{subj}.gen")
-    eng.bus = await Bus.connect(nats_url, "engine")
-    rank_bus = await Bus.connect(nats_url, "ranks")
-    client = await Bus.connect(nats_url, "api")
+    eng, subj, rank_bus, client = await wired(nats_url, 30.0)
     eng.ranks = SimpleNamespace(view=RankView(2, 0.25))
-    eng.rank_pids = {0: 1, 1: 2}  # reconciled before the restart
-    for r, pid in ((0, 1), (1, 3)):  # rank 1 restarted meanwhile: a new pid
-        eng.ranks.view.record(eng.ranks.view.begin(), r, {"pid": pid}, time.monotonic())
-    gen = eng.scheduler
+    # rank 1 restarted meanwhile: a new pid; the engine reconciled pid 2 before
+    reported(eng, {0: {"pid": 1}, 1: {"pid": 3}}, pids={0: 1, 1: 2})
     chunks: list[m.GenChunk] = []
     ended = asyncio.Event()
 
@@ -319,19 +322,9 @@ async def test_a_slow_step_to_ranks_restarted_before_the_run_is_not_failed(
 
     loop = None
     try:
-        await rank_bus.subscribe(subj, on_step)
-        await client.nc.subscribe(f"{subj}.reply.*", cb=on_chunk)
-        await rank_bus.flush()
-        await client.flush()
-        gen.sched.add(m.GenRequest("a", [1, 2, 3], 2), f"{subj}.reply.a")
-        gen.work.set()
-        loop = asyncio.ensure_future(gen.loop())
+        loop = await start(eng, subj, (rank_bus, client), on_step, on_chunk, {"a": 2})
         await asyncio.wait_for(ended.wait(), 20)
     finally:
-        if loop is not None:
-            loop.cancel()
-            await asyncio.gather(loop, return_exceptions=True)
-        for bus in (eng.bus, rank_bus, client):
-            await bus.close()
+        await stop(loop, eng.bus, rank_bus, client)
     assert [c.finish_reason for c in chunks if c.finish_reason] == ["length"], chunks
     assert [t for c in chunks for t in c.token_ids] == [5, 5]

@@ -5,7 +5,8 @@ token (any string works, duplicates never cross), and a streamed request keeps a
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
 
 import pytest
 
@@ -27,6 +28,53 @@ async def bus(nats_url: str) -> AsyncIterator[Bus]:
     b = await Bus.connect(nats_url, "test-bus-corr")
     yield b
     await b.close()
+
+
+async def recorder(
+    bus: Bus, nats_url: str, n: int
+) -> tuple[str, Any, dict[str, str], asyncio.Event]:
+    """A responder on a new subject (its own connection) that only records each
+    request's reply subject by its request id; the event is set once ``n`` requests were
+    seen. Returns the subject, the connection, the record and the event."""
+    subj = subject()
+    nc = await connect(nats_url)
+    seen: dict[str, str] = {}  # request id -> its reply subject
+    ready = asyncio.Event()
+
+    async def record(msg):  # noqa: ANN001
+        seen[(msg.headers or {})[REQUEST_ID]] = msg.reply
+        if len(seen) == n:
+            ready.set()
+
+    await nc.subscribe(subj, cb=record)
+    await settle(bus, nc)
+    return subj, nc, seen, ready
+
+
+def read_all(
+    streams: dict[str, Any], counts: dict[str, int]
+) -> tuple[dict[str, list[bytes]], list[asyncio.Task[None]]]:
+    """A reader task per stream, reading ``counts[rid]`` replies (each carrying its
+    request id) into the lists returned."""
+    got: dict[str, list[bytes]] = {rid: [] for rid in streams}
+
+    async def read(rid: str) -> None:
+        async for rep in streams[rid]:
+            got[rid].append(rep.data)
+            assert rep.headers[REQUEST_ID] == rid
+            if len(got[rid]) == counts[rid]:
+                return
+
+    return got, [asyncio.create_task(read(rid)) for rid in streams]
+
+
+async def close_all(tasks: Iterable[asyncio.Future[Any]], streams: Iterable[Any], nc: Any) -> None:
+    """Cancel the readers, close the streams, then the responder's connection."""
+    for t in tasks:
+        t.cancel()
+    for s in streams:
+        await s.aclose()
+    await nc.close()
 
 
 async def test_any_request_id_gets_its_own_reply(bus: Bus, nats_url: str) -> None:
@@ -90,31 +138,11 @@ async def test_a_batch_gives_each_stream_exactly_its_own_replies(bus: Bus, nats_
     (``<prefix>.batch``): each stream gets its items, in order, interleaved with the
     plain replies sent around them; an item of an unknown token or carrying another
     request's id is dropped and counted, never delivered."""
-    subj = subject()
-    nc = await connect(nats_url)
-    seen: dict[str, str] = {}  # request id -> its reply subject
-    both = asyncio.Event()
-
-    async def record(msg):  # noqa: ANN001
-        seen[(msg.headers or {})[REQUEST_ID]] = msg.reply
-        if len(seen) == 3:
-            both.set()
-
-    await nc.subscribe(subj, cb=record)
-    await settle(bus, nc)
+    subj, nc, seen, ready = await recorder(bus, nats_url, 3)
     streams = {rid: bus.stream(subj, b"go", idle_timeout=5, request_id=rid) for rid in "abc"}
-    got: dict[str, list[bytes]] = {rid: [] for rid in streams}
-
-    async def read(rid: str, n: int) -> None:
-        async for rep in streams[rid]:
-            got[rid].append(rep.data)
-            assert rep.headers[REQUEST_ID] == rid
-            if len(got[rid]) == n:
-                return
-
-    readers = [asyncio.create_task(read(rid, n)) for rid, n in (("a", 4), ("b", 3), ("c", 1))]
+    got, readers = read_all(streams, {"a": 4, "b": 3, "c": 1})
     try:
-        await asyncio.wait_for(both.wait(), 5)
+        await asyncio.wait_for(ready.wait(), 5)
         tok = {rid: batch_subject(reply)[1] for rid, reply in seen.items()}
         where = batch_subject(seen["a"])[0]
         assert where == batch_subject(seen["b"])[0]  # one inbox: one batch subject
@@ -136,11 +164,7 @@ async def test_a_batch_gives_each_stream_exactly_its_own_replies(bus: Bus, nats_
         await settle(bus, nc)
         assert bus.dropped_replies == 3
     finally:
-        for t in readers:
-            t.cancel()
-        for s in streams.values():
-            await s.aclose()  # type: ignore[attr-defined]
-        await nc.close()
+        await close_all(readers, streams.values(), nc)
 
 
 async def test_a_batch_past_max_payload_reaches_every_stream_whole(
@@ -149,30 +173,11 @@ async def test_a_batch_past_max_payload_reaches_every_stream_whole(
     """Replies for several streams totalling ~3x the server's max_payload: packed by
     ``pack_batches`` they go as several messages the server takes, and each stream gets
     every one of its replies in order (one message of them: MaxPayloadError)."""
-    subj = subject()
-    nc = await connect(nats_url)
-    seen: dict[str, str] = {}
-    ready = asyncio.Event()
-
-    async def record(msg):  # noqa: ANN001
-        seen[(msg.headers or {})[REQUEST_ID]] = msg.reply
-        if len(seen) == 3:
-            ready.set()
-
-    await nc.subscribe(subj, cb=record)
-    await settle(bus, nc)
+    subj, nc, seen, ready = await recorder(bus, nats_url, 3)
     per = 3 * nc.max_payload // (3 * 4096)  # replies per stream, 4 KiB each
     streams = {rid: bus.stream(subj, b"go", idle_timeout=5, request_id=rid, max_unread=per)
                for rid in "abc"}
-    got: dict[str, list[bytes]] = {rid: [] for rid in streams}
-
-    async def read(rid: str) -> None:
-        async for rep in streams[rid]:
-            got[rid].append(rep.data)
-            if len(got[rid]) == per:
-                return
-
-    readers = [asyncio.create_task(read(rid)) for rid in streams]
+    got, readers = read_all(streams, dict.fromkeys(streams, per))
     try:
         await asyncio.wait_for(ready.wait(), 5)
         tok = {rid: batch_subject(reply)[1] for rid, reply in seen.items()}
@@ -183,15 +188,11 @@ async def test_a_batch_past_max_payload_reaches_every_stream_whole(
         for data in messages:
             await nc.publish(batch_subject(seen["a"])[0], data)
         await asyncio.wait_for(asyncio.gather(*readers), 10)
-        for rid in streams:
-            assert [d[:6] for d in got[rid]] == [f"{rid}{i:05d}".encode() for i in range(per)]
         assert bus.dropped_replies == 0
+        for rid in streams:  # every reply, in order
+            assert [d[:6] for d in got[rid]] == [f"{rid}{i:05d}".encode() for i in range(per)]
     finally:
-        for t in readers:
-            t.cancel()
-        for s in streams.values():
-            await s.aclose()  # type: ignore[attr-defined]
-        await nc.close()
+        await close_all(readers, streams.values(), nc)
 
 
 async def test_a_bug_in_one_streams_overflow_hook_leaves_the_batch_to_the_others(
@@ -201,21 +202,11 @@ async def test_a_bug_in_one_streams_overflow_hook_leaves_the_batch_to_the_others
     hook raises) is logged and counted (``callback_errors["replies"]``); that stream's
     reader still gets its overflow error at once, and the batch's later items reach
     their own streams."""
-    subj = subject()
-    nc = await connect(nats_url)
-    seen: dict[str, str] = {}
-    ready = asyncio.Event()
-
-    async def record(msg):  # noqa: ANN001
-        seen[(msg.headers or {})[REQUEST_ID]] = msg.reply
-        if len(seen) == 2:
-            ready.set()
+    subj, nc, seen, ready = await recorder(bus, nats_url, 2)
 
     def hook() -> None:
         raise RuntimeError("a bug in the overflow hook")
 
-    await nc.subscribe(subj, cb=record)
-    await settle(bus, nc)
     a = bus.stream(subj, b"go", idle_timeout=30, request_id="a", max_unread=2, on_overflow=hook)
     b = bus.stream(subj, b"go", idle_timeout=30, request_id="b")
     a_first = asyncio.ensure_future(a.__anext__())  # sends it
@@ -230,8 +221,4 @@ async def test_a_bug_in_one_streams_overflow_hook_leaves_the_batch_to_the_others
             await asyncio.wait_for(a_first, 5)
         assert bus.callback_errors.get("replies") == 1
     finally:
-        for t in (a_first, b_first):
-            t.cancel()
-        for s in (a, b):
-            await s.aclose()  # type: ignore[attr-defined]
-        await nc.close()
+        await close_all((a_first, b_first), (a, b), nc)

@@ -18,6 +18,7 @@ from services.api.openai import OpenAIRoutes
 from services.tiny_model import create_model_dir
 from shared.settings import Settings
 from tests.fixtures.chat import CHATS, make_tokenizer_dir
+from tests.unit.api.asgi import json_post
 
 
 @pytest.fixture(scope="module")
@@ -56,19 +57,7 @@ def test_bad_chat_template_kwargs_are_400(routes: OpenAIRoutes, value: Any) -> N
 
 
 def request(body: dict[str, Any]) -> Request:
-    raw = json.dumps(body).encode()
-    sent = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal sent
-        if sent:
-            return {"type": "http.disconnect"}
-        sent = True
-        return {"type": "http.request", "body": raw, "more_body": False}
-
-    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
-             "headers": [(b"content-type", b"application/json")], "query_string": b""}  # fmt: skip
-    return Request(scope, receive)
+    return json_post("/v1/chat/completions", json.dumps(body).encode())
 
 
 async def test_template_renders_off_the_event_loop(

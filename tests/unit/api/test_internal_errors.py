@@ -13,13 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from starlette.requests import Request
 
 from services.api.deps import Deps
 from services.api.generate import Delta
 from services.api.openai import OpenAIRoutes
 from shared import messages as m
 from shared.settings import Settings
+from tests.unit.api.asgi import json_post
 
 
 @pytest.fixture(scope="module")
@@ -74,24 +74,9 @@ async def test_a_bug_in_a_request_answers_500_in_openai_shape(
         raise RuntimeError("boom in parse")
 
     monkeypatch.setattr(routes, "parse", parse)
-    body = b'{"prompt": "x"}'
-    sent = False
-
-    async def receive() -> dict[str, Any]:
-        nonlocal sent
-        if sent:
-            return {"type": "http.disconnect"}
-        sent = True
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    scope = {
-        "type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"",
-        "headers": [(b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode())],
-    }
     before = failures(routes, "generation")
     with caplog.at_level(logging.ERROR):
-        resp = await routes.handle(Request(scope, receive), chat=False)
+        resp = await routes.handle(json_post("/v1/completions", b'{"prompt": "x"}'), chat=False)
     assert resp.status_code == 500
     err = json.loads(bytes(resp.body))["error"]
     assert err["type"] == "server_error" and "boom in parse" in err["message"]

@@ -60,6 +60,22 @@ def test_late_commit_after_rollback_is_refused(store: WeightStore) -> None:
     assert e.value.code == 409 and (store.version, value(store)) == ("v0", 0.0)
 
 
+def test_a_revoked_update_is_refused_before_its_rollback_runs(store: WeightStore) -> None:
+    """``revoke`` (the rollback *arrived*; its own work not run yet) refuses the commit and
+    changes nothing; another update's id is not affected."""
+    store.stage("v1", False, "u1")
+    store.revoke("u0")
+    store.revoke("u1")
+    with pytest.raises(ControlError) as e:
+        store.commit("v1", "u1")
+    assert e.value.code == 409 and "u1 was rolled back" in e.value.message
+    assert (store.version, value(store)) == ("v0", 0.0) and store._staged is not None
+    assert store.rollback("u1") is False and store._staged is None  # then it runs
+    store.stage("v1", False, "u2")
+    store.commit("v1", "u2")
+    assert (store.version, value(store)) == ("v1", 1.0)
+
+
 def test_commit_needs_matching_stage(store: WeightStore) -> None:
     store.stage("v1", False, "u1")
     with pytest.raises(ControlError):
