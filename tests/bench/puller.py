@@ -4,8 +4,9 @@
 ``python -m tests.bench.puller URL BUCKET NAME [SHA256]`` connects, prints ``ready``,
 waits for a line on stdin (so several pullers start together), reads the object with
 :func:`shared.objstore.read_object` (verifying SHA256 when given) and prints one JSON
-line ``{"mib_s", "t0", "t1", "bytes"}`` (``time.monotonic()``, comparable across
-processes). ``stock`` as the fourth argument uses nats-py's ``ObjectStore.get`` (it
+line ``{"mib_s", "t0", "t1", "bytes", "cpu_s"}`` (``time.monotonic()``, comparable
+across processes; ``cpu_s``: this process's CPU seconds, all threads, from ``t0`` to
+``t1``). ``stock`` as the fourth argument uses nats-py's ``ObjectStore.get`` (it
 concatenates the chunks: quadratic in size), ``stock-into`` the same with
 ``writeinto=BytesIO`` (its linear path);
 ``--nats-py`` makes our reader read through nats-py (no :mod:`shared._fastwire`)."""
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import resource
 import sys
 import time
 
@@ -24,13 +26,18 @@ from shared.bus import Bus
 MIB = 1 << 20
 
 
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 async def main(url: str, bucket: str, name: str, sha: str | None) -> None:
     bus = await Bus.connect(url, "bench-puller")
     try:
         await bus.flush()
         print("ready", flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
-        t0 = time.monotonic()
+        c0, t0 = _cpu(), time.monotonic()
         if sha == "stock":
             store = await bus.nc.jetstream().object_store(bucket)
             n = len((await store.get(name)).data or b"")
@@ -43,9 +50,9 @@ async def main(url: str, bucket: str, name: str, sha: str | None) -> None:
             buf = await objstore.read_object(bus.nc, bucket, name, expect_sha256=sha,
                                              fast="--nats-py" not in sys.argv)
             n = len(buf)
-        t1 = time.monotonic()
-        print(json.dumps({"mib_s": n / MIB / (t1 - t0), "t0": t0, "t1": t1, "bytes": n}),
-              flush=True)
+        t1, c1 = time.monotonic(), _cpu()
+        print(json.dumps({"mib_s": n / MIB / (t1 - t0), "t0": t0, "t1": t1, "bytes": n,
+                          "cpu_s": c1 - c0}), flush=True)
     finally:
         await bus.close()
 

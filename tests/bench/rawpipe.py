@@ -2,8 +2,9 @@
 the wire baseline of the checkpoint benchmark.
 
 ``python -m tests.bench.rawpipe sub URL SUBJECT N`` prints ``ready``, then one JSON line
-``{"mib_s", "t0", "t1", "bytes"}`` for N 1 MiB messages (``t0``/``t1``: ``time.monotonic()``
-at the first and the last message, comparable across processes on one host);
+``{"mib_s", "t0", "t1", "bytes", "cpu_s"}`` for N 1 MiB messages (``t0``/``t1``:
+``time.monotonic()`` at the first and the last message, comparable across processes on
+one host; ``cpu_s``: the subscriber process's CPU seconds from ready to the last message);
 ``... pub URL SUBJECT N [--wait]`` sends them (``--wait``: after connecting, print
 ``ready`` and wait for a line on stdin, so several flows start together). What is in
 flight is bounded to 32 MiB with credits (the subscriber grants 8 more messages after
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import resource
 import sys
 import time
 
@@ -57,6 +59,11 @@ async def pub(url: str, subject: str, n: int) -> None:
     await nc.close()
 
 
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 async def sub(url: str, subject: str, n: int) -> None:
     nc = await nats.connect(url)
     loop = asyncio.get_running_loop()
@@ -78,6 +85,7 @@ async def sub(url: str, subject: str, n: int) -> None:
     await nc.subscribe(subject, cb=on_msg, pending_bytes_limit=128 * MIB)
     await nc.flush()
     await nc.flush()  # nats-py: the first flush can return before the server saw the SUB
+    c0 = _cpu()
     print("ready", flush=True)
     # a watchdog without wait_for (which, here, kept the reader from running)
     loop.call_later(60, lambda: done.done() or done.set_exception(TimeoutError()))
@@ -87,7 +95,8 @@ async def sub(url: str, subject: str, n: int) -> None:
         print(json.dumps({"error": f"got {got} of {n} messages in 60 s"}), flush=True)
         sys.exit(1)
     # the first message starts the clock: n-1 messages were timed
-    out = {"mib_s": (n - 1) / (t1 - t0), "t0": t0, "t1": t1, "bytes": n * MIB}
+    out = {"mib_s": (n - 1) / (t1 - t0), "t0": t0, "t1": t1, "bytes": n * MIB,
+           "cpu_s": _cpu() - c0}
     print(json.dumps(out), flush=True)
     await nc.close()
 

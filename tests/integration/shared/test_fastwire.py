@@ -232,8 +232,8 @@ async def test_broken_stream_mid_object_is_a_read_error(
     made: list[mmap.mmap] = []
     real = mmap.mmap
 
-    def rec(*a: Any) -> mmap.mmap:
-        made.append(real(*a))
+    def rec(*a: Any, **kw: Any) -> mmap.mmap:
+        made.append(real(*a, **kw))
         return made[-1]
 
     monkeypatch.setattr(mmap, "mmap", rec)
@@ -242,7 +242,7 @@ async def test_broken_stream_mid_object_is_a_read_error(
             await objstore.read_object(nc, BUCKET, name, stall_timeout=3.0,
                                        expect_sha256="0" * 64)
         assert proxy.count == 2 and nc.is_connected  # nats-py's connection untouched
-        await _settle(lambda: made[-1].closed)  # after the stride being hashed, if any
+        await _settle(lambda: made[-1].closed)  # after the update being hashed, if any
         assert len(made) == 1 and made[0].closed
     finally:
         await nc.close()
