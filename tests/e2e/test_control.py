@@ -364,7 +364,10 @@ def test_metrics(stack: Stack) -> None:
     assert "rollbus_ranks_alive 1.0" in text
     with stack.client() as c:
         c.post("/v1/resume")
-        c.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+        # ignore_eos: a sampled EOS would end it with "stop", not the "length" counted below
+        r = c.post("/v1/completions",
+                   json={"model": "tiny", "prompt": "x", "max_tokens": 2, "ignore_eos": True})
+        assert r.status_code == 200, r.text
     text = get(stack, "/metrics").text
     count = next(ln for ln in text.splitlines()
                  if ln.startswith("rollbus_time_to_first_token_seconds_count"))

@@ -2,8 +2,9 @@
 generated credentials), another instance name and API port. It joins the running
 server instead of starting one; both serve generations and control independently; a
 duplicate instance name is refused (one line, exit 2); stopping the second leaves the
-first intact; stopping the first (the server's owner) hands the server over to the
-second, which keeps serving."""
+first intact; stopping the first (the server's owner) hands the server over to a third,
+joined beside the second (started with it: one start less than a restart of the second),
+which keeps serving."""
 
 from __future__ import annotations
 
@@ -79,13 +80,17 @@ def test_second_instance_joins_the_embedded_server(tmp_path: Path) -> None:
     nport = free_port()
     first = Serve(tmp_path, "first", nport)
     second: Serve | None = None
+    third: Serve | None = None
     try:
         first.healthy()
         nats_pid = json.loads((tmp_path / "data" / "nats" / "owner.json").read_text())["nats_pid"]
         assert any("nats-server" in c for c in _children(first.proc.pid))
         second = Serve(tmp_path, "second", nport)
+        third = Serve(tmp_path, "third", nport)
         second.healthy()
+        third.healthy()
         assert "joined the embedded nats-server" in second.text()
+        assert "joined the embedded nats-server" in third.text()
         kids = _children(second.proc.pid)
         # its engine, one rank, its api: no nats-server of its own
         assert len(kids) == 3 and not any("nats-server" in c for c in kids), kids
@@ -121,22 +126,21 @@ def test_second_instance_joins_the_embedded_server(tmp_path: Path) -> None:
         assert httpx.get(first.base + "/health", timeout=5).status_code == 200
 
         # the first (the server's owner) stops: a joined instance takes the server over
-        second = Serve(tmp_path, "second", nport)
-        second.healthy()
+        assert third.complete()["choices"]
         assert first.stop() == 0
         assert not _alive(nats_pid)
         deadline = time.monotonic() + 60
-        while "this instance runs it now" not in second.text():
-            assert time.monotonic() < deadline, second.text()[-2000:]
+        while "this instance runs it now" not in third.text():
+            assert time.monotonic() < deadline, third.text()[-2000:]
             time.sleep(0.2)
-        wait_healthy(second.base, second.proc, second.log, timeout=60)
-        assert second.complete()["choices"]
+        wait_healthy(third.base, third.proc, third.log, timeout=60)
+        assert third.complete()["choices"]
         owner = json.loads((tmp_path / "data" / "nats" / "owner.json").read_text())
-        assert owner["instance"] == "second" and _alive(owner["nats_pid"])
-        assert second.stop() == 0
+        assert owner["instance"] == "third" and _alive(owner["nats_pid"])
+        assert third.stop() == 0
         assert not _alive(owner["nats_pid"])
         assert not (tmp_path / "data" / "nats" / "owner.json").exists()
     finally:
-        for s in (second, first):
+        for s in (third, second, first):
             if s is not None:
                 s.stop()

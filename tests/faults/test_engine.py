@@ -133,18 +133,19 @@ def test_a_new_stack_starts_fresh_not_from_the_stored_state(
     tmp_path_factory: pytest.TempPathFactory, nats_url: str
 ) -> None:
     """Only an engine restarted beside live ranks restores; `rollbus serve` started again
-    on the same NATS and instance runs from the model dir, like any server."""
+    on the same NATS and instance runs from the model dir, like any server. (TP=1: the
+    stored state is the engine's, whatever the rank count.)"""
     from tests.e2e.stack import start_stack
 
     tmp = tmp_path_factory.mktemp("fresh")
     env = {"ROLLBUS_INSTANCE": f"fresh{int(time.time() * 1000) % 10**8}"}
-    first = start_stack(tmp, nats_url, env=env)
+    first = start_stack(tmp, nats_url, tp=1, env=env)
     try:
         assert c.ctl(first, "/v1/pause", params={"mode": "keep"}).status_code == 200
         assert c.status(first)["state"] == "paused"
     finally:
         first.stop()
-    second = start_stack(tmp, nats_url, env=env)
+    second = start_stack(tmp, nats_url, tp=1, env=env)
     try:
         st = c.status(second)
         assert st["state"] == "running" and not st["is_paused"], st
