@@ -50,6 +50,7 @@ import logging
 import ssl
 import time
 import uuid
+from asyncio import FIRST_COMPLETED
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -297,10 +298,15 @@ class Bus:
         """
 
         seen: list[Exception] = []  # the reason a bounded connect gave up (auth refused...)
+        # A refused login is not transient (the server's users change only at a restart):
+        # the connect ends at once instead of retrying until ``timeout``.
+        refused = asyncio.Event()
 
         async def _quiet(e: Exception) -> None:
             seen.append(e)
             del seen[:-8]
+            if not holder and "authorization" in str(e).lower():
+                refused.set()
             # connection trouble is retried by nats-py; anything else is a bug in a callback
             if isinstance(e, (nats.errors.Error, OSError, TimeoutError)):
                 log.debug("nats: %r", e)
@@ -316,22 +322,33 @@ class Bus:
         servers = [u.strip() for u in url.split(",") if u.strip()]
         tls = tls or creds.client_tls_from_env()
         opts: dict[str, Any] = {"tls": tls} if tls else {}
-        try:
-            nc = await asyncio.wait_for(
-                nats.connect(
-                    servers=servers,
-                    name=name,
-                    inbox_prefix=creds.inbox_prefix(creds.url_user(url)),
-                    **opts,
-                    connect_timeout=min(2.0, timeout),
-                    max_reconnect_attempts=-1,
-                    reconnect_time_wait=0.5,
-                    error_cb=_quiet,
-                    disconnected_cb=_disconnected,
-                    pending_size=256 * 1024 * 1024,
-                ),
-                timeout,
+        connecting = asyncio.ensure_future(
+            nats.connect(
+                servers=servers,
+                name=name,
+                inbox_prefix=creds.inbox_prefix(creds.url_user(url)),
+                **opts,
+                connect_timeout=min(2.0, timeout),
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.5,
+                error_cb=_quiet,
+                disconnected_cb=_disconnected,
+                pending_size=256 * 1024 * 1024,
             )
+        )
+        watch = asyncio.ensure_future(refused.wait())
+        try:
+            await asyncio.wait({connecting, watch}, timeout=timeout, return_when=FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not connecting.done():  # timed out, refused, or our caller was cancelled
+                connecting.cancel()
+                await asyncio.gather(connecting, return_exceptions=True)
+        if connecting.cancelled():
+            stop = nats.errors.AuthorizationError() if refused.is_set() else TimeoutError()
+            raise BusUnreachable(creds.redact(url), _why(stop, seen)) from None
+        try:
+            nc = connecting.result()
         except (TimeoutError, OSError, nats.errors.Error) as e:
             raise BusUnreachable(creds.redact(url), _why(e, seen)) from None
         bus = cls(nc, name)
