@@ -67,8 +67,8 @@ class Settings(BaseSettings):
     )
     admit_quiet_ms: float = Field(
         3.0, ge=0, le=10_000,
-        description="... and starts once no request has come for this long (and the API "
-        "holds none more); 0 = as soon as the API holds none more",
+        description="an idle engine starts its first step once no request has come for "
+        "this long and no API holds more (README 'Admission'); 0 = as soon as none holds more",
     )
     step_pipeline: bool = Field(
         True,
