@@ -284,6 +284,9 @@ class GenRequest(msgspec.Struct):
     # nobody reads the tokens before the end (the API: not streamed, no stop strings):
     # the engine may hold them and send every few steps; the first and the last at once
     coalesce: bool = False
+    # requests the sender holds besides this one, not sent yet (a burst under way): an
+    # idle engine waits for them so that they share the first step (ROLLBUS_ADMIT_WAIT_MS)
+    more: Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)] = 0
 
 
 class VersionSpan(msgspec.Struct, array_like=True):

@@ -65,6 +65,11 @@ class Settings(BaseSettings):
         description="an idle engine waits up to this long for requests arriving together "
         "(README 'Admission'); 0 = start at once",
     )
+    admit_quiet_ms: float = Field(
+        3.0, ge=0, le=10_000,
+        description="an idle engine starts its first step once no request has come for "
+        "this long and no API holds more (README 'Admission'); 0 = as soon as none holds more",
+    )
     step_pipeline: bool = Field(
         True,
         description="send the next decode step before the last one's reply (README "

@@ -266,6 +266,10 @@ class OpenAIRoutes:
         # vocab_size), not the tokenizer's size: a padded vocabulary accepts every id the
         # model has, a tokenizer with more ids than the model cannot feed it an unknown one
         self.vocab_size = model_vocab_size(s.model_dir, self.tokenizer.vocab_size)
+        # generation requests received and not yet sent to the engine: each one sent
+        # tells the engine how many more are coming (``GenRequest.more``), so that an idle
+        # engine starts a burst in one step (README "Admission")
+        self.incoming = 0
 
     # ------------------------------------------------------------------ parsing
 
@@ -630,13 +634,20 @@ class OpenAIRoutes:
     async def _handle(self, request: Request, chat: bool) -> Response:
         route = "chat" if chat else "completions"
         s = self.deps.settings
+        incoming = False
         try:
             self._auth(request)
             raw = await read_body(request, s.max_body_bytes, s.body_timeout_s)
+            self.incoming += 1  # read (a slow body does not count): parsed and sent next
+            incoming = True
             # off the event loop: a chat template (untrusted jinja) or a long prompt's
             # tokenization is CPU work that would stall every other request and stream
             job = await asyncio.to_thread(self.parse, parse_json(raw, empty={}), chat)
             assert self.deps.bus is not None
+            self.incoming -= 1
+            incoming = False
+            for i, gen in enumerate(job.gens):  # this job's later prompts, others received
+                gen.more = self.incoming + len(job.gens) - 1 - i
             gave_up = asyncio.Event()
             call = Calls(
                 [
@@ -674,6 +685,9 @@ class OpenAIRoutes:
             return Response(status_code=499)  # nobody reads it; the engine was told to cancel
         except Exception as e:  # noqa: BLE001 - a bug: logged, counted, answered as OpenAI's
             return JSONResponse(self._internal(e, "", "generation"), INTERNAL_ERROR)
+        finally:
+            if incoming:  # refused, or the client left, before it was sent
+                self.incoming -= 1
 
     def _internal(self, e: Exception, rid: str, task: str) -> dict[str, Any]:
         """An unexpected exception of a generation request (``task``: its handler or its

@@ -146,6 +146,8 @@ class Generation:
         self.arrived = asyncio.Event()  # set on each queued request (wakes gather)
         self.step_avg = 0.0  # moving average of a step's round trip (0: none yet)
         self.gathered = 0.0  # seconds idle starts waited for more requests (summed)
+        # sender -> (requests it said it still holds, when): ``GenRequest.more``
+        self._coming: dict[str, tuple[int, float]] = {}
         self._behind_key: tuple[int, str] | None = None
         self._behind = 0
         # reply subjects of requests that came as JSON (raw NATS clients, `nats req`): their
@@ -193,6 +195,8 @@ class Generation:
             return
         await self._send(msg.reply, m.GenChunk(rid, heartbeat=True))  # queued
         self.last_arrival = time.monotonic()
+        # the sender's connection (its inbox prefix): how many more it holds right now
+        self._coming[msg.reply.rpartition(".")[0]] = (gen.more, self.last_arrival)
         self.arrived.set()
         self.work.set()
 
@@ -370,21 +374,26 @@ class Generation:
                     self.active, self.in_step = False, 0
             await asyncio.sleep(0)  # let control handlers take the lock between steps
 
-    def gather_window(self) -> tuple[float, float]:
-        """(most, quiet) seconds an idle start waits: ``ROLLBUS_ADMIT_WAIT_MS``, at most
-        half a step's round trip (a later arrival costs the batch about one step), and
-        it ends once no request has come for half of that."""
-        most = getattr(self.engine.settings, "admit_wait_ms", 0.0) / 1e3
-        if self.step_avg:
-            most = min(most, self.step_avg / 2)
-        return most, most / 2
+    def gather_window(self) -> tuple[float, float, float]:
+        """(most, quiet, held) seconds an idle start waits: ``ROLLBUS_ADMIT_WAIT_MS``, at
+        most half a step's round trip (a later arrival costs the batch about one step);
+        it ends once no request has come for ``ROLLBUS_ADMIT_QUIET_MS`` — unless a sender
+        said it holds more (``GenRequest.more``: a burst the API is still tokenizing and
+        sending): those are waited for up to ``ROLLBUS_ADMIT_WAIT_MS`` (``held``)."""
+        s = self.engine.settings
+        held = getattr(s, "admit_wait_ms", 0.0) / 1e3
+        most = min(held, self.step_avg / 2) if self.step_avg else held
+        return most, min(getattr(s, "admit_quiet_ms", 0.0) / 1e3, most), held
+
+    def _more_coming(self, now: float, held: float) -> bool:
+        return any(n > 0 and now - t < held for n, t in self._coming.values())
 
     async def gather(self) -> None:
         """Requests arriving together start together: when nothing runs and requests
         wait, wait a little for more, so their prompts share one prefill step and their
         decodes run in lockstep (each later group would cost every request of the batch
         one more step). Never while anything runs: a running batch is not delayed."""
-        most, quiet = self.gather_window()
+        most, quiet, held = self.gather_window()
         t0 = time.monotonic()
         while (
             most > 0
@@ -395,12 +404,16 @@ class Generation:
             and 0 < len(self.sched.waiting) < self.sched.max_batch
         ):
             now = time.monotonic()
-            left = min(t0 + most, self.last_arrival + quiet) - now
+            if self._more_coming(now, held):
+                left = t0 + held - now
+            else:
+                left = min(t0 + most, self.last_arrival + quiet) - now
             if left <= 0:
                 break
             self.arrived.clear()
             with contextlib.suppress(TimeoutError):  # woken by each arrival, to look again
                 await asyncio.wait_for(self.arrived.wait(), left)
+        self._coming.clear()  # what they said is about the requests now admitted
         self.gathered += time.monotonic() - t0
 
     async def _take_cancels(self) -> None:

@@ -360,7 +360,9 @@ class Scheduler:
             budget -= row.num_new
             rows.append(row)
             seqs.append(seq)
-        if not rows and (ahead or (not self._copies and not self._finished_ids)):
+        # finished ids alone are no step: they go with the next one (a rank only drops
+        # their samplers), so the end of a batch costs no round trip of its own
+        if not rows and (ahead or not self._copies):
             return None
         self._step += 1
         for row, seq in zip(rows, seqs, strict=True):

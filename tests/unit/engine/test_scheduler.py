@@ -43,9 +43,13 @@ def test_prefill_then_decode_until_length() -> None:
     assert seq.output == [7, 7, 7]
     assert [(x.version, x.start, x.end) for x in seq.spans] == [("v0", 0, 2), ("v1", 2, 3)]
     assert s.alloc.num_free == 16 and not s.requests
-    # the finished sequence is named once so rank 0 can drop its sampler
+    # the finished sequence is named once so rank 0 can drop its sampler: with the next
+    # step that has rows, not in a step of its own (the end of a batch costs no round trip)
+    assert s.schedule() is None
+    s.add(gen("b", prompt=2, max_tokens=1), "inbox")
     plan = s.schedule()
-    assert plan is not None and plan.step.finished == [seq.seq_id] and not plan.step.rows
+    assert plan is not None and plan.step.finished == [seq.seq_id] and plan.step.rows
+    s.apply(plan, fake_reply(plan), "v1")
     assert s.schedule() is None
 
 
