@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -50,6 +51,23 @@ def signal_quietly(pid: int, sig: int) -> None:
         os.kill(pid, sig)
     except ProcessLookupError:
         pass
+
+
+def wait_exited(pid: int, timeout: float = 10) -> None:
+    """Until ``pid`` has exited — every thread gone, a zombie its parent has not reaped
+    (what a pidfd polls readable for): SIGKILL is delivered asynchronously, and a process
+    with many threads and much memory takes a while to die on a loaded host."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        poll = select.poll()
+        poll.register(fd, select.POLLIN)
+        if not poll.poll(timeout * 1000):
+            raise AssertionError(f"process {pid} still running {timeout} s after SIGKILL")
+    finally:
+        os.close(fd)
 
 
 def status(stack: Stack, fresh: bool = False) -> dict[str, Any]:

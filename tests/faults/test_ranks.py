@@ -224,6 +224,7 @@ def test_killed_rank_is_seen_at_once(faults: Faults) -> None:
     c.signal_quietly(f.stack.proc.pid, signal.SIGSTOP)
     try:
         c.signal_quietly(pid, signal.SIGKILL)
+        c.wait_exited(pid)  # the kill itself takes a moment; "at once" counts from the exit
         r = c.get(f.stack, "/health")
         assert r.status_code == 503 and f"its process {pid} has exited" in r.text, r.text
         rank1 = c.status(f.stack)["ranks"][1]
