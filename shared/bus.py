@@ -46,6 +46,7 @@ One :class:`Bus` per process. It owns:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import ssl
 import time
@@ -263,6 +264,18 @@ def _token() -> str:
     return uuid.uuid4().hex
 
 
+async def _abandon(nc: Any) -> None:
+    """Close a client whose connect was given up: its socket now (a cancelled nats-py
+    connect leaves it open, mid-handshake), then its tasks, if it got that far."""
+    tr = getattr(nc, "_transport", None)
+    if tr is not None:
+        with contextlib.suppress(Exception):
+            tr.close()
+    if nc.is_connected or nc.is_reconnecting:
+        with contextlib.suppress(Exception):
+            await asyncio.shield(nc.close())
+
+
 class Bus:
     def __init__(self, nc: Client, name: str) -> None:
         self.nc = nc
@@ -322,8 +335,9 @@ class Bus:
         servers = [u.strip() for u in url.split(",") if u.strip()]
         tls = tls or creds.client_tls_from_env()
         opts: dict[str, Any] = {"tls": tls} if tls else {}
+        nc = Client()  # ours: closed below if the connect is abandoned
         connecting = asyncio.ensure_future(
-            nats.connect(
+            nc.connect(
                 servers=servers,
                 name=name,
                 inbox_prefix=creds.inbox_prefix(creds.url_user(url)),
@@ -337,25 +351,33 @@ class Bus:
             )
         )
         watch = asyncio.ensure_future(refused.wait())
+        ok = False
         try:
-            await asyncio.wait({connecting, watch}, timeout=timeout, return_when=FIRST_COMPLETED)
+            try:
+                await asyncio.wait(
+                    {connecting, watch}, timeout=timeout, return_when=FIRST_COMPLETED
+                )
+            finally:
+                watch.cancel()
+                if not connecting.done():  # timed out, refused, or our caller was cancelled
+                    connecting.cancel()
+                    await asyncio.gather(connecting, return_exceptions=True)
+            if connecting.cancelled():
+                stop = nats.errors.AuthorizationError() if refused.is_set() else TimeoutError()
+                raise BusUnreachable(creds.redact(url), _why(stop, seen)) from None
+            try:
+                connecting.result()
+            except (TimeoutError, OSError, nats.errors.Error) as e:
+                raise BusUnreachable(creds.redact(url), _why(e, seen)) from None
+            bus = cls(nc, name)
+            holder.append(bus)
+            bus.url = creds.public(url)  # shown by /v1/status: no credentials
+            await bus._start()
+            ok = True
+            return bus
         finally:
-            watch.cancel()
-            if not connecting.done():  # timed out, refused, or our caller was cancelled
-                connecting.cancel()
-                await asyncio.gather(connecting, return_exceptions=True)
-        if connecting.cancelled():
-            stop = nats.errors.AuthorizationError() if refused.is_set() else TimeoutError()
-            raise BusUnreachable(creds.redact(url), _why(stop, seen)) from None
-        try:
-            nc = connecting.result()
-        except (TimeoutError, OSError, nats.errors.Error) as e:
-            raise BusUnreachable(creds.redact(url), _why(e, seen)) from None
-        bus = cls(nc, name)
-        holder.append(bus)
-        bus.url = creds.public(url)  # shown by /v1/status: no credentials
-        await bus._start()
-        return bus
+            if not ok:  # given up or cancelled: nats-py leaves a cancelled handshake's
+                await _abandon(nc)  # socket open, and a finished connect is ours to close
 
     async def _start(self) -> None:
         # nats-py: the first flush on a fresh connection can return on the handshake's

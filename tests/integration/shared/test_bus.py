@@ -188,6 +188,54 @@ async def test_connect_to_unreachable_server_is_bounded() -> None:
     assert "nats://127.0.0.1:1" in e.value.message
 
 
+def _open_tcp_to(port: int) -> int:
+    """This process's ESTABLISHED TCP sockets to 127.0.0.1:``port`` (Linux /proc)."""
+    import os
+
+    mine = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            mine.add(link[8:-1])
+    n = 0
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            cols = line.split()
+            remote, state, inode = cols[2], cols[3], cols[9]
+            if state == "01" and int(remote.split(":")[1], 16) == port and inode in mine:
+                n += 1
+    return n
+
+
+async def test_cancelled_connect_leaves_no_connection(nats_url: str) -> None:
+    """A caller cancelled at any point of Bus.connect (mid-handshake included) leaves no
+    socket open to the server: nats-py does not close its transport when cancelled."""
+    import gc
+    from urllib.parse import urlparse
+
+    port = urlparse(nats_url).port
+    assert port
+    before = _open_tcp_to(port)
+    for k in range(80):  # cancel after k loop iterations, then after k/4 ms: every
+        task = asyncio.ensure_future(Bus.connect(nats_url, f"cancel-{k}", timeout=5))
+        if k < 40:  # await of the handshake is hit by one of them
+            for _ in range(k):
+                await asyncio.sleep(0)
+        else:
+            await asyncio.sleep((k - 40) / 4000)
+        task.cancel()
+        res = (await asyncio.gather(task, return_exceptions=True))[0]
+        if isinstance(res, Bus):  # connected before the cancel landed: the caller owns it
+            await res.close()
+    await asyncio.sleep(0.3)
+    gc.collect()
+    await asyncio.sleep(0.1)
+    assert _open_tcp_to(port) == before
+
+
 async def test_served_endpoints_are_discoverable_micro_services(bus: Bus, nats_url: str) -> None:
     name = f"rollbus-test-{uuid.uuid4().hex[:8]}"
     svc = await bus.add_service(name, "0.1.0")
