@@ -335,6 +335,8 @@ class Bus:
         servers = [u.strip() for u in url.split(",") if u.strip()]
         tls = tls or creds.client_tls_from_env()
         opts: dict[str, Any] = {"tls": tls} if tls else {}
+        # seconds as floats: nats-py's hints say int, its code takes any number
+        opts |= {"connect_timeout": min(2.0, timeout), "reconnect_time_wait": 0.5}
         nc = Client()  # ours: closed below if the connect is abandoned
         connecting = asyncio.ensure_future(
             nc.connect(
@@ -342,9 +344,7 @@ class Bus:
                 name=name,
                 inbox_prefix=creds.inbox_prefix(creds.url_user(url)),
                 **opts,
-                connect_timeout=min(2.0, timeout),
                 max_reconnect_attempts=-1,
-                reconnect_time_wait=0.5,
                 error_cb=_quiet,
                 disconnected_cb=_disconnected,
                 pending_size=256 * 1024 * 1024,
