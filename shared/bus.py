@@ -78,6 +78,38 @@ from shared.tasks import guarded
 log = logging.getLogger("rollbus.bus")
 
 REQUEST_ID = "Rollbus-Request-Id"
+# the longest request id a responder echoes (a client's ``X-Request-Id`` fits: the API's
+# request head is at most 64 KiB); a longer one is not echoed (the engine answers 400)
+MAX_REQUEST_ID_BYTES = 64 * 1024
+
+
+def _header_bytes(headers: dict[str, str] | None) -> int:
+    """Bytes of the NATS header block nats-py writes for ``headers`` (an upper bound:
+    it strips values)."""
+    if not headers:
+        return 0
+    # "NATS/1.0\r\n", "key: value\r\n" per header, "\r\n"
+    return 12 + sum(len(k.encode()) + len(v.encode()) + 4 for k, v in headers.items())
+
+
+class _Client(Client):
+    """nats-py's client, refusing here a message whose headers and payload together
+    exceed the server's ``max_payload``. nats-py checks the payload alone: a larger
+    message goes out, the server answers ``-ERR 'Maximum Payload Violation'`` and
+    closes the connection, and nats-py does not reconnect after that error — one
+    oversized reply (e.g. echoing a client's huge ``Rollbus-Request-Id``) would cut the
+    process off the bus for good. Refused here, only that publish fails."""
+
+    async def publish(
+        self,
+        subject: str,
+        payload: bytes = b"",
+        reply: str = "",
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        if headers and len(payload) + _header_bytes(headers) > self._max_payload:
+            raise nats.errors.MaxPayloadError
+        await super().publish(subject, payload, reply=reply, headers=headers)
 RANK = "Rollbus-Rank"
 STATUS = "Status"
 
@@ -337,7 +369,7 @@ class Bus:
         opts: dict[str, Any] = {"tls": tls} if tls else {}
         # seconds as floats: nats-py's hints say int, its code takes any number
         opts |= {"connect_timeout": min(2.0, timeout), "reconnect_time_wait": 0.5}
-        nc = Client()  # ours: closed below if the connect is abandoned
+        nc = _Client()  # ours: closed below if the connect is abandoned
         connecting = asyncio.ensure_future(
             nc.connect(
                 servers=servers,
@@ -716,8 +748,9 @@ class Bus:
             if out is None or not req._msg.reply:
                 return
             h = dict(reply_headers or {})
-            if REQUEST_ID in headers:
-                h[REQUEST_ID] = headers[REQUEST_ID]
+            rid = headers.get(REQUEST_ID)
+            if rid is not None and len(rid.encode()) <= MAX_REQUEST_ID_BYTES:
+                h[REQUEST_ID] = rid
             await req.respond(out, headers=h)
 
         run = guarded(subject, handle, self.callback_errors)

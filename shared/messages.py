@@ -80,6 +80,18 @@ class StatusArgs(msgspec.Struct, forbid_unknown_fields=True):
     fresh: bool = False
 
 
+MAX_ERROR_CHARS = 2048  # of an error message: a reply must fit the server's max_payload
+
+
+def clip(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, saying how long it was: error messages echo
+    what the client sent (a field name, a tag), and a reply larger than the server's
+    ``max_payload`` could not be sent at all."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… ({len(text)} characters)"
+
+
 def parse_tags(tags: list[str] | str | None) -> tuple[str, ...]:
     """Normalize sleep/wakeup tags; none means all. Unknown tag: ``ControlError(400)``."""
     if tags is None:
@@ -91,7 +103,9 @@ def parse_tags(tags: list[str] | str | None) -> tuple[str, ...]:
     unknown = [t for t in items if t not in SLEEP_TAGS]
     if unknown:
         raise ControlError(
-            BAD_REQUEST, f"unknown tag(s) {unknown}: allowed tags are {list(SLEEP_TAGS)}"
+            BAD_REQUEST,
+            clip(f"unknown tag(s) {unknown}: allowed tags are {list(SLEEP_TAGS)}"),
+            {"param": "tags"},
         )
     return tuple(t for t in SLEEP_TAGS if t in items)
 
@@ -127,9 +141,11 @@ def decode_args(data: bytes, kind: type[T]) -> T:
         return msgspec.json.decode(data, type=kind)
     except msgspec.ValidationError as e:
         param = error_param(e)
+        if param:
+            param = clip(param, 256)  # an unknown field's name is the client's to choose
         raise ControlError(
             BAD_REQUEST,
-            f"bad argument '{param}': {error_text(e)}" if param else f"bad arguments: {e}",
+            clip(f"bad argument '{param}': {error_text(e)}" if param else f"bad arguments: {e}"),
             {"param": param or "body"},
         ) from None
     except msgspec.DecodeError as e:

@@ -28,7 +28,7 @@ from services.engine.state import EngineState, State
 from shared import fleet as fleet_msgs
 from shared import messages as m
 from shared import objstore
-from shared.bus import REQUEST_ID, Bus, new_request_id
+from shared.bus import MAX_REQUEST_ID_BYTES, REQUEST_ID, Bus, new_request_id
 from shared.errors import (
     BAD_REQUEST,
     CONFLICT,
@@ -145,11 +145,20 @@ class Engine:
 
     async def dispatch(self, method: str, data: bytes, headers: dict[str, str]) -> bytes:
         rid = headers.get(REQUEST_ID) or new_request_id()
-        actor = headers.get(ACTOR, "nats")
+        long_rid = len(rid.encode()) > MAX_REQUEST_ID_BYTES
+        if long_rid:  # not echoed (``Bus.serve``): the reply would not fit max_payload
+            rid = new_request_id()
+        actor = m.clip(headers.get(ACTOR, "nats"), 256)
         fn, argtype, exclusive = METHODS[method]
         t0 = time.perf_counter()
         args: Any = None
         try:
+            if long_rid:
+                raise ControlError(
+                    BAD_REQUEST,
+                    f"header {REQUEST_ID} longer than {MAX_REQUEST_ID_BYTES} bytes",
+                    {"param": REQUEST_ID},
+                )
             args = m.decode_args(data, argtype)
             if exclusive:
                 if method in WAITS_FOR_LOCK:
@@ -175,7 +184,7 @@ class Engine:
                 result = await self._call(fn, args, actor)
             reply = m.ControlReply(rid, result=result)
         except ControlError as e:
-            reply = m.ControlReply(rid, e.code, e.message, _jsonable(e.result))
+            reply = m.ControlReply(rid, e.code, m.clip(e.message), _jsonable(e.result))
         except Exception as e:  # a bug must answer, not leave the caller to time out
             log.exception("%s failed", method)
             reply = m.ControlReply(rid, INTERNAL, f"{method}: internal error: {e!r}")

@@ -209,6 +209,41 @@ def test_bad_control_arguments_name_the_field(stack: Stack) -> None:
             assert rep["error_code"] == 400 and rep["result"]["param"] == "version", rep
 
 
+def test_hostile_control_requests_over_raw_nats_get_a_small_400_and_the_engine_lives(
+    stack: Stack,
+) -> None:
+    """A reply echoing what a client sent must fit the server's max_payload: one that did
+    not (a 600 KB request id echoed in the reply's header) made the server close the
+    engine's connection, and nats-py never reconnects after that — the engine was gone
+    from the bus for good (every later call: no responders)."""
+    ctl = Subjects(stack.instance).ctl
+
+    async def go() -> list[tuple[dict[str, Any], int]]:
+        nc = await nats.connect(stack.nats_url)
+        try:
+            out = []
+            for subj, data, headers in (
+                (ctl("is_paused"), b"{}", {"Rollbus-Request-Id": "r" * 600_000}),
+                (ctl("pause"), json.dumps({"k" * 600_000: 1}).encode(), None),
+                (ctl("sleep"), json.dumps({"tags": "x" * 900_000}).encode(), None),
+                (ctl("sleep"), b'{"tags": "weights"}', None),
+                (ctl("is_paused"), b"{}", None),
+            ):
+                msg = await nc.request(subj, data, timeout=20, headers=headers)
+                out.append((json.loads(msg.data), len(msg.data)))
+            return out
+        finally:
+            await nc.close()
+
+    (rid, _), (field, n1), (tags, n2), (tag, _), (alive, _) = asyncio.run(go())
+    assert rid["error_code"] == 400 and rid["result"]["param"] == "Rollbus-Request-Id", rid
+    assert field["error_code"] == 400 and field["result"]["param"].startswith("kkk"), field
+    assert n1 < 8192 and n2 < 8192  # the 600 / 900 KB the client sent are not echoed back
+    assert tags["error_code"] == 400 and tags["result"]["param"] == "tags"
+    assert tag["error_code"] == 400 and tag["result"]["param"] == "tags", tag  # as over HTTP
+    assert alive["error_code"] == 200 and alive["result"]["is_paused"] is False
+
+
 async def _raw(stack: Stack, subject: str, data: bytes) -> bytes:
     nc = await nats.connect(stack.nats_url)
     try:

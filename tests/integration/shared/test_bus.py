@@ -255,3 +255,33 @@ async def test_served_endpoints_are_discoverable_micro_services(bus: Bus, nats_u
         assert info["endpoints"][0]["subject"] == subj
     finally:
         await nc.close()
+
+
+async def test_an_oversized_message_fails_alone_and_the_connection_survives(
+    bus: Bus, nats_url: str
+) -> None:
+    """nats-py checks a publish's payload against ``max_payload`` but not its headers: a
+    larger message went out, the server closed the connection and nats-py never
+    reconnected (one reply echoing a huge request id cut the engine off the bus)."""
+    big = "x" * (bus.max_payload // 2 + 1)
+    with pytest.raises(nats.errors.MaxPayloadError):
+        await bus.publish(subject(), big.encode(), headers={"X-Big": big})
+    svc = await bus.add_service(f"rollbus-test-{uuid.uuid4().hex[:8]}", "0.1.0")
+    subj = subject()
+
+    async def handler(data: bytes, headers: dict[str, str]) -> bytes:
+        return data + data
+
+    await bus.serve(svc, "echo", subj, handler, queue="q")
+    nc = await connect(nats_url)
+    try:
+        # a request id too long to echo (its reply with it would pass max_payload):
+        # answered, without it
+        part = "y" * (bus.max_payload * 2 // 5)
+        rep = await nc.request(subj, part.encode(), timeout=5, headers={REQUEST_ID: part})
+        assert rep.data == 2 * part.encode() and REQUEST_ID not in (rep.headers or {})
+    finally:
+        await nc.close()
+    assert bus.nc.is_connected
+    rep = await bus.request(subj, b"still here", timeout=5, request_id="r2")
+    assert rep.data == b"still here" * 2 and rep.headers[REQUEST_ID] == "r2"
