@@ -33,6 +33,7 @@ from services.engine.state import State
 from shared import fleet as f
 from shared import messages as m
 from shared.errors import CONFLICT, UNAVAILABLE, ControlError
+from shared.versions import check_version_arg
 
 if TYPE_CHECKING:
     from services.engine.main import Engine
@@ -160,6 +161,8 @@ async def _resume(eng: Engine) -> None:
 
 
 async def fleet_stage(eng: Engine, args: f.StageTxnArgs) -> dict[str, Any]:
+    # over NATS too, before the engine pauses or turns updating: a path component
+    check_version_arg(args.version)
     fl = eng.fleet
     if fl.txn is not None:
         raise ControlError(CONFLICT, f"fleet transaction {fl.txn.txn} is in progress")

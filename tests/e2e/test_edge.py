@@ -244,6 +244,42 @@ def test_hostile_control_requests_over_raw_nats_get_a_small_400_and_the_engine_l
     assert alive["error_code"] == 200 and alive["result"]["is_paused"] is False
 
 
+def test_fleet_stage_over_raw_nats_checks_the_version_before_touching_the_engine(
+    stack: Stack,
+) -> None:
+    """``fleet_stage`` with a version that cannot be a path component: 400 naming
+    ``version`` at once, as ``update_weights`` — it used to pause the running engine, turn
+    it ``updating`` and send the name to every rank (whose 400 named no field)."""
+    subj = Subjects(stack.instance)
+
+    async def go() -> tuple[list[dict[str, Any]], list[str]]:
+        nc = await nats.connect(stack.nats_url)
+        seen: list[str] = []
+
+        async def on_event(msg: Any) -> None:
+            seen.append(msg.subject)
+
+        await nc.subscribe(subj.event(">"), cb=on_event)
+        await nc.flush()
+        try:
+            out = []
+            for version in ("..", "a/b", "a\nb"):
+                data = json.dumps({"txn": "t1", "version": version}).encode()
+                msg = await nc.request(subj.ctl("fleet_stage"), data, timeout=20)
+                out.append(json.loads(msg.data))
+            await nc.flush()
+            await asyncio.sleep(0.5)
+            return out, seen
+        finally:
+            await nc.close()
+
+    replies, events = asyncio.run(go())
+    for rep in replies:
+        assert rep["error_code"] == 400 and rep["result"]["param"] == "version", rep
+    assert not any(e.endswith(".state") for e in events), events  # never paused / updating
+    assert stack.status()["state"] == "running"
+
+
 async def _raw(stack: Stack, subject: str, data: bytes) -> bytes:
     nc = await nats.connect(stack.nats_url)
     try:
