@@ -64,6 +64,7 @@ from nats.js.errors import BadRequestError, NotFoundError
 
 from shared.messages import VersionPublished
 from shared.subjects import CKPT_STREAM, CKPT_WILDCARD, EVENTS_STREAM, ckpt_published
+from shared.versions import BadVersionName, check_version_name
 
 log = logging.getLogger("rollbus.objstore")
 
@@ -857,10 +858,22 @@ async def publish_version(nc: Client, ev: VersionPublished) -> int:
     return int(ack.seq)
 
 
-def _decode(msg: Msg) -> tuple[int, VersionPublished] | None:
+def _event(data: bytes) -> VersionPublished | None:
+    """A version event, or None for one that is not ours: not a ``VersionPublished``, or
+    a version no rank could ever load (not a valid name: empty, ``a/b``, ``..``; the SDK
+    never publishes one) — counted, it would be the newest version forever (``update_weights``'
+    default, a staleness bound that can never be met)."""
     try:
-        ev = msgspec.json.decode(msg.data, type=VersionPublished)
-    except (msgspec.ValidationError, msgspec.DecodeError):
+        ev = msgspec.json.decode(data, type=VersionPublished)
+        check_version_name(ev.version)
+    except (msgspec.ValidationError, msgspec.DecodeError, BadVersionName):
+        return None
+    return ev
+
+
+def _decode(msg: Msg) -> tuple[int, VersionPublished] | None:
+    ev = _event(msg.data)
+    if ev is None:
         return None  # not ours: skip, never crash a follower
     return int(msg.metadata.sequence.stream), ev
 
@@ -904,9 +917,8 @@ async def _direct_all(nc: Client, stream: str, subject: str, timeout: float = 5.
 
 
 def _decode_direct(msg: Msg) -> tuple[int, VersionPublished] | None:
-    try:
-        ev = msgspec.json.decode(msg.data, type=VersionPublished)
-    except (msgspec.ValidationError, msgspec.DecodeError):
+    ev = _event(msg.data)
+    if ev is None:
         return None  # not ours: skip
     return int((msg.headers or {}).get("Nats-Sequence", 0)), ev
 

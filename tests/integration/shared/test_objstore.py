@@ -133,6 +133,33 @@ async def test_version_stream_dedup_and_order(nc: Client) -> None:
     assert await objstore.list_versions(nc, model + "-none") == []
 
 
+async def test_events_of_versions_no_rank_can_load_are_skipped(nc: Client) -> None:
+    """A hand-made event whose version is not a valid name (empty, ``a/b``, ``..``, a
+    control character) is not a version: counted, it stayed the newest forever (the
+    default of ``update_weights``, a staleness bound that could never be met)."""
+    model = f"m-{uuid.uuid4().hex[:6]}"
+    await objstore.ensure_ckpt_stream(nc, model)
+    for v in ("ok1", "", "a/b", "..", "x\ny", "ok2"):  # as `nats pub` would, no SDK check
+        await objstore.publish_version(nc, VersionPublished(model, v, 2))
+    listed = await objstore.list_versions(nc, model)
+    assert [e.version for _, e in listed] == ["ok1", "ok2"]
+    seen: list[str] = []
+
+    async def on_event(seq: int, ev: VersionPublished) -> None:
+        seen.append(ev.version)
+
+    sub = await objstore.watch_versions(nc, model, on_event)
+    try:
+        for _ in range(100):
+            if len(seen) >= 2:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)  # the four bad ones would have come between
+    finally:
+        await sub.unsubscribe()
+    assert seen == ["ok1", "ok2"]
+
+
 def _nats_server(store: Path, port: int) -> subprocess.Popen[bytes]:
     # the binary directly: natsd.start refuses a port still in TIME_WAIT
     return subprocess.Popen(
