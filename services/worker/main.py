@@ -119,7 +119,10 @@ class WorkerServer:
 
     def reply(self, result: dict[str, Any] | None = None, err: ControlError | None = None) -> bytes:
         if err is not None:
-            return m.json_encode(m.WorkerReply(self.rank, err.code, err.message, err.result or {}))
+            # clipped: a message may quote a hostile manifest (tensor names), and a reply
+            # over max_payload cannot be sent (the engine would see a silent rank, 503)
+            msg = m.clip(err.message)
+            return m.json_encode(m.WorkerReply(self.rank, err.code, msg, err.result or {}))
         return m.json_encode(m.WorkerReply(self.rank, result=result or {}))
 
     def health(self) -> dict[str, Any]:

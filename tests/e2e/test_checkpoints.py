@@ -195,6 +195,26 @@ def test_manifest_digest_mismatch_is_422_naming_rank_and_file(ostack: Stack) -> 
     assert digests(ostack) == before and ostack.status()["weight_version"] == version_before
 
 
+def test_manifest_with_huge_tensor_names_is_a_small_422(ostack: Stack) -> None:
+    """Every rank's error quotes the unexpected tensor names of a hostile manifest (5 of
+    300 KB each here): its reply passed the server's max_payload — the server closed
+    both ranks' connections for good (before the bus refused such a message), then the
+    engine saw silent ranks (503) instead of the 422."""
+    before, version_before = digests(ostack), ostack.status()["weight_version"]
+    pub = CheckpointPublisher(ostack.nats_url)
+    state, cfg = training_state(ostack, 17), model_config(ostack.model_dir)
+    blobs, man = pub.prepare(model_of(ostack), "huge-names", state, 2, cfg)
+    for shard in man.shards:
+        for c in "abcde":
+            shard.tensors[c * 300_000] = mf.TensorSpec([1], "float32")
+    upload_raw(ostack, "huge-names", blobs, man)
+    assert post(ostack, "/v1/pause").status_code == 200
+    r = update(ostack, "huge-names", verify=True)
+    assert r.status_code == 422 and "unexpected tensors" in r.text, r.text[:500]
+    assert len(r.content) < 16_384
+    assert digests(ostack) == before and ostack.status()["weight_version"] == version_before
+
+
 def test_corrupted_object_is_422_with_and_without_verify(ostack: Stack) -> None:
     before = digests(ostack)
     publish(ostack, "s3", seed=15)
