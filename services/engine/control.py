@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from services.engine.ranks import RankError
 from services.engine.state import State
 from shared import messages as m
@@ -95,6 +97,13 @@ async def wakeup(eng: Engine, args: m.TagArgs) -> dict[str, Any]:
                 ),
             )
         except RankError as e:
+            # the engine stays asleep, so every rank does: those that woke free the tags
+            # again (the memory the operator freed stays free; a rank that does not
+            # answer gets it after its late wakeup, in order)
+            back = [t for t in tags if t in eng.state.asleep]
+            if back:
+                args = m.SleepWorkerArgs(back, eng.settings.shutdown_comm_group_if_worker_idle)
+                await settle(eng, "sleep", args)
             await eng.ranks.refresh()
             if e.code != NOT_FOUND:
                 raise
@@ -215,16 +224,16 @@ async def commit_ranks(eng: Engine, version: str, uid: str, previous: str) -> No
 SETTLE_S = 2.0  # how long a failed update waits for the ranks' abort / rollback answers
 
 
-async def settle(eng: Engine, method: str, args: m.UpdateIdArgs | None = None) -> None:
-    """``abort`` / ``rollback`` after a failed step: every rank asked, their answers
-    awaited (up to ``SETTLE_S``) so the view's refresh that ends the update sees them
-    rolled back. Never raises: the step's own error is the one reported; a rank that
-    does not answer is logged (it still gets the message, and a late commit for this
-    update is refused)."""
+async def settle(eng: Engine, method: str, args: msgspec.Struct | None = None) -> None:
+    """``abort`` / ``rollback`` after a failed step (``sleep`` after a failed wakeup):
+    every rank asked, their answers awaited (up to ``SETTLE_S``) so the view's refresh
+    that ends the update sees them rolled back. Never raises: the step's own error is
+    the one reported; a rank that does not answer is logged (it still gets the message,
+    and a late commit for this update is refused)."""
     try:
         await eng.ranks.call(method, args, timeout=SETTLE_S)
     except Exception as e:  # noqa: BLE001 - the failed step's error is the one raised
-        log.warning("%s after a failed update: %s", method, getattr(e, "message", repr(e)))
+        log.warning("%s after a failed step: %s", method, getattr(e, "message", repr(e)))
 
 
 async def end_update(eng: Engine, committed: str | None) -> None:

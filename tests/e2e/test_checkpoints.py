@@ -215,6 +215,35 @@ def test_manifest_with_huge_tensor_names_is_a_small_422(ostack: Stack) -> None:
     assert digests(ostack) == before and ostack.status()["weight_version"] == version_before
 
 
+def test_failed_wakeup_leaves_every_rank_asleep(ostack: Stack) -> None:
+    """Rank 1's shard of the current version is deleted while asleep: wakeup is 422 and
+    the engine stays ``sleeping`` — and so does every rank. Rank 0, whose shard was
+    there, used to stay awake (weights and KV cache back in memory) under a ``sleeping``
+    engine: memory the operator freed was taken again, and status said otherwise."""
+    publish(ostack, "gone1", seed=18)
+    publish(ostack, "keep1", seed=19)
+    assert post(ostack, "/v1/pause").status_code == 200
+    assert update(ostack, "gone1").status_code == 200
+    assert post(ostack, "/v1/sleep").status_code == 200
+    name = ckpt_object_name(model_of(ostack), "gone1", "rank1-of-2.safetensors")
+
+    async def delete(nc: Any) -> None:
+        await (await nc.jetstream().object_store(BUCKET)).delete(name)
+
+    asyncio.run(_raw(ostack.nats_url, delete))
+    r = post(ostack, "/v1/wakeup")
+    assert r.status_code == 422 and "rank 1" in r.text, r.text  # its object is missing
+    with ostack.client() as c:
+        st = c.get("/v1/status", params={"fresh": "true"}).json()
+    assert st["state"] == "sleeping" and st["weight_version"] == "gone1", st
+    held = [(x["rank"], x["weights_loaded"], x["kv_allocated"]) for x in st["ranks"]]
+    assert held == [(0, False, False), (1, False, False)], held
+    # the documented way out: another version while asleep, then wake up
+    assert update(ostack, "keep1").status_code == 200
+    assert post(ostack, "/v1/wakeup").status_code == 200
+    assert ostack.status()["state"] == "running"
+
+
 def test_corrupted_object_is_422_with_and_without_verify(ostack: Stack) -> None:
     before = digests(ostack)
     publish(ostack, "s3", seed=15)
