@@ -285,10 +285,14 @@ class WeightStore:
         self.source = source
         self.current: dict[str, paddle.Tensor] | None = None
         self.version = ""
+        # how the current version was checked when staged: wakeup reloads it the same way
+        # (a version taken with ``verify_checksum: false`` must wake up, not 422)
+        self.verify: bool | None = None
         self.spec: dict[str, mf.TensorSpec] = {}
-        # id, version, tensors (None: staged while the weights sleep, validated only)
-        self._staged: tuple[str, str, dict[str, paddle.Tensor] | None] | None = None
-        self._previous: tuple[str, str, dict[str, paddle.Tensor] | None] | None = None
+        # id, version, tensors (None: staged while the weights sleep, validated only),
+        # verify_checksum
+        self._staged: tuple[str, str, dict[str, paddle.Tensor] | None, bool | None] | None = None
+        self._previous: tuple[str, str, dict[str, paddle.Tensor] | None, bool | None] | None = None
         self._rolled_back: deque[str] = deque(maxlen=64)
         self._revoke_lock = threading.Lock()  # revoke (event loop) vs commit (paddle thread)
 
@@ -328,7 +332,7 @@ class WeightStore:
         if self.current is None:
             # asleep: checked, then freed again; commit records it, wakeup loads it
             shard.arrays.clear()
-            self._staged = (update_id, version, None)
+            self._staged = (update_id, version, None, verify_checksum)
             return {
                 "version": version,
                 "bytes": shard.nbytes,
@@ -336,7 +340,7 @@ class WeightStore:
                 "loaded": False,
                 **shard.timings,
             }
-        self._staged = (update_id, version, to_paddle(shard.arrays))
+        self._staged = (update_id, version, to_paddle(shard.arrays), verify_checksum)
         shard.timings["to_device_s"] = time.perf_counter() - t0
         return {"version": version, "bytes": shard.nbytes, "files": shard.files, **shard.timings}
 
@@ -356,9 +360,9 @@ class WeightStore:
             raise ControlError(409, f"rank {self.rank}: update {update_id} was rolled back")
         if self._staged is None or self._staged[:2] != (update_id, version):
             raise ControlError(409, f"rank {self.rank}: nothing staged for version {version!r}")
-        self._previous = (update_id, self.version, self.current)
+        self._previous = (update_id, self.version, self.current, self.verify)
         self.current = self._staged[2]
-        self.version = version
+        self.version, self.verify = version, self._staged[3]
         self._staged = None
 
     def finalize(self, update_id: str | None = None) -> None:
@@ -374,10 +378,10 @@ class WeightStore:
             self.abort()
         if self._previous is None or self._previous[0] != update_id:
             return False
-        _, version, tensors = self._previous
+        _, version, tensors, verify = self._previous
         self._previous = None
         free_tensors(self.current)
-        self.current, self.version = tensors, version
+        self.current, self.version, self.verify = tensors, version, verify
         return True
 
     def abort(self) -> None:
@@ -393,7 +397,7 @@ class WeightStore:
 
     def reload(self) -> LoadedShard:
         """Load the current version again (wakeup after sleep)."""
-        shard = self.source(self.version, None, self.spec or None)
+        shard = self.source(self.version, self.verify, self.spec or None)
         got = {k: _spec_of(v) for k, v in shard.arrays.items()}
         mf.check_tensors(self.spec, got, f"rank {self.rank}: version {self.version!r}")
         self.current = to_paddle(shard.arrays)

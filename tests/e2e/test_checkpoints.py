@@ -244,6 +244,32 @@ def test_failed_wakeup_leaves_every_rank_asleep(ostack: Stack) -> None:
     assert ostack.status()["state"] == "running"
 
 
+def test_version_taken_unverified_wakes_up_unverified(ostack: Stack) -> None:
+    """A version whose shard does not match its manifest's SHA-256 (one float of the
+    data changed, header intact) is 422 by default and served with an explicit
+    ``verify_checksum: false``. Wakeup reloads the current version the way it was taken:
+    it used to verify it again, 422, and the engine could not wake on its own version."""
+    pub = CheckpointPublisher(ostack.nats_url)
+    state, cfg = training_state(ostack, 20), model_config(ostack.model_dir)
+    blobs, man = pub.prepare(model_of(ostack), "unverified", state, 2, cfg)
+    bad = bytearray(blobs[0])
+    start = 8 + int.from_bytes(bad[:8], "little") + 64  # inside the data, not the header
+    bad[start : start + 4] = np.float32(0.5).tobytes()
+    blobs[0] = bytes(bad)
+    upload_raw(ostack, "unverified", blobs, man)
+    assert post(ostack, "/v1/pause").status_code == 200
+    r = update(ostack, "unverified", verify=True)
+    assert r.status_code == 422 and "SHA-256" in r.text, r.text
+    assert update(ostack, "unverified", verify=False).status_code == 200
+    served = digests(ostack)
+    assert post(ostack, "/v1/sleep").status_code == 200
+    r = post(ostack, "/v1/wakeup")
+    assert r.status_code == 200, r.text
+    st = ostack.status()
+    assert st["state"] == "running" and st["weight_version"] == "unverified", st
+    assert digests(ostack) == served  # the same bytes as before the sleep
+
+
 def test_corrupted_object_is_422_with_and_without_verify(ostack: Stack) -> None:
     before = digests(ostack)
     publish(ostack, "s3", seed=15)
