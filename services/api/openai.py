@@ -152,6 +152,7 @@ class Job:
     logprobs: bool
     choices: dict[int, dict[str, Any]] = field(default_factory=dict)
     as_token_ids: bool = False  # return_tokens_as_token_ids
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats
 
     @property
     def gen(self) -> m.GenRequest:
@@ -170,9 +171,7 @@ class Job:
 Label = Callable[[int], str]
 
 
-def _alternatives(
-    token: int, logprob: float, top: m.TopLogprobs | None
-) -> list[tuple[int, float]]:
+def _alternatives(token: int, logprob: float, top: m.TopLogprobs | None) -> list[tuple[int, float]]:
     """The alternatives at one position, the sampled token's value being its own logprob
     (the float64 one) wherever it appears."""
     if top is None:
@@ -278,9 +277,7 @@ class OpenAIRoutes:
         if key and not bearer_ok(request.headers.get("authorization", ""), key):
             raise BadRequest("missing or wrong API key (Authorization: Bearer <key>)", code=401)
 
-    def _prompts(
-        self, req: schema.Sampling, body: dict[str, Any], n: int
-    ) -> list[list[int]]:
+    def _prompts(self, req: schema.Sampling, body: dict[str, Any], n: int) -> list[list[int]]:
         """Every prompt's token ids: chat renders its messages; a completion's ``prompt``
         is a string, a list of strings, token ids, or a list of token-id lists, whose
         number times ``n`` is bounded by ``ROLLBUS_MAX_N`` (checked before encoding)."""
@@ -383,6 +380,11 @@ class OpenAIRoutes:
             if req.best_of is not None and req.best_of != n:
                 raise BadRequest("best_of other than n is not supported", "best_of")
         opts = req.stream_options
+        if body.get("stream_options") and not req.stream:
+            # as vLLM and FastDeploy (OpenAI: "only set this when you set stream: true")
+            raise BadRequest(
+                "Stream options can only be defined when `stream=True`.", "stream_options"
+            )
         gens = [
             m.GenRequest(
                 request_id=uuid.uuid4().hex,
@@ -416,6 +418,7 @@ class OpenAIRoutes:
             chat,
             logprobs,
             as_token_ids=bool(req.return_tokens_as_token_ids),
+            continuous_usage=bool(opts and opts.continuous_usage_stats),
         )
 
     def _budget(self, ids: list[int], max_name: str, max_tokens: int | None, chat: bool) -> int:
@@ -547,15 +550,44 @@ class OpenAIRoutes:
         rid = ("chatcmpl-" if job.chat else "cmpl-") + job.gen.request_id
         created = int(time.time())
         obj = "chat.completion.chunk" if job.chat else "text_completion"
-        started: set[int] = set()
         offsets: dict[int, int] = {}  # per choice: text_offset continues across chunks
         out_tokens = 0
         first = _FirstToken(self.deps)
+
+        def usage() -> dict[str, int]:
+            p = job.prompt_tokens
+            return {
+                "prompt_tokens": p,
+                "completion_tokens": out_tokens,
+                "total_tokens": p + out_tokens,
+            }
+
+        def event(choice: dict[str, Any] | None, extra: dict[str, Any]) -> bytes:
+            body: dict[str, Any] = {
+                "id": rid,
+                "object": obj,
+                "created": created,
+                "model": self.model,
+                "choices": [choice] if choice is not None else [],
+                **extra,
+            }
+            if job.continuous_usage and "usage" not in body:
+                body["usage"] = usage()  # so far (vLLM's and FastDeploy's option)
+            return f"data: {json.dumps(body)}\n\n".encode()
+
         try:
+            if job.chat:
+                # as OpenAI, vLLM and FastDeploy: each choice opens with its role alone
+                # (content ""), before any token; later deltas carry content only
+                version = {"weight_version": self.deps.current_version}
+                for i in range(job.num_choices):
+                    delta = {"role": "assistant", "content": ""}
+                    choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
+                    yield event(choice, version)
             async for d in call.deltas():
                 first.seen(d)
                 out_tokens += len(d.token_ids)
-                yield self._sse_chunk(job, rid, created, obj, d, started, offsets)
+                yield event(*self._sse_choice(job, d, offsets))
         except ControlError as e:
             err = {"error": {"message": e.message, "type": "server_error", "code": e.code}}
             yield f"data: {json.dumps(err)}\n\n".encode()
@@ -564,60 +596,30 @@ class OpenAIRoutes:
         finally:
             await call.close()
         if job.include_usage:
-            p = job.prompt_tokens
-            usage = {
-                "id": rid,
-                "object": obj,
-                "created": created,
-                "model": self.model,
-                "choices": [],
-                "usage": {
-                    "prompt_tokens": p,
-                    "completion_tokens": out_tokens,
-                    "total_tokens": p + out_tokens,
-                },
-            }
-            yield f"data: {json.dumps(usage)}\n\n".encode()
+            yield event(None, {"usage": usage()})
         self.deps.metrics.gen_tokens.inc(out_tokens)
         yield b"data: [DONE]\n\n"
 
-    def _sse_chunk(
-        self,
-        job: Job,
-        rid: str,
-        created: int,
-        obj: str,
-        d: Delta,
-        started: set[int],
-        offsets: dict[int, int],
-    ) -> bytes:
+    def _sse_choice(
+        self, job: Job, d: Delta, offsets: dict[int, int]
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """One delta as a stream chunk's choice, and the chunk's own fields."""
         c: dict[str, Any] = {"index": d.index}
         if job.chat:
-            delta: dict[str, Any] = {"content": d.text}
-            if d.index not in started:
-                delta["role"] = "assistant"
-                started.add(d.index)
-            c["delta"] = delta
+            c["delta"] = {"content": d.text}
         else:
             c["text"] = d.text
         c["logprobs"] = self._logprobs(job, d.token_ids, d.logprobs, d.top, offsets, d.index)
         c["finish_reason"] = d.finish_reason
         if job.return_token_ids:
             c["token_ids"] = d.token_ids
-        body: dict[str, Any] = {
-            "id": rid,
-            "object": obj,
-            "created": created,
-            "model": self.model,
-            "choices": [c],
-            "weight_version": d.version or self.deps.current_version,
-        }
+        extra: dict[str, Any] = {"weight_version": d.version or self.deps.current_version}
         if d.finish_reason and d.spans and len(d.spans) > 1:
             spans = [{"version": s.version, "start": s.start, "end": s.end} for s in d.spans]
             c["weight_versions"] = spans
             if job.num_choices == 1:
-                body["weight_versions"] = spans
-        return f"data: {json.dumps(body)}\n\n".encode()
+                extra["weight_versions"] = spans
+        return c, extra
 
     def _seen(self, version: str) -> None:
         self.deps.current_version = version

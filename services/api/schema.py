@@ -40,6 +40,8 @@ Bias = Annotated[float, Meta(ge=-MAX_BIAS, le=MAX_BIAS)]
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool | None = None
+    # vLLM's and FastDeploy's: the usage so far on every chunk of the stream
+    continuous_usage_stats: bool | None = None
 
 
 class Sampling(msgspec.Struct, kw_only=True):
