@@ -100,6 +100,7 @@ def create_app(settings: Settings, bus: Bus | None = None) -> Starlette:
             "error": {
                 "message": f"{exc.detail}: {request.method} {request.url.path}",
                 "type": "invalid_request_error",
+                "param": None,
                 "code": exc.status_code,
             }
         }

@@ -700,26 +700,38 @@ class OpenAIRoutes:
         message = f"internal error: {type(e).__name__}: {e}"[:500]
         return {"error": {"message": message, "type": "server_error", "code": INTERNAL_ERROR}}
 
+    def _card(self) -> dict[str, Any]:
+        return {
+            "id": self.model,
+            "object": "model",
+            "created": 0,
+            "owned_by": "rollbus",
+            "root": self.model,  # the id, never a filesystem path
+            "max_model_len": self.max_model_len,
+        }
+
     async def models(self, request: Request) -> Response:
         try:
             self._auth(request)
         except BadRequest as e:
             return error_response(e.message, e.code)
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": self.model,
-                        "object": "model",
-                        "created": 0,
-                        "owned_by": "rollbus",
-                        "root": self.model,  # the id, never a filesystem path
-                        "max_model_len": self.max_model_len,
-                    }
-                ],
-            }
-        )
+        return JSONResponse({"object": "list", "data": [self._card()]})
+
+    async def retrieve(self, request: Request) -> Response:
+        """``GET /v1/models/{model}`` (the client's ``models.retrieve``): the served
+        model's entry under any id a request may name it by, else 404."""
+        try:
+            self._auth(request)
+        except BadRequest as e:
+            return error_response(e.message, e.code)
+        name = request.path_params["model"]
+        if name not in self.model_ids:
+            return error_response(
+                f"model '{name[:256]}' does not exist; this server serves '{self.model}'",
+                404,
+                "model",
+            )
+        return JSONResponse(self._card())
 
 
 def routes(deps: Deps) -> list[Route]:
@@ -735,4 +747,5 @@ def routes(deps: Deps) -> list[Route]:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/models", r.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", r.retrieve, methods=["GET"]),
     ]
