@@ -153,6 +153,7 @@ class Job:
     choices: dict[int, dict[str, Any]] = field(default_factory=dict)
     as_token_ids: bool = False  # return_tokens_as_token_ids
     continuous_usage: bool = False  # stream_options.continuous_usage_stats
+    keep_stop: bool = False  # include_stop_str_in_output
 
     @property
     def gen(self) -> m.GenRequest:
@@ -338,6 +339,8 @@ class OpenAIRoutes:
             raise BadRequest(
                 f"model '{req.model}' does not exist; this server serves '{self.model}'", "model"
             )
+        if refused := schema.unsupported(body, chat):
+            raise BadRequest(refused[1], refused[0])
         n, max_n = req.n or 1, self.deps.settings.max_n
         if n > max_n:
             raise BadRequest(f"n is {n}; the limit is {max_n} (ROLLBUS_MAX_N)", "n")
@@ -419,6 +422,7 @@ class OpenAIRoutes:
             logprobs,
             as_token_ids=bool(req.return_tokens_as_token_ids),
             continuous_usage=bool(opts and opts.continuous_usage_stats),
+            keep_stop=bool(req.include_stop_str_in_output),
         )
 
     def _budget(self, ids: list[int], max_name: str, max_tokens: int | None, chat: bool) -> int:
@@ -665,6 +669,7 @@ class OpenAIRoutes:
                         # the engine heartbeats every CONTROL_TIMEOUT_S / 3 at most: silence
                         # this long means it is gone (killed, or NATS lost)
                         idle_timeout=s.control_timeout_s,
+                        keep_stop=job.keep_stop,
                     )
                     for gen in job.gens
                 ]
