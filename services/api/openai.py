@@ -588,9 +588,12 @@ class OpenAIRoutes:
                     delta = {"role": "assistant", "content": ""}
                     choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
                     yield event(choice, version)
+            route = "chat" if job.chat else "completions"
             async for d in call.deltas():
                 first.seen(d)
                 out_tokens += len(d.token_ids)
+                if d.finish_reason:  # each choice's outcome, as a non-streamed call counts
+                    self.deps.metrics.gen_requests.labels(route, d.finish_reason).inc()
                 yield event(*self._sse_choice(job, d, offsets))
         except ControlError as e:
             err = {"error": {"message": e.message, "type": "server_error", "code": e.code}}

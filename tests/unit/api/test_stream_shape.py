@@ -114,3 +114,22 @@ def test_stream_options_without_stream_is_400(
     # an empty or null stream_options is nothing to refuse
     for none in ({}, None):
         routes.parse({"prompt": "hi", "stream": stream, "stream_options": none}, chat=False)
+
+
+async def test_a_stream_counts_its_choices_outcomes_in_metrics(routes: OpenAIRoutes) -> None:
+    def count(route: str, reason: str) -> float:
+        labels = {"route": route, "finish_reason": reason}
+        value = routes.deps.metrics.registry.get_sample_value(
+            "rollbus_generation_requests_total", labels
+        )
+        return value or 0.0
+
+    deltas = [
+        Delta(0, "A", [65], version="v0", finish_reason="stop"),
+        Delta(1, "B", [66], version="v0", finish_reason="length"),
+    ]
+    before = [count("chat", "stop"), count("chat", "length"), count("completions", "length")]
+    await events(routes, {**CHAT, "n": 2}, deltas)
+    await events(routes, {"prompt": "hi", "n": 2, "stream": True}, deltas)
+    after = [count("chat", "stop"), count("chat", "length"), count("completions", "length")]
+    assert after == [before[0] + 1, before[1] + 1, before[2] + 1]
