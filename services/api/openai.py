@@ -262,6 +262,9 @@ class OpenAIRoutes:
         self.tokenizer = load_tokenizer(s.model_dir)
         self._texts: dict[int, str] = {}  # token id -> its text in logprobs
         self.max_model_len = max_model_len(s.model_dir, s.max_model_len)
+        # tokens one sequence can hold in the engine's KV cache (the same settings): a
+        # default max_tokens stays within it (the engine refuses a request past it)
+        self.kv_tokens = s.kv_cache_blocks * s.kv_block_size
         # token ids are checked against the model's embedding rows (config.json's
         # vocab_size), not the tokenizer's size: a padded vocabulary accepts every id the
         # model has, a tokenizer with more ids than the model cannot feed it an unknown one
@@ -434,6 +437,14 @@ class OpenAIRoutes:
                 "prompt" if not chat else "messages",
             )
         if max_tokens is None:
+            kv_room = self.kv_tokens - len(ids)
+            if kv_room <= 0:
+                raise BadRequest(
+                    f"prompt has {len(ids)} tokens; the KV cache holds {self.kv_tokens} tokens "
+                    "per sequence (ROLLBUS_KV_CACHE_BLOCKS x ROLLBUS_KV_BLOCK_SIZE)",
+                    "prompt" if not chat else "messages",
+                )
+            room = min(room, kv_room)  # a context longer than the cache: the cache's rest
             return room if chat else min(16, room)
         if max_tokens > room:
             raise BadRequest(
