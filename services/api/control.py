@@ -236,6 +236,10 @@ def routes(deps: Deps) -> list[Route]:
 
     def legacy(method: str):  # noqa: ANN202 - route factory
         async def route(request: Request) -> Response:
+            if request.method == "HEAD":
+                # HEAD is safe (RFC 9110): a `curl -I` or a link checker must not sleep or
+                # wake the engine (starlette routes HEAD to every GET route)
+                return Response(status_code=405, headers={"Allow": "GET"})
             try:
                 admin_check(deps, request)  # these GETs change state: token first
             except ControlError as e:

@@ -50,3 +50,11 @@ def test_unknown_routes_and_wrong_methods_answer_openai_shape(
     assert r.status_code == code
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["code"] == code
+
+
+@pytest.mark.parametrize("path", ["/clear_load_weight", "/update_model_weight"])
+def test_head_on_a_state_changing_get_changes_nothing(client: TestClient, path: str) -> None:
+    """HEAD is safe (RFC 9110): a ``curl -I`` or a link checker must not put the engine to
+    sleep or wake it. These GETs act, so their HEAD is 405 (Allow: GET), never sent on."""
+    r = client.head(path)  # no bus here: a call to the engine would fail (500)
+    assert r.status_code == 405 and r.headers["allow"] == "GET"
