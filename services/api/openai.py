@@ -607,7 +607,9 @@ class OpenAIRoutes:
                     self.deps.metrics.gen_requests.labels(route, d.finish_reason).inc()
                 yield event(*self._sse_choice(job, d, offsets))
         except ControlError as e:
-            err = {"error": {"message": e.message, "type": "server_error", "code": e.code}}
+            param = (e.result or {}).get("param")
+            kind = "invalid_request_error" if e.code == 400 else "server_error"
+            err = {"error": {"message": e.message, "type": kind, "param": param, "code": e.code}}
             yield f"data: {json.dumps(err)}\n\n".encode()
         except Exception as e:  # noqa: BLE001 - a bug: logged, counted, the stream told
             yield f"data: {json.dumps(self._internal(e, rid, 'sse_writer'))}\n\n".encode()
@@ -717,7 +719,8 @@ class OpenAIRoutes:
         log.error("%s %s failed", task, rid, exc_info=e)
         self.deps.metrics.task_failures.labels("api", task).inc()
         message = f"internal error: {type(e).__name__}: {e}"[:500]
-        return {"error": {"message": message, "type": "server_error", "code": INTERNAL_ERROR}}
+        err = {"message": message, "type": "server_error", "param": None, "code": INTERNAL_ERROR}
+        return {"error": err}
 
     def _card(self) -> dict[str, Any]:
         return {

@@ -17,6 +17,7 @@ from services.api.body import BadRequest
 from services.api.deps import Deps
 from services.api.generate import Delta
 from services.api.openai import OpenAIRoutes
+from shared.errors import ControlError
 from shared.settings import Settings
 
 
@@ -133,3 +134,24 @@ async def test_a_stream_counts_its_choices_outcomes_in_metrics(routes: OpenAIRou
     await events(routes, {"prompt": "hi", "n": 2, "stream": True}, deltas)
     after = [count("chat", "stop"), count("chat", "length"), count("completions", "length")]
     assert after == [before[0] + 1, before[1] + 1, before[2] + 1]
+
+
+class Failing(Scripted):
+    """A call the engine fails after one token (e.g. 503: a rank gone)."""
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        yield Delta(0, "A", [65], version="v0")
+        raise ControlError(503, "step 7 failed: ranks [1] gone")
+
+
+async def test_a_failed_stream_ends_with_an_openai_error_event(routes: OpenAIRoutes) -> None:
+    job = routes.parse({"prompt": "hi", "max_tokens": 3, "stream": True}, chat=False)
+    out = [e async for e in routes.sse(job, Failing([]))]  # type: ignore[arg-type]
+    assert out[-1] == b"data: [DONE]\n\n"
+    err = json.loads(out[-2][6:])["error"]
+    assert err == {
+        "message": "step 7 failed: ranks [1] gone",
+        "type": "server_error",
+        "param": None,
+        "code": 503,
+    }
