@@ -590,17 +590,20 @@ class OpenAIRoutes:
                 body["usage"] = usage()  # so far (vLLM's and FastDeploy's option)
             return f"data: {json.dumps(body)}\n\n".encode()
 
+        # as OpenAI, vLLM and FastDeploy: a chat stream opens each choice with its role
+        # alone (content ""), before any token; later deltas carry content only. Sent with
+        # the first delta, whose version is known (an API just started has seen none)
+        roles = job.chat
         try:
-            if job.chat:
-                # as OpenAI, vLLM and FastDeploy: each choice opens with its role alone
-                # (content ""), before any token; later deltas carry content only
-                version = {"weight_version": self.deps.current_version}
-                for i in range(job.num_choices):
-                    delta = {"role": "assistant", "content": ""}
-                    choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
-                    yield event(choice, version)
             route = "chat" if job.chat else "completions"
             async for d in call.deltas():
+                if roles:
+                    roles = False
+                    version = {"weight_version": d.version or self.deps.current_version}
+                    delta = {"role": "assistant", "content": ""}
+                    for i in range(job.num_choices):
+                        choice = dict(index=i, delta=delta, logprobs=None, finish_reason=None)
+                        yield event(choice, version)
                 first.seen(d)
                 out_tokens += len(d.token_ids)
                 if d.finish_reason:  # each choice's outcome, as a non-streamed call counts

@@ -62,7 +62,9 @@ async def test_a_chat_stream_opens_with_a_role_only_chunk_per_choice(
         Delta(0, "C", [67], version="v0", finish_reason="length"),
         Delta(1, "D", [68], version="v0", finish_reason="length"),
     ]
+    routes.deps.current_version = ""  # an API just started: no version seen yet
     evs = await events(routes, {**CHAT, "n": 2}, deltas)
+    assert all(e["weight_version"] == "v0" for e in evs)
     first = [e["choices"][0] for e in evs[:2]]
     assert [c["index"] for c in first] == [0, 1]
     for c in first:
