@@ -144,13 +144,17 @@ class GenCall:
         on_overflow: Callable[[], None] = lambda: None,
         idle_timeout: float = IDLE_TIMEOUT_S,
         keep_stop: bool = False,
+        skip_special_tokens: bool = True,
     ) -> None:
         self.bus, self.subjects, self.gen, self.on_version = bus, subjects, gen, on_version
         gen.request_id = gen.request_id or new_request_id()
         gen.batch = True  # our bus takes the engine's batched chunks (one message per step)
         self.choices = [
             Choice(
-                i, IncrementalDecoder(tokenizer, gen.prompt_token_ids), stops, keep_stop=keep_stop
+                i,
+                IncrementalDecoder(tokenizer, gen.prompt_token_ids, skip_special_tokens),
+                stops,
+                keep_stop=keep_stop,
             )
             for i in range(gen.n)
         ]

@@ -154,6 +154,7 @@ class Job:
     as_token_ids: bool = False  # return_tokens_as_token_ids
     continuous_usage: bool = False  # stream_options.continuous_usage_stats
     keep_stop: bool = False  # include_stop_str_in_output
+    skip_special: bool = True  # skip_special_tokens
 
     @property
     def gen(self) -> m.GenRequest:
@@ -426,6 +427,7 @@ class OpenAIRoutes:
             as_token_ids=bool(req.return_tokens_as_token_ids),
             continuous_usage=bool(opts and opts.continuous_usage_stats),
             keep_stop=bool(req.include_stop_str_in_output),
+            skip_special=req.skip_special_tokens is not False,
         )
 
     def _budget(self, ids: list[int], max_name: str, max_tokens: int | None, chat: bool) -> int:
@@ -689,6 +691,7 @@ class OpenAIRoutes:
                         # this long means it is gone (killed, or NATS lost)
                         idle_timeout=s.control_timeout_s,
                         keep_stop=job.keep_stop,
+                        skip_special_tokens=job.skip_special,
                     )
                     for gen in job.gens
                 ]

@@ -59,6 +59,7 @@ class Sampling(msgspec.Struct, kw_only=True):
     stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: bool | None = None
     include_stop_str_in_output: bool | None = None  # vLLM's: the stop string ends the text
+    skip_special_tokens: bool | None = None  # vLLM's; false: special tokens are in the text
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     return_token_ids: bool | None = None
@@ -123,7 +124,6 @@ UNSUPPORTED: dict[str, Any] = {
     "allowed_token_ids": _off,
     "bad_words": _off,
     "truncate_prompt_tokens": lambda v: v is None,
-    "skip_special_tokens": lambda v: v is None or v is True,
     "response_format": lambda v: _off(v) or (isinstance(v, dict) and v.get("type") == "text"),
     "guided_json": _off,
     "guided_regex": _off,

@@ -1,7 +1,8 @@
 """Fields of OpenAI's or vLLM's API that rollbus does not implement are refused (400
 naming the field) when they ask for something — never accepted and silently ignored —
 and pass when they ask for nothing (the values clients send by default). vLLM's
-``include_stop_str_in_output`` is honoured: the text ends with the stop string."""
+``include_stop_str_in_output`` is honoured: the text ends with the stop string, and so is
+``skip_special_tokens: false``: special tokens are written in the text."""
 
 from __future__ import annotations
 
@@ -37,7 +38,6 @@ BOTH = [
     ({"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
     ({"bad_words": ["x"]}, "bad_words"),
     ({"truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
-    ({"skip_special_tokens": False}, "skip_special_tokens"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"guided_json": {"type": "object"}}, "guided_json"),
     ({"guided_choice": ["a", "b"]}, "guided_choice"),
@@ -90,7 +90,6 @@ def test_the_values_that_ask_for_nothing_pass(routes: OpenAIRoutes) -> None:
         "use_beam_search": False,
         "allowed_token_ids": None,
         "bad_words": [],
-        "skip_special_tokens": True,
         "response_format": {"type": "text"},
         "guided_json": None,
         "user": "u",
@@ -127,3 +126,18 @@ def test_include_stop_str_in_output_keeps_the_stop_string(
 def test_include_stop_str_in_output_is_parsed(routes: OpenAIRoutes) -> None:
     job = routes.parse({"prompt": "hi", "stop": "x", "include_stop_str_in_output": True}, False)
     assert job.keep_stop and not routes.parse({"prompt": "hi"}, False).keep_stop
+
+
+@pytest.mark.parametrize(("skip", "text"), [(None, "hi"), (True, "hi"), (False, "hi<eos>")])
+def test_skip_special_tokens_false_writes_them_in_the_text(
+    routes: OpenAIRoutes, skip: bool | None, text: str
+) -> None:
+    body = {"prompt": "x", **({} if skip is None else {"skip_special_tokens": skip})}
+    job = routes.parse(body, chat=False)
+    assert job.skip_special is (skip is not False)
+    tok = routes.tokenizer  # the byte tokenizer: 257 is <eos>
+    decoder = IncrementalDecoder(tok, job.gen.prompt_token_ids, job.skip_special)
+    choice = Choice(0, decoder, [])
+    out = "".join(d.text for c in (chunk([104, 105]), chunk([257], "stop"))
+                  if (d := choice.push(c)))  # fmt: skip
+    assert out == text
