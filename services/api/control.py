@@ -127,6 +127,20 @@ def _query_args(request: Request, *names: str) -> dict[str, Any]:
     return out
 
 
+def _only_query(request: Request, *known: str) -> None:
+    """A mutating call's query names only its own parameters: an unknown one (``mod=keep``
+    for ``mode=keep``) is 400 naming it, as an unknown body field is — never dropped while
+    the call goes on with its defaults (a pause that aborts, an update to version.txt)."""
+    takes = ", ".join(known) or "none"
+    for name in request.query_params:
+        if name not in known:
+            raise ControlError(
+                BAD_REQUEST,
+                f"unknown query parameter '{name[:64]}' (this call takes {takes})",
+                {"param": name[:64]},
+            )
+
+
 def _bool_query(request: Request, name: str) -> bool:
     """A boolean query parameter: ``true``/``false``/``1``/``0`` (any case; empty or
     absent = false); anything else, or the parameter given more than once, is 400 naming
@@ -172,6 +186,11 @@ async def _query_or_body(
 ) -> Response:
     """``method`` with argument ``name`` from the query, else from a JSON body
     (``{"mode": "keep"}``, ``{"tags": "weight"}`` or a list of tags): the query wins."""
+    try:
+        admin_check(deps, request)  # 401 before a bad parameter's 400
+        _only_query(request, *([name] if name else []))
+    except ControlError as e:
+        return _refused(request, e)
     args = _query_args(request, name)
     if not args:
         try:
@@ -213,7 +232,16 @@ def routes(deps: Deps) -> list[Route]:
         return await _query_or_body(deps, request, "wakeup", "tags")
 
     async def update_weights(request: Request) -> Response:
+        """Arguments from the query (``?version=v1&verify_checksum=true``) or, when it has
+        none, from the JSON body."""
         try:
+            admin_check(deps, request)  # 401 before a bad parameter's 400
+            _only_query(request, "version", "verify_checksum")
+            args: dict[str, Any] = _query_args(request, "version")
+            if request.query_params.get("verify_checksum", "").strip():
+                args["verify_checksum"] = _bool_query(request, "verify_checksum")
+            if args:
+                return await call(deps, request, "update_weights", args)
             body = await _body(deps, request)
         except ControlError as e:
             return _refused(request, e)
@@ -242,6 +270,7 @@ def routes(deps: Deps) -> list[Route]:
                 return Response(status_code=405, headers={"Allow": "GET"})
             try:
                 admin_check(deps, request)  # these GETs change state: token first
+                _only_query(request)
             except ControlError as e:
                 return reply_response(m.ControlReply(new_request_id(), e.code, e.message))
             if not deps.settings.dynamic_load_weight:
