@@ -349,6 +349,15 @@ class OpenAIRoutes:
         if n > max_n:
             raise BadRequest(f"n is {n}; the limit is {max_n} (ROLLBUS_MAX_N)", "n")
         prompts = self._prompts(req, body, n)
+        if (keep := req.truncate_prompt_tokens) is not None:
+            keep = self.max_model_len if keep == -1 else keep
+            if not 1 <= keep <= self.max_model_len:
+                raise BadRequest(
+                    f"truncate_prompt_tokens must be -1 or 1 ... {self.max_model_len} "
+                    "(the maximum context length)",
+                    "truncate_prompt_tokens",
+                )
+            prompts = [ids[-keep:] for ids in prompts]  # the last ones, as vLLM
         max_name, max_tokens = "max_tokens", req.max_tokens
         if isinstance(req, schema.ChatRequest) and req.max_completion_tokens is not None:
             max_name, max_tokens = "max_completion_tokens", req.max_completion_tokens

@@ -60,6 +60,8 @@ class Sampling(msgspec.Struct, kw_only=True):
     ignore_eos: bool | None = None
     include_stop_str_in_output: bool | None = None  # vLLM's: the stop string ends the text
     skip_special_tokens: bool | None = None  # vLLM's; false: special tokens are in the text
+    # vLLM's: keep only the last k prompt tokens (-1: the context length)
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1, le=TOKEN_LIMIT)] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     return_token_ids: bool | None = None
@@ -123,7 +125,6 @@ UNSUPPORTED: dict[str, Any] = {
     "use_beam_search": _off,
     "allowed_token_ids": _off,
     "bad_words": _off,
-    "truncate_prompt_tokens": lambda v: v is None,
     "response_format": lambda v: _off(v) or (isinstance(v, dict) and v.get("type") == "text"),
     "guided_json": _off,
     "guided_regex": _off,

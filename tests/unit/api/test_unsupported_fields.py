@@ -37,7 +37,6 @@ BOTH = [
     ({"use_beam_search": True}, "use_beam_search"),
     ({"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
     ({"bad_words": ["x"]}, "bad_words"),
-    ({"truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"guided_json": {"type": "object"}}, "guided_json"),
     ({"guided_choice": ["a", "b"]}, "guided_choice"),
@@ -141,3 +140,20 @@ def test_skip_special_tokens_false_writes_them_in_the_text(
     out = "".join(d.text for c in (chunk([104, 105]), chunk([257], "stop"))
                   if (d := choice.push(c)))  # fmt: skip
     assert out == text
+
+
+def test_truncate_prompt_tokens_keeps_the_last_ones(routes: OpenAIRoutes) -> None:
+    job = routes.parse({"prompt": [1, 2, 3, 4, 5], "truncate_prompt_tokens": 2}, chat=False)
+    assert job.gen.prompt_token_ids == [4, 5] and job.prompt_tokens == 2
+    chat = routes.parse({**CHAT, "truncate_prompt_tokens": 3}, chat=True)
+    whole = routes.parse(CHAT, chat=True).gen.prompt_token_ids
+    assert chat.gen.prompt_token_ids == whole[-3:]
+    many = routes.parse({"prompt": ["abcdef", [7, 8]], "truncate_prompt_tokens": 3}, False)
+    assert [g.prompt_token_ids for g in many.gens] == [list(b"def"), [7, 8]]
+    with pytest.raises(BadRequest) as e:  # -1: cut to the context (no room left, as vLLM)
+        routes.parse({"prompt": [1] * 70, "truncate_prompt_tokens": -1}, chat=False)
+    assert "prompt has 64 tokens" in e.value.message
+    for bad in (0, -2, 65, True, "3"):
+        with pytest.raises(BadRequest) as e:
+            routes.parse({"prompt": "hi", "truncate_prompt_tokens": bad}, chat=False)
+        assert e.value.param == "truncate_prompt_tokens"
