@@ -165,9 +165,7 @@ async def _body(deps: Deps, request: Request) -> bytes:
     before the body is even looked at)."""
     admin_check(deps, request)
     try:
-        body = await read_body(
-            request, deps.settings.max_body_bytes, deps.settings.body_timeout_s
-        )
+        body = await read_body(request, deps.settings.max_body_bytes, deps.settings.body_timeout_s)
         doc = parse_json(body)
     except BadRequest as e:
         raise ControlError(BAD_REQUEST, e.message, {"param": e.param}) from None
@@ -181,9 +179,7 @@ def _refused(request: Request, e: ControlError) -> Response:
     return _echo(request, reply_response(m.ControlReply(rid, e.code, e.message, e.result)))
 
 
-async def _query_or_body(
-    deps: Deps, request: Request, method: str, name: str
-) -> Response:
+async def _query_or_body(deps: Deps, request: Request, method: str, name: str) -> Response:
     """``method`` with argument ``name`` from the query, else from a JSON body
     (``{"mode": "keep"}``, ``{"tags": "weight"}`` or a list of tags): the query wins."""
     try:

@@ -253,9 +253,7 @@ class Calls:
 
     async def open(self) -> None:
         try:
-            results = await asyncio.gather(
-                *(c.open() for c in self.calls), return_exceptions=True
-            )
+            results = await asyncio.gather(*(c.open() for c in self.calls), return_exceptions=True)
         except BaseException:  # cancelled (the client left): nothing may stay queued
             await self.close()
             raise

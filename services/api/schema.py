@@ -106,9 +106,9 @@ class ChatRequest(Sampling, kw_only=True):
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     # vLLM's: extra variables for the chat template (e.g. {"enable_thinking": false})
-    chat_template_kwargs: (
-        Annotated[dict[str, Any], Meta(max_length=MAX_TEMPLATE_KWARGS)] | None
-    ) = None
+    chat_template_kwargs: Annotated[dict[str, Any], Meta(max_length=MAX_TEMPLATE_KWARGS)] | None = (
+        None
+    )
 
 
 def _off(value: Any) -> bool:

@@ -113,8 +113,15 @@ def test_a_control_body_over_the_limit_is_400(calls: list[tuple[str, dict[str, A
 
 @pytest.mark.parametrize(
     "query, want",
-    [("", {}), ("?fresh=true", {"fresh": True}), ("?fresh=TRUE", {"fresh": True}),
-     ("?fresh=1", {"fresh": True}), ("?fresh=false", {}), ("?fresh=0", {}), ("?fresh=", {})],
+    [
+        ("", {}),
+        ("?fresh=true", {"fresh": True}),
+        ("?fresh=TRUE", {"fresh": True}),
+        ("?fresh=1", {"fresh": True}),
+        ("?fresh=false", {}),
+        ("?fresh=0", {}),
+        ("?fresh=", {}),
+    ],
 )
 def test_status_fresh_param(calls: list[tuple[str, dict[str, Any]]], query: str, want: Any) -> None:
     r = client().get("/v1/status" + query)
@@ -147,7 +154,6 @@ def test_status_fresh_param_repeated_is_400_naming_it(
     assert calls == []
 
 
-
 @pytest.mark.parametrize(
     "sent, want",
     [
@@ -161,8 +167,13 @@ def test_a_control_reply_names_the_client_id_as_sent(sent: bytes, want: str) -> 
 
     from services.api.control import client_request_id
 
-    scope = {"type": "http", "method": "POST", "path": "/v1/pause", "query_string": b"",
-             "headers": [(b"x-request-id", sent)]}
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/pause",
+        "query_string": b"",
+        "headers": [(b"x-request-id", sent)],
+    }
     assert client_request_id(Request(scope)) == want
 
 
