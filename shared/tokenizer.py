@@ -46,7 +46,7 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
-    def decode(self, ids: Sequence[int]) -> str: ...
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
     def apply_chat_template(
         self,
@@ -103,6 +103,9 @@ class _ChatTemplating:
         )
 
 
+_BYTE_SPECIALS = {256: "<bos>", 257: "<eos>", 258: "<pad>"}
+
+
 class ByteTokenizer(_ChatTemplating):
     """ids 0..255 are raw UTF-8 bytes; 256 <bos>, 257 <eos>, 258 <pad>."""
 
@@ -126,8 +129,20 @@ class ByteTokenizer(_ChatTemplating):
         ids = list(text.encode("utf-8"))
         return [256, *ids] if add_special_tokens else ids
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        if skip_special_tokens:
+            return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+        # each run of bytes decoded alone, the special ids written as their names
+        out, run = [], bytearray()
+        for i in ids:
+            if 0 <= i < 256:
+                run.append(i)
+                continue
+            out.append(run.decode("utf-8", errors="replace"))
+            run.clear()
+            out.append(_BYTE_SPECIALS.get(i, ""))
+        out.append(run.decode("utf-8", errors="replace"))
+        return "".join(out)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -216,8 +231,8 @@ class HFTokenizer(_ChatTemplating):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
 
 # transformers' Qwen2Tokenizer pre-tokenizer (models/qwen2/tokenization_qwen2.py)
@@ -325,14 +340,15 @@ def decode_incremental(
     prefix_offset: int,
     read_offset: int,
     final: bool = False,
+    skip_special_tokens: bool = True,
 ) -> tuple[str, int, int]:
     """New text for ``ids[read_offset:]`` given that everything before ``read_offset`` has
     been emitted; returns ``(text, prefix_offset, read_offset)`` to pass next time.
 
     ``ids[prefix_offset:read_offset]`` is decode context only. Text ending in U+FFFD is an
     incomplete UTF-8 sequence and is held back until more ids arrive (or ``final``)."""
-    prefix_text = tokenizer.decode(ids[prefix_offset:read_offset])
-    new_text = tokenizer.decode(ids[prefix_offset:])
+    prefix_text = tokenizer.decode(ids[prefix_offset:read_offset], skip_special_tokens)
+    new_text = tokenizer.decode(ids[prefix_offset:], skip_special_tokens)
     if len(new_text) > len(prefix_text) and (final or not new_text.endswith(_REPLACEMENT)):
         return new_text[len(prefix_text) :], read_offset, len(ids)
     return "", prefix_offset, read_offset
@@ -341,8 +357,14 @@ def decode_incremental(
 class IncrementalDecoder:
     """Per-request streaming detokenizer: ``push`` new ids, get the text safe to emit."""
 
-    def __init__(self, tokenizer: Tokenizer, context_ids: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        context_ids: Sequence[int] = (),
+        skip_special_tokens: bool = True,  # false: special tokens are written as text
+    ) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = list(context_ids[-_CONTEXT_IDS:])
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
@@ -358,7 +380,12 @@ class IncrementalDecoder:
 
     def _step(self, final: bool) -> str:
         delta, self.prefix_offset, self.read_offset = decode_incremental(
-            self.tokenizer, self.ids, self.prefix_offset, self.read_offset, final
+            self.tokenizer,
+            self.ids,
+            self.prefix_offset,
+            self.read_offset,
+            final,
+            self.skip_special_tokens,
         )
         self.text += delta
         return delta

@@ -12,6 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -100,6 +101,7 @@ def create_app(settings: Settings, bus: Bus | None = None) -> Starlette:
             "error": {
                 "message": f"{exc.detail}: {request.method} {request.url.path}",
                 "type": "invalid_request_error",
+                "param": None,
                 "code": exc.status_code,
             }
         }
@@ -112,6 +114,20 @@ def create_app(settings: Settings, bus: Bus | None = None) -> Starlette:
         allowed_origins=settings.allowed_origin_list,
         loopback_only=_loopback(settings.api_host),
     )
+    middleware = [guard]
+    if settings.allowed_origin_list:
+        # a page of an allowed origin can then call the API from a browser: its preflight
+        # (OPTIONS) is answered and the answers carry Access-Control-Allow-Origin; other
+        # origins get neither (and the guard still refuses their state-changing calls)
+        origins = [o.rstrip("/").lower() for o in settings.allowed_origin_list]
+        cors = Middleware(
+            CORSMiddleware,
+            allow_origins=origins,
+            allow_methods=["GET", "POST"],
+            allow_headers=["*"],
+            expose_headers=["X-Request-Id", "Retry-After"],
+        )
+        middleware = [cors, guard]
     app = Starlette(
         exception_handlers={HTTPException: http_error},
         routes=[
@@ -120,7 +136,7 @@ def create_app(settings: Settings, bus: Bus | None = None) -> Starlette:
             Route("/metrics", metrics, methods=["GET"]),
             *openai.routes(deps),
         ],
-        middleware=[guard],
+        middleware=middleware,
         lifespan=lifespan,
     )
     app.state.deps = deps

@@ -127,6 +127,20 @@ def _query_args(request: Request, *names: str) -> dict[str, Any]:
     return out
 
 
+def _only_query(request: Request, *known: str) -> None:
+    """A mutating call's query names only its own parameters: an unknown one (``mod=keep``
+    for ``mode=keep``) is 400 naming it, as an unknown body field is — never dropped while
+    the call goes on with its defaults (a pause that aborts, an update to version.txt)."""
+    takes = ", ".join(known) or "none"
+    for name in request.query_params:
+        if name not in known:
+            raise ControlError(
+                BAD_REQUEST,
+                f"unknown query parameter '{name[:64]}' (this call takes {takes})",
+                {"param": name[:64]},
+            )
+
+
 def _bool_query(request: Request, name: str) -> bool:
     """A boolean query parameter: ``true``/``false``/``1``/``0`` (any case; empty or
     absent = false); anything else, or the parameter given more than once, is 400 naming
@@ -151,9 +165,7 @@ async def _body(deps: Deps, request: Request) -> bytes:
     before the body is even looked at)."""
     admin_check(deps, request)
     try:
-        body = await read_body(
-            request, deps.settings.max_body_bytes, deps.settings.body_timeout_s
-        )
+        body = await read_body(request, deps.settings.max_body_bytes, deps.settings.body_timeout_s)
         doc = parse_json(body)
     except BadRequest as e:
         raise ControlError(BAD_REQUEST, e.message, {"param": e.param}) from None
@@ -167,11 +179,14 @@ def _refused(request: Request, e: ControlError) -> Response:
     return _echo(request, reply_response(m.ControlReply(rid, e.code, e.message, e.result)))
 
 
-async def _query_or_body(
-    deps: Deps, request: Request, method: str, name: str
-) -> Response:
+async def _query_or_body(deps: Deps, request: Request, method: str, name: str) -> Response:
     """``method`` with argument ``name`` from the query, else from a JSON body
     (``{"mode": "keep"}``, ``{"tags": "weight"}`` or a list of tags): the query wins."""
+    try:
+        admin_check(deps, request)  # 401 before a bad parameter's 400
+        _only_query(request, *([name] if name else []))
+    except ControlError as e:
+        return _refused(request, e)
     args = _query_args(request, name)
     if not args:
         try:
@@ -213,7 +228,16 @@ def routes(deps: Deps) -> list[Route]:
         return await _query_or_body(deps, request, "wakeup", "tags")
 
     async def update_weights(request: Request) -> Response:
+        """Arguments from the query (``?version=v1&verify_checksum=true``) or, when it has
+        none, from the JSON body."""
         try:
+            admin_check(deps, request)  # 401 before a bad parameter's 400
+            _only_query(request, "version", "verify_checksum")
+            args: dict[str, Any] = _query_args(request, "version")
+            if request.query_params.get("verify_checksum", "").strip():
+                args["verify_checksum"] = _bool_query(request, "verify_checksum")
+            if args:
+                return await call(deps, request, "update_weights", args)
             body = await _body(deps, request)
         except ControlError as e:
             return _refused(request, e)
@@ -236,8 +260,13 @@ def routes(deps: Deps) -> list[Route]:
 
     def legacy(method: str):  # noqa: ANN202 - route factory
         async def route(request: Request) -> Response:
+            if request.method == "HEAD":
+                # HEAD is safe (RFC 9110): a `curl -I` or a link checker must not sleep or
+                # wake the engine (starlette routes HEAD to every GET route)
+                return Response(status_code=405, headers={"Allow": "GET"})
             try:
                 admin_check(deps, request)  # these GETs change state: token first
+                _only_query(request)
             except ControlError as e:
                 return reply_response(m.ControlReply(new_request_id(), e.code, e.message))
             if not deps.settings.dynamic_load_weight:

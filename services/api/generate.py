@@ -67,6 +67,7 @@ class Choice:
     finish_reason: str | None = None
     spans: list[m.VersionSpan] = field(default_factory=list)
     version: str = ""
+    keep_stop: bool = False  # include_stop_str_in_output: the text ends with the stop string
 
     def _hold(self) -> int:
         return max((len(s) for s in self.stops), default=1) - 1
@@ -90,7 +91,7 @@ class Choice:
             self.text += self.decoder.flush()
         cut = self._find_stop()
         if cut is not None:
-            self.text = self.text[:cut]
+            self.text = self.text[: cut[1] if self.keep_stop else cut[0]]
             self.finish_reason = "stop"
         elif final:
             self.finish_reason = chunk.finish_reason
@@ -109,12 +110,17 @@ class Choice:
         self.emitted = end
         return delta
 
-    def _find_stop(self) -> int | None:
+    def _find_stop(self) -> tuple[int, int] | None:
+        """Start and end of the first stop string in the text (the one that starts first;
+        of those, the longest, as the end is then the furthest)."""
         if not self.stops:
             return None
         start = max(0, self.emitted - self._hold())
-        hits = [i for s in self.stops if (i := self.text.find(s, start)) >= 0]
-        return min(hits) if hits else None
+        hits = [(i, -len(s)) for s in self.stops if (i := self.text.find(s, start)) >= 0]
+        if not hits:
+            return None
+        at, minus_len = min(hits)
+        return at, at - minus_len
 
 
 class GenCall:
@@ -137,12 +143,19 @@ class GenCall:
         max_unread: int = 4096,
         on_overflow: Callable[[], None] = lambda: None,
         idle_timeout: float = IDLE_TIMEOUT_S,
+        keep_stop: bool = False,
+        skip_special_tokens: bool = True,
     ) -> None:
         self.bus, self.subjects, self.gen, self.on_version = bus, subjects, gen, on_version
         gen.request_id = gen.request_id or new_request_id()
         gen.batch = True  # our bus takes the engine's batched chunks (one message per step)
         self.choices = [
-            Choice(i, IncrementalDecoder(tokenizer, gen.prompt_token_ids), stops)
+            Choice(
+                i,
+                IncrementalDecoder(tokenizer, gen.prompt_token_ids, skip_special_tokens),
+                stops,
+                keep_stop=keep_stop,
+            )
             for i in range(gen.n)
         ]
         self.engine_done: set[int] = set()
@@ -240,9 +253,7 @@ class Calls:
 
     async def open(self) -> None:
         try:
-            results = await asyncio.gather(
-                *(c.open() for c in self.calls), return_exceptions=True
-            )
+            results = await asyncio.gather(*(c.open() for c in self.calls), return_exceptions=True)
         except BaseException:  # cancelled (the client left): nothing may stay queued
             await self.close()
             raise

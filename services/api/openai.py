@@ -152,6 +152,9 @@ class Job:
     logprobs: bool
     choices: dict[int, dict[str, Any]] = field(default_factory=dict)
     as_token_ids: bool = False  # return_tokens_as_token_ids
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats
+    keep_stop: bool = False  # include_stop_str_in_output
+    skip_special: bool = True  # skip_special_tokens
 
     @property
     def gen(self) -> m.GenRequest:
@@ -170,9 +173,7 @@ class Job:
 Label = Callable[[int], str]
 
 
-def _alternatives(
-    token: int, logprob: float, top: m.TopLogprobs | None
-) -> list[tuple[int, float]]:
+def _alternatives(token: int, logprob: float, top: m.TopLogprobs | None) -> list[tuple[int, float]]:
     """The alternatives at one position, the sampled token's value being its own logprob
     (the float64 one) wherever it appears."""
     if top is None:
@@ -262,6 +263,9 @@ class OpenAIRoutes:
         self.tokenizer = load_tokenizer(s.model_dir)
         self._texts: dict[int, str] = {}  # token id -> its text in logprobs
         self.max_model_len = max_model_len(s.model_dir, s.max_model_len)
+        # tokens one sequence can hold in the engine's KV cache (the same settings): a
+        # default max_tokens stays within it (the engine refuses a request past it)
+        self.kv_tokens = s.kv_cache_blocks * s.kv_block_size
         # token ids are checked against the model's embedding rows (config.json's
         # vocab_size), not the tokenizer's size: a padded vocabulary accepts every id the
         # model has, a tokenizer with more ids than the model cannot feed it an unknown one
@@ -278,9 +282,7 @@ class OpenAIRoutes:
         if key and not bearer_ok(request.headers.get("authorization", ""), key):
             raise BadRequest("missing or wrong API key (Authorization: Bearer <key>)", code=401)
 
-    def _prompts(
-        self, req: schema.Sampling, body: dict[str, Any], n: int
-    ) -> list[list[int]]:
+    def _prompts(self, req: schema.Sampling, body: dict[str, Any], n: int) -> list[list[int]]:
         """Every prompt's token ids: chat renders its messages; a completion's ``prompt``
         is a string, a list of strings, token ids, or a list of token-id lists, whose
         number times ``n`` is bounded by ``ROLLBUS_MAX_N`` (checked before encoding)."""
@@ -341,10 +343,21 @@ class OpenAIRoutes:
             raise BadRequest(
                 f"model '{req.model}' does not exist; this server serves '{self.model}'", "model"
             )
+        if refused := schema.unsupported(body, chat):
+            raise BadRequest(refused[1], refused[0])
         n, max_n = req.n or 1, self.deps.settings.max_n
         if n > max_n:
             raise BadRequest(f"n is {n}; the limit is {max_n} (ROLLBUS_MAX_N)", "n")
         prompts = self._prompts(req, body, n)
+        if (keep := req.truncate_prompt_tokens) is not None:
+            keep = self.max_model_len if keep == -1 else keep
+            if not 1 <= keep <= self.max_model_len:
+                raise BadRequest(
+                    f"truncate_prompt_tokens must be -1 or 1 ... {self.max_model_len} "
+                    "(the maximum context length)",
+                    "truncate_prompt_tokens",
+                )
+            prompts = [ids[-keep:] for ids in prompts]  # the last ones, as vLLM
         max_name, max_tokens = "max_tokens", req.max_tokens
         if isinstance(req, schema.ChatRequest) and req.max_completion_tokens is not None:
             max_name, max_tokens = "max_completion_tokens", req.max_completion_tokens
@@ -383,6 +396,11 @@ class OpenAIRoutes:
             if req.best_of is not None and req.best_of != n:
                 raise BadRequest("best_of other than n is not supported", "best_of")
         opts = req.stream_options
+        if body.get("stream_options") and not req.stream:
+            # as vLLM and FastDeploy (OpenAI: "only set this when you set stream: true")
+            raise BadRequest(
+                "Stream options can only be defined when `stream=True`.", "stream_options"
+            )
         gens = [
             m.GenRequest(
                 request_id=uuid.uuid4().hex,
@@ -416,6 +434,9 @@ class OpenAIRoutes:
             chat,
             logprobs,
             as_token_ids=bool(req.return_tokens_as_token_ids),
+            continuous_usage=bool(opts and opts.continuous_usage_stats),
+            keep_stop=bool(req.include_stop_str_in_output),
+            skip_special=req.skip_special_tokens is not False,
         )
 
     def _budget(self, ids: list[int], max_name: str, max_tokens: int | None, chat: bool) -> int:
@@ -427,6 +448,14 @@ class OpenAIRoutes:
                 "prompt" if not chat else "messages",
             )
         if max_tokens is None:
+            kv_room = self.kv_tokens - len(ids)
+            if kv_room <= 0:
+                raise BadRequest(
+                    f"prompt has {len(ids)} tokens; the KV cache holds {self.kv_tokens} tokens "
+                    "per sequence (ROLLBUS_KV_CACHE_BLOCKS x ROLLBUS_KV_BLOCK_SIZE)",
+                    "prompt" if not chat else "messages",
+                )
+            room = min(room, kv_room)  # a context longer than the cache: the cache's rest
             return room if chat else min(16, room)
         if max_tokens > room:
             raise BadRequest(
@@ -547,77 +576,84 @@ class OpenAIRoutes:
         rid = ("chatcmpl-" if job.chat else "cmpl-") + job.gen.request_id
         created = int(time.time())
         obj = "chat.completion.chunk" if job.chat else "text_completion"
-        started: set[int] = set()
         offsets: dict[int, int] = {}  # per choice: text_offset continues across chunks
         out_tokens = 0
         first = _FirstToken(self.deps)
+
+        def usage() -> dict[str, int]:
+            p = job.prompt_tokens
+            return {
+                "prompt_tokens": p,
+                "completion_tokens": out_tokens,
+                "total_tokens": p + out_tokens,
+            }
+
+        def event(choice: dict[str, Any] | None, extra: dict[str, Any]) -> bytes:
+            body: dict[str, Any] = {
+                "id": rid,
+                "object": obj,
+                "created": created,
+                "model": self.model,
+                "choices": [choice] if choice is not None else [],
+                **extra,
+            }
+            if job.continuous_usage and "usage" not in body:
+                body["usage"] = usage()  # so far (vLLM's and FastDeploy's option)
+            return f"data: {json.dumps(body)}\n\n".encode()
+
+        # as OpenAI, vLLM and FastDeploy: a chat stream opens each choice with its role
+        # alone (content ""), before any token; later deltas carry content only. Sent with
+        # the first delta, whose version is known (an API just started has seen none)
+        roles = job.chat
         try:
+            route = "chat" if job.chat else "completions"
             async for d in call.deltas():
+                if roles:
+                    roles = False
+                    version = {"weight_version": d.version or self.deps.current_version}
+                    delta = {"role": "assistant", "content": ""}
+                    for i in range(job.num_choices):
+                        choice = dict(index=i, delta=delta, logprobs=None, finish_reason=None)
+                        yield event(choice, version)
                 first.seen(d)
                 out_tokens += len(d.token_ids)
-                yield self._sse_chunk(job, rid, created, obj, d, started, offsets)
+                if d.finish_reason:  # each choice's outcome, as a non-streamed call counts
+                    self.deps.metrics.gen_requests.labels(route, d.finish_reason).inc()
+                yield event(*self._sse_choice(job, d, offsets))
         except ControlError as e:
-            err = {"error": {"message": e.message, "type": "server_error", "code": e.code}}
+            param = (e.result or {}).get("param")
+            kind = "invalid_request_error" if e.code == 400 else "server_error"
+            err = {"error": {"message": e.message, "type": kind, "param": param, "code": e.code}}
             yield f"data: {json.dumps(err)}\n\n".encode()
         except Exception as e:  # noqa: BLE001 - a bug: logged, counted, the stream told
             yield f"data: {json.dumps(self._internal(e, rid, 'sse_writer'))}\n\n".encode()
         finally:
             await call.close()
         if job.include_usage:
-            p = job.prompt_tokens
-            usage = {
-                "id": rid,
-                "object": obj,
-                "created": created,
-                "model": self.model,
-                "choices": [],
-                "usage": {
-                    "prompt_tokens": p,
-                    "completion_tokens": out_tokens,
-                    "total_tokens": p + out_tokens,
-                },
-            }
-            yield f"data: {json.dumps(usage)}\n\n".encode()
+            yield event(None, {"usage": usage()})
         self.deps.metrics.gen_tokens.inc(out_tokens)
         yield b"data: [DONE]\n\n"
 
-    def _sse_chunk(
-        self,
-        job: Job,
-        rid: str,
-        created: int,
-        obj: str,
-        d: Delta,
-        started: set[int],
-        offsets: dict[int, int],
-    ) -> bytes:
+    def _sse_choice(
+        self, job: Job, d: Delta, offsets: dict[int, int]
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """One delta as a stream chunk's choice, and the chunk's own fields."""
         c: dict[str, Any] = {"index": d.index}
         if job.chat:
-            delta: dict[str, Any] = {"content": d.text}
-            if d.index not in started:
-                delta["role"] = "assistant"
-                started.add(d.index)
-            c["delta"] = delta
+            c["delta"] = {"content": d.text}
         else:
             c["text"] = d.text
         c["logprobs"] = self._logprobs(job, d.token_ids, d.logprobs, d.top, offsets, d.index)
         c["finish_reason"] = d.finish_reason
         if job.return_token_ids:
             c["token_ids"] = d.token_ids
-        body: dict[str, Any] = {
-            "id": rid,
-            "object": obj,
-            "created": created,
-            "model": self.model,
-            "choices": [c],
-            "weight_version": d.version or self.deps.current_version,
-        }
+        extra: dict[str, Any] = {"weight_version": d.version or self.deps.current_version}
         if d.finish_reason and d.spans and len(d.spans) > 1:
             spans = [{"version": s.version, "start": s.start, "end": s.end} for s in d.spans]
             c["weight_versions"] = spans
             if job.num_choices == 1:
-                body["weight_versions"] = spans
-        return f"data: {json.dumps(body)}\n\n".encode()
+                extra["weight_versions"] = spans
+        return c, extra
 
     def _seen(self, version: str) -> None:
         self.deps.current_version = version
@@ -663,6 +699,8 @@ class OpenAIRoutes:
                         # the engine heartbeats every CONTROL_TIMEOUT_S / 3 at most: silence
                         # this long means it is gone (killed, or NATS lost)
                         idle_timeout=s.control_timeout_s,
+                        keep_stop=job.keep_stop,
+                        skip_special_tokens=job.skip_special,
                     )
                     for gen in job.gens
                 ]
@@ -696,28 +734,41 @@ class OpenAIRoutes:
         log.error("%s %s failed", task, rid, exc_info=e)
         self.deps.metrics.task_failures.labels("api", task).inc()
         message = f"internal error: {type(e).__name__}: {e}"[:500]
-        return {"error": {"message": message, "type": "server_error", "code": INTERNAL_ERROR}}
+        err = {"message": message, "type": "server_error", "param": None, "code": INTERNAL_ERROR}
+        return {"error": err}
+
+    def _card(self) -> dict[str, Any]:
+        return {
+            "id": self.model,
+            "object": "model",
+            "created": 0,
+            "owned_by": "rollbus",
+            "root": self.model,  # the id, never a filesystem path
+            "max_model_len": self.max_model_len,
+        }
 
     async def models(self, request: Request) -> Response:
         try:
             self._auth(request)
         except BadRequest as e:
             return error_response(e.message, e.code)
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": self.model,
-                        "object": "model",
-                        "created": 0,
-                        "owned_by": "rollbus",
-                        "root": self.model,  # the id, never a filesystem path
-                        "max_model_len": self.max_model_len,
-                    }
-                ],
-            }
-        )
+        return JSONResponse({"object": "list", "data": [self._card()]})
+
+    async def retrieve(self, request: Request) -> Response:
+        """``GET /v1/models/{model}`` (the client's ``models.retrieve``): the served
+        model's entry under any id a request may name it by, else 404."""
+        try:
+            self._auth(request)
+        except BadRequest as e:
+            return error_response(e.message, e.code)
+        name = request.path_params["model"]
+        if name not in self.model_ids:
+            return error_response(
+                f"model '{name[:256]}' does not exist; this server serves '{self.model}'",
+                404,
+                "model",
+            )
+        return JSONResponse(self._card())
 
 
 def routes(deps: Deps) -> list[Route]:
@@ -733,4 +784,5 @@ def routes(deps: Deps) -> list[Route]:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/models", r.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", r.retrieve, methods=["GET"]),
     ]

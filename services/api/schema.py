@@ -8,6 +8,7 @@ route once the model is known. Every limit is listed in the README ("Limits").
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any
 
 import msgspec
@@ -40,6 +41,8 @@ Bias = Annotated[float, Meta(ge=-MAX_BIAS, le=MAX_BIAS)]
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool | None = None
+    # vLLM's and FastDeploy's: the usage so far on every chunk of the stream
+    continuous_usage_stats: bool | None = None
 
 
 class Sampling(msgspec.Struct, kw_only=True):
@@ -55,6 +58,10 @@ class Sampling(msgspec.Struct, kw_only=True):
     stop: StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP)] | None = None
     stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: bool | None = None
+    include_stop_str_in_output: bool | None = None  # vLLM's: the stop string ends the text
+    skip_special_tokens: bool | None = None  # vLLM's; false: special tokens are in the text
+    # vLLM's: keep only the last k prompt tokens (-1: the context length)
+    truncate_prompt_tokens: Annotated[int, Meta(ge=-1, le=TOKEN_LIMIT)] | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     return_token_ids: bool | None = None
@@ -99,9 +106,65 @@ class ChatRequest(Sampling, kw_only=True):
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     # vLLM's: extra variables for the chat template (e.g. {"enable_thinking": false})
-    chat_template_kwargs: (
-        Annotated[dict[str, Any], Meta(max_length=MAX_TEMPLATE_KWARGS)] | None
-    ) = None
+    chat_template_kwargs: Annotated[dict[str, Any], Meta(max_length=MAX_TEMPLATE_KWARGS)] | None = (
+        None
+    )
+
+
+def _off(value: Any) -> bool:
+    return not value  # absent, null, false, 0, "", [] or {}
+
+
+# Fields of OpenAI's or vLLM's API that rollbus does not implement, with the values that
+# ask for nothing (OpenAI clients send them): any other value would change the answer, so
+# it is refused (400 naming the field), never silently ignored. Other unknown fields
+# (``user``, ``metadata``, ``priority``, ...) change nothing and are ignored.
+UNSUPPORTED: dict[str, Any] = {
+    "min_p": _off,
+    "prompt_logprobs": lambda v: v is None,
+    "use_beam_search": _off,
+    "allowed_token_ids": _off,
+    "bad_words": _off,
+    "response_format": lambda v: _off(v) or (isinstance(v, dict) and v.get("type") == "text"),
+    "guided_json": _off,
+    "guided_regex": _off,
+    "guided_choice": _off,
+    "guided_grammar": _off,
+    "structured_outputs": _off,
+}
+UNSUPPORTED_CHAT: dict[str, Any] = {
+    "tools": _off,
+    "functions": _off,
+    "tool_choice": lambda v: v is None or v in ("none", "auto"),
+    "function_call": lambda v: v is None or v in ("none", "auto"),
+    "add_generation_prompt": lambda v: v is None or v is True,
+    "continue_final_message": _off,
+    "documents": _off,
+    "chat_template": _off,
+    "echo": _off,
+}
+
+
+def unsupported(body: dict[str, Any], chat: bool) -> tuple[str, str] | None:
+    """``(param, message)`` of the first field asking for what rollbus does not do."""
+    table = {**UNSUPPORTED, **UNSUPPORTED_CHAT} if chat else UNSUPPORTED
+    for name, off in table.items():
+        if name in body and not off(body[name]):
+            return name, f"'{name}' is not supported (value {json_text(body[name])})"
+    if chat:
+        for i, msg in enumerate(body.get("messages") or ()):
+            parts = msg.get("content") if isinstance(msg, dict) else None
+            for j, part in enumerate(parts if isinstance(parts, list) else ()):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    where = f"messages[{i}].content[{j}].type"
+                    return where, f"'{where}': only text parts are supported, not {kind[:64]!r}"
+    return None
+
+
+def json_text(value: Any, limit: int = 64) -> str:
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def convert(body: Any, kind: type[Sampling]) -> Sampling:

@@ -113,8 +113,15 @@ def test_a_control_body_over_the_limit_is_400(calls: list[tuple[str, dict[str, A
 
 @pytest.mark.parametrize(
     "query, want",
-    [("", {}), ("?fresh=true", {"fresh": True}), ("?fresh=TRUE", {"fresh": True}),
-     ("?fresh=1", {"fresh": True}), ("?fresh=false", {}), ("?fresh=0", {}), ("?fresh=", {})],
+    [
+        ("", {}),
+        ("?fresh=true", {"fresh": True}),
+        ("?fresh=TRUE", {"fresh": True}),
+        ("?fresh=1", {"fresh": True}),
+        ("?fresh=false", {}),
+        ("?fresh=0", {}),
+        ("?fresh=", {}),
+    ],
 )
 def test_status_fresh_param(calls: list[tuple[str, dict[str, Any]]], query: str, want: Any) -> None:
     r = client().get("/v1/status" + query)
@@ -147,7 +154,6 @@ def test_status_fresh_param_repeated_is_400_naming_it(
     assert calls == []
 
 
-
 @pytest.mark.parametrize(
     "sent, want",
     [
@@ -161,6 +167,62 @@ def test_a_control_reply_names_the_client_id_as_sent(sent: bytes, want: str) -> 
 
     from services.api.control import client_request_id
 
-    scope = {"type": "http", "method": "POST", "path": "/v1/pause", "query_string": b"",
-             "headers": [(b"x-request-id", sent)]}
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/v1/pause",
+        "query_string": b"",
+        "headers": [(b"x-request-id", sent)],
+    }
     assert client_request_id(Request(scope)) == want
+
+
+@pytest.mark.parametrize(
+    "query, body, want",
+    [
+        ("?version=v1", None, {"version": "v1"}),
+        ("?version=v1&verify_checksum=true", None, {"version": "v1", "verify_checksum": True}),
+        ("?verify_checksum=0", None, {"verify_checksum": False}),
+        ("?version=v2", {"version": "v1"}, {"version": "v2"}),  # the query wins
+        ("", {"version": "v1"}, {"version": "v1"}),
+    ],
+)
+def test_update_weights_takes_its_arguments_from_the_query_too(
+    calls: list[tuple[str, dict[str, Any]]], query: str, body: Any, want: dict[str, Any]
+) -> None:
+    """``update_weights?version=v1`` updates to v1 (it read only the body: the query was
+    dropped and the call went on to version.txt's version, silently)."""
+    c = client()
+    path = "/v1/update_weights" + query
+    r = c.post(path, json=body) if body is not None else c.post(path)
+    assert r.status_code == 200, r.text
+    assert calls == [("update_weights", want)]
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/pause?mod=keep",  # a typo must not abort every request (the default mode)
+        "/v1/pause?mode=keep&x=1",
+        "/v1/resume?mode=keep",
+        "/v1/sleep?tag=weight",
+        "/v1/wakeup?tag=weight",
+        "/v1/update_weights?versions=v1",
+        "/v1/update_weights?verify_checksum=maybe",
+    ],
+)
+def test_an_unknown_or_bad_query_parameter_of_a_mutating_call_is_400(
+    calls: list[tuple[str, dict[str, Any]]], path: str
+) -> None:
+    r = client().post(path)
+    assert r.status_code == 400, r.text
+    assert r.json()["result"]["param"] in ("mod", "x", "mode", "tag", "versions", "verify_checksum")
+    assert calls == []
+
+
+def test_legacy_gets_refuse_unknown_query_parameters(
+    calls: list[tuple[str, dict[str, Any]]],
+) -> None:
+    assert client().get("/clear_load_weight?tags=kv_cache").status_code == 400
+    assert client().get("/clear_load_weight").status_code == 200
+    assert calls == [("sleep", {})]

@@ -61,6 +61,7 @@ async def test_a_bug_in_a_stream_ends_it_with_an_error_event(
     assert call.closed  # its engine request is cancelled
     last = [json.loads(e[6:]) for e in events[:-1]][-1]
     assert last["error"]["code"] == 500 and "boom in a delta" in last["error"]["message"]
+    assert set(last["error"]) == {"message", "type", "param", "code"}  # OpenAI's shape
     assert events[-1] == b"data: [DONE]\n\n"
     assert failures(routes, "sse_writer") == before + 1
     (rec,) = [r for r in caplog.records if r.levelno == logging.ERROR]
@@ -80,6 +81,7 @@ async def test_a_bug_in_a_request_answers_500_in_openai_shape(
     assert resp.status_code == 500
     err = json.loads(bytes(resp.body))["error"]
     assert err["type"] == "server_error" and "boom in parse" in err["message"]
+    assert set(err) == {"message", "type", "param", "code"}
     assert failures(routes, "generation") == before + 1
     assert any(r.exc_info for r in caplog.records if r.levelno == logging.ERROR)
 

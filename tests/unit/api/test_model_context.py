@@ -41,3 +41,21 @@ def test_context_length_from_config_json(tmp_path: Path, config: dict, limit: in
     with pytest.raises(BadRequest) as e:
         routes.parse({"prompt": [1] * limit}, chat=False)
     assert e.value.param == "prompt" and f"the maximum context length is {limit}" in e.value.message
+
+
+def test_the_default_max_tokens_fits_the_kv_cache(tmp_path: Path) -> None:
+    """A context longer than the KV cache holds (a Qwen config's 32768 positions, the
+    default 256 x 16-token cache): a chat without ``max_tokens`` gets the rest of what
+    the cache holds — not the rest of the context, which the engine refuses ("needs N KV
+    blocks") — and a prompt the cache cannot hold is a 400 naming it."""
+    d = create_model_dir(tmp_path / "m", seed=0)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 32768}))
+    routes = OpenAIRoutes(Deps(Settings(model=str(d), kv_cache_blocks=4, kv_block_size=16)))
+    assert routes.max_model_len == 32768
+    chat = routes.parse({"messages": [{"role": "user", "content": "hi"}]}, chat=True)
+    assert chat.gen.max_tokens == 64 - len(chat.gen.prompt_token_ids)
+    assert routes.parse({"prompt": [1] * 60}, chat=False).gen.max_tokens == 4
+    with pytest.raises(BadRequest) as e:
+        routes.parse({"prompt": [1] * 64}, chat=False)
+    assert e.value.param == "prompt" and "ROLLBUS_KV_CACHE_BLOCKS" in e.value.message

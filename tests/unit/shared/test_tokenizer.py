@@ -190,3 +190,19 @@ def test_hf_chat_template_raise_exception(tmp_path: Path) -> None:
     tok = load_tokenizer(make_hf_dir(tmp_path, "{{ raise_exception('no system role') }}"))
     with pytest.raises(ValueError, match="no system role"):
         tok.apply_chat_template([{"role": "system", "content": "x"}])
+
+
+def test_special_tokens_are_skipped_unless_asked_for(tmp_path: Path) -> None:
+    """vLLM's ``skip_special_tokens`` (default true): false writes them in the text, for the
+    HF tokenizer and the byte one alike, streamed as whole."""
+    hf = load_tokenizer(make_hf_dir(tmp_path, None))
+    ids = [*hf.encode("hello"), hf.encode("</s>", add_special_tokens=False)[0]]
+    assert hf.decode(ids) == "hello"
+    assert hf.decode(ids, skip_special_tokens=False) == "<s>hello</s>"
+    dec = IncrementalDecoder(hf, [], skip_special_tokens=False)
+    assert "".join(dec.push([i]) for i in ids) + dec.flush() == "<s>hello</s>"
+    byte = ByteTokenizer()
+    ids = [256, *"é!".encode(), 257]
+    assert byte.decode(ids) == "é!" and byte.decode(ids, False) == "<bos>é!<eos>"
+    dec = IncrementalDecoder(byte, [], skip_special_tokens=False)
+    assert "".join(dec.push([i]) for i in ids) + dec.flush() == "<bos>é!<eos>"

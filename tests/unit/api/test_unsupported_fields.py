@@ -1,0 +1,159 @@
+"""Fields of OpenAI's or vLLM's API that rollbus does not implement are refused (400
+naming the field) when they ask for something — never accepted and silently ignored —
+and pass when they ask for nothing (the values clients send by default). vLLM's
+``include_stop_str_in_output`` is honoured: the text ends with the stop string, and so is
+``skip_special_tokens: false``: special tokens are written in the text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.api.body import BadRequest
+from services.api.deps import Deps
+from services.api.generate import Choice
+from services.api.openai import OpenAIRoutes
+from shared import messages as m
+from shared.settings import Settings
+from shared.tokenizer import IncrementalDecoder
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.fixture(scope="module")
+def routes(tmp_path_factory: pytest.TempPathFactory) -> OpenAIRoutes:
+    from services.tiny_model import create_model_dir
+
+    model = create_model_dir(Path(tmp_path_factory.mktemp("m")) / "tiny", seed=0)
+    return OpenAIRoutes(Deps(Settings(model=str(model), max_n=8, max_model_len=64)))
+
+
+BOTH = [
+    ({"min_p": 0.1}, "min_p"),
+    ({"prompt_logprobs": 0}, "prompt_logprobs"),
+    ({"use_beam_search": True}, "use_beam_search"),
+    ({"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
+    ({"bad_words": ["x"]}, "bad_words"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"guided_json": {"type": "object"}}, "guided_json"),
+    ({"guided_choice": ["a", "b"]}, "guided_choice"),
+    ({"guided_regex": "a+"}, "guided_regex"),
+    ({"structured_outputs": {"json": {}}}, "structured_outputs"),
+]
+CHAT_ONLY = [
+    ({"tools": [TOOL]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ({"add_generation_prompt": False}, "add_generation_prompt"),
+    ({"continue_final_message": True}, "continue_final_message"),
+    ({"documents": [{"text": "d"}]}, "documents"),
+    ({"chat_template": "{{ messages }}"}, "chat_template"),
+    ({"echo": True}, "echo"),
+    (
+        {"messages": [{"role": "user", "content": [
+            {"type": "text", "text": "what is this?"},
+            {"type": "image_url", "image_url": {"url": "http://x/y.png"}},
+        ]}]},
+        "messages[0].content[1].type",
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("extra", "param"), BOTH)
+def test_unsupported_fields_are_refused_naming_them(
+    routes: OpenAIRoutes, extra: dict[str, Any], param: str
+) -> None:
+    for body, chat in (({"prompt": "hi", **extra}, False), ({**CHAT, **extra}, True)):
+        with pytest.raises(BadRequest) as e:
+            routes.parse(body, chat)
+        assert e.value.code == 400 and e.value.param == param
+        assert "not supported" in e.value.message
+
+
+@pytest.mark.parametrize(("extra", "param"), CHAT_ONLY)
+def test_unsupported_chat_fields_are_refused_naming_them(
+    routes: OpenAIRoutes, extra: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(BadRequest) as e:
+        routes.parse({**CHAT, **extra}, chat=True)
+    assert e.value.code == 400 and e.value.param == param
+
+
+def test_the_values_that_ask_for_nothing_pass(routes: OpenAIRoutes) -> None:
+    nothing = {
+        "min_p": 0,
+        "prompt_logprobs": None,
+        "use_beam_search": False,
+        "allowed_token_ids": None,
+        "bad_words": [],
+        "response_format": {"type": "text"},
+        "guided_json": None,
+        "user": "u",
+        "metadata": {"k": "v"},
+        "priority": 3,
+    }
+    routes.parse({"prompt": "hi", **nothing}, chat=False)
+    chat = {"tools": [], "tool_choice": "none", "add_generation_prompt": True, "echo": False}
+    routes.parse({**CHAT, **nothing, **chat, "tool_choice": "auto"}, chat=True)
+    routes.parse({**CHAT, **chat}, chat=True)
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    routes.parse({"messages": [{"role": "user", "content": parts}]}, chat=True)
+
+
+def chunk(ids: list[int], finish: str | None = None) -> m.GenChunk:
+    return m.GenChunk("r", 0, ids, [0.0] * len(ids), "v0", finish_reason=finish)
+
+
+@pytest.mark.parametrize(
+    ("keep", "text"), [(False, "say "), (True, "say STOP")]
+)  # fmt: skip
+def test_include_stop_str_in_output_keeps_the_stop_string(
+    routes: OpenAIRoutes, keep: bool, text: str
+) -> None:
+    tok = routes.tokenizer
+    choice = Choice(0, IncrementalDecoder(tok, []), ["STOP", "ST"], keep_stop=keep)
+    out = ""
+    for piece in ["sa", "y S", "TOP and more"]:
+        d = choice.push(chunk(tok.encode(piece, add_special_tokens=False)))
+        out += d.text if d else ""
+    assert out == text and choice.finish_reason == "stop"
+
+
+def test_include_stop_str_in_output_is_parsed(routes: OpenAIRoutes) -> None:
+    job = routes.parse({"prompt": "hi", "stop": "x", "include_stop_str_in_output": True}, False)
+    assert job.keep_stop and not routes.parse({"prompt": "hi"}, False).keep_stop
+
+
+@pytest.mark.parametrize(("skip", "text"), [(None, "hi"), (True, "hi"), (False, "hi<eos>")])
+def test_skip_special_tokens_false_writes_them_in_the_text(
+    routes: OpenAIRoutes, skip: bool | None, text: str
+) -> None:
+    body = {"prompt": "x", **({} if skip is None else {"skip_special_tokens": skip})}
+    job = routes.parse(body, chat=False)
+    assert job.skip_special is (skip is not False)
+    tok = routes.tokenizer  # the byte tokenizer: 257 is <eos>
+    decoder = IncrementalDecoder(tok, job.gen.prompt_token_ids, job.skip_special)
+    choice = Choice(0, decoder, [])
+    out = "".join(d.text for c in (chunk([104, 105]), chunk([257], "stop"))
+                  if (d := choice.push(c)))  # fmt: skip
+    assert out == text
+
+
+def test_truncate_prompt_tokens_keeps_the_last_ones(routes: OpenAIRoutes) -> None:
+    job = routes.parse({"prompt": [1, 2, 3, 4, 5], "truncate_prompt_tokens": 2}, chat=False)
+    assert job.gen.prompt_token_ids == [4, 5] and job.prompt_tokens == 2
+    chat = routes.parse({**CHAT, "truncate_prompt_tokens": 3}, chat=True)
+    whole = routes.parse(CHAT, chat=True).gen.prompt_token_ids
+    assert chat.gen.prompt_token_ids == whole[-3:]
+    many = routes.parse({"prompt": ["abcdef", [7, 8]], "truncate_prompt_tokens": 3}, False)
+    assert [g.prompt_token_ids for g in many.gens] == [list(b"def"), [7, 8]]
+    with pytest.raises(BadRequest) as e:  # -1: cut to the context (no room left, as vLLM)
+        routes.parse({"prompt": [1] * 70, "truncate_prompt_tokens": -1}, chat=False)
+    assert "prompt has 64 tokens" in e.value.message
+    for bad in (0, -2, 65, True, "3"):
+        with pytest.raises(BadRequest) as e:
+            routes.parse({"prompt": "hi", "truncate_prompt_tokens": bad}, chat=False)
+        assert e.value.param == "truncate_prompt_tokens"
