@@ -157,10 +157,11 @@ def render(
     add_generation_prompt: bool = True,
     special_tokens: Mapping[str, str | None] | None = None,
     kwargs: Mapping[str, Any] | None = None,
+    continue_final_message: bool = False,
 ) -> str:
     """``source`` rendered for ``messages`` as ``tokenizer.apply_chat_template(messages,
-    tokenize=False, add_generation_prompt=..., **kwargs)`` renders it; a template that
-    refuses the chat raises :class:`ChatTemplateError`."""
+    tokenize=False, add_generation_prompt=..., continue_final_message=..., **kwargs)``
+    renders it; a template that refuses the chat raises :class:`ChatTemplateError`."""
     extra = dict(kwargs or {})
     clash = sorted(RESERVED & set(extra))
     if clash:
@@ -169,8 +170,12 @@ def render(
     for message in messages:
         if not isinstance(message, Mapping):
             raise ChatTemplateError(f"chat messages must be objects, got {message!r}")
+    if continue_final_message and add_generation_prompt:
+        raise ChatTemplateError(
+            "continue_final_message and add_generation_prompt exclude each other"
+        )
     try:
-        return compile_template(source).render(
+        text = compile_template(source).render(
             messages=_alias_reasoning(messages),
             tools=None,
             documents=None,
@@ -179,3 +184,26 @@ def render(
         )
     except Exception as e:  # noqa: BLE001 - untrusted template code: any failure refuses the chat
         raise ChatTemplateError(f"chat template: {e}") from None
+    return cut_after_final_message(text, messages) if continue_final_message else text
+
+
+def cut_after_final_message(text: str, messages: list[dict[str, Any]]) -> str:
+    """``text`` ending with the last message's content, so that generation continues that
+    message (what transformers does for ``continue_final_message``): everything the
+    template wrote after the content's last occurrence (an end-of-turn token) is dropped.
+    Where the template trimmed the content's trailing spaces, the text ends at the trimmed
+    content."""
+    final = messages[-1].get("content") if messages else None
+    if isinstance(final, list):  # content parts: the last text part is what continues
+        texts = [p["text"] for p in final if isinstance(p, Mapping) and "text" in p]
+        final = texts[-1] if texts else None
+    if not isinstance(final, str):
+        raise ChatTemplateError("continue_final_message: the final message has no text")
+    core = final.strip()
+    at = text.rfind(core)
+    if at < 0:
+        raise ChatTemplateError(
+            "continue_final_message: the chat template does not write the final message's text"
+        )
+    kept = final.lstrip()
+    return text[: at + (len(kept) if text[at : at + len(kept)] == kept else len(core))]

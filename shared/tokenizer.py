@@ -53,6 +53,7 @@ class Tokenizer(Protocol):
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> str: ...
 
 
@@ -88,18 +89,23 @@ class _ChatTemplating:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """The chat as transformers' ``apply_chat_template(..., tokenize=False)`` renders
         it (:mod:`shared.chat_template`); the default format when the model has no
         template. CPU work: call it off the event loop."""
         if self.chat_template is None:
-            return render_default_chat(messages, add_generation_prompt)
+            text = render_default_chat(messages, add_generation_prompt)
+            if continue_final_message:
+                return chat_template.cut_after_final_message(text, messages)
+            return text
         return chat_template.render(
             self.chat_template,
             messages,
             add_generation_prompt,
             self.special_tokens,
             chat_template_kwargs,
+            continue_final_message,
         )
 
 

@@ -292,9 +292,21 @@ class OpenAIRoutes:
                 raise BadRequest(
                     f"chat_template_kwargs may not set {', '.join(clash)}", "chat_template_kwargs"
                 )
+            cont = bool(req.continue_final_message)
+            gen_prompt = (
+                not cont if req.add_generation_prompt is None else req.add_generation_prompt
+            )
+            if cont and gen_prompt:
+                raise BadRequest(
+                    "continue_final_message and add_generation_prompt cannot both be true",
+                    "continue_final_message",
+                )
             try:  # the raw messages: a template may use fields the schema does not name
                 text = self.tokenizer.apply_chat_template(
-                    body["messages"], add_generation_prompt=True, chat_template_kwargs=kwargs
+                    body["messages"],
+                    add_generation_prompt=gen_prompt,
+                    chat_template_kwargs=kwargs,
+                    continue_final_message=cont,
                 )
             except Exception as e:  # noqa: BLE001 - a template rejecting the chat is a 400
                 raise BadRequest(f"the chat template refused 'messages': {e}", "messages") from e

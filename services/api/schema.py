@@ -109,6 +109,10 @@ class ChatRequest(Sampling, kw_only=True):
     chat_template_kwargs: Annotated[dict[str, Any], Meta(max_length=MAX_TEMPLATE_KWARGS)] | None = (
         None
     )
+    # vLLM's: render without the assistant header (default: with it, unless continuing)
+    add_generation_prompt: bool | None = None
+    # vLLM's: the prompt ends inside the final (assistant) message, which the model continues
+    continue_final_message: bool | None = None
 
 
 def _off(value: Any) -> bool:
@@ -137,8 +141,6 @@ UNSUPPORTED_CHAT: dict[str, Any] = {
     "functions": _off,
     "tool_choice": lambda v: v is None or v in ("none", "auto"),
     "function_call": lambda v: v is None or v in ("none", "auto"),
-    "add_generation_prompt": lambda v: v is None or v is True,
-    "continue_final_message": _off,
     "documents": _off,
     "chat_template": _off,
     "echo": _off,

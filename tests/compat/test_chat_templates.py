@@ -76,6 +76,22 @@ def test_rendered_text_and_ids_equal_transformers(
         assert ours.encode(got, add_special_tokens=False) == ids
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("final", ["The capital is", "  Paris, of course.  ", "héllo 🙂\n"])
+def test_continue_final_message_equals_transformers(
+    dirs: dict[str, Path], hf_tokenizers: dict[str, Any], family: str, final: str
+) -> None:
+    chat = [*CHATS["system"], {"role": "assistant", "content": final}]
+    want = hf_tokenizers[family].apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=False, continue_final_message=True
+    )
+    got = load_tokenizer(dirs[family]).apply_chat_template(
+        chat, False, continue_final_message=True
+    )
+    assert got == want, family
+    assert not got.endswith(("<|eot_id|>", "<|im_end|>\n"))
+
+
 # what the environment offers beyond plain jinja: loopcontrols, {% generation %},
 # transformers' tojson options, dict(), namespace(), raise_exception
 FEATURES = (

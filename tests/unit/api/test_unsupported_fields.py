@@ -47,8 +47,7 @@ CHAT_ONLY = [
     ({"tools": [TOOL]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
-    ({"add_generation_prompt": False}, "add_generation_prompt"),
-    ({"continue_final_message": True}, "continue_final_message"),
+    ({"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
     ({"documents": [{"text": "d"}]}, "documents"),
     ({"chat_template": "{{ messages }}"}, "chat_template"),
     ({"echo": True}, "echo"),
@@ -157,3 +156,20 @@ def test_truncate_prompt_tokens_keeps_the_last_ones(routes: OpenAIRoutes) -> Non
         with pytest.raises(BadRequest) as e:
             routes.parse({"prompt": "hi", "truncate_prompt_tokens": bad}, chat=False)
         assert e.value.param == "truncate_prompt_tokens"
+
+
+def test_generation_prompt_and_continue_final_message_shape_the_chat_prompt(
+    routes: OpenAIRoutes,
+) -> None:
+    # the tiny model's default chat format: <|role|>\ncontent\n ... then <|assistant|>\n
+    def prompt(**extra: Any) -> str:
+        job = routes.parse({**CHAT, **extra}, chat=True)
+        return routes.tokenizer.decode(job.gen.prompt_token_ids)
+
+    assert prompt().endswith("<|assistant|>\n")
+    assert prompt(add_generation_prompt=False) == "<|user|>\nhi\n"
+    cont = {"messages": [*CHAT["messages"], {"role": "assistant", "content": "Once upon"}]}
+    assert prompt(**cont, continue_final_message=True).endswith("<|assistant|>\nOnce upon")
+    with pytest.raises(BadRequest) as e:
+        routes.parse({**cont, "continue_final_message": True, "add_generation_prompt": True}, True)
+    assert e.value.param == "continue_final_message"
