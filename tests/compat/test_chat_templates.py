@@ -85,9 +85,7 @@ def test_continue_final_message_equals_transformers(
     want = hf_tokenizers[family].apply_chat_template(
         chat, tokenize=False, add_generation_prompt=False, continue_final_message=True
     )
-    got = load_tokenizer(dirs[family]).apply_chat_template(
-        chat, False, continue_final_message=True
-    )
+    got = load_tokenizer(dirs[family]).apply_chat_template(chat, False, continue_final_message=True)
     assert got == want, family
     assert not got.endswith(("<|eot_id|>", "<|im_end|>\n"))
 
@@ -115,7 +113,10 @@ def test_environment_features_equal_transformers(
     theirs = hf_tokenizers["qwen3"]
     want = theirs.apply_chat_template(CHATS[chat], chat_template=FEATURES, tokenize=False)
     got = chat_template.render(
-        FEATURES, CHATS[chat], False, load_tokenizer(dirs["qwen3"]).special_tokens  # type: ignore[attr-defined]
+        FEATURES,
+        CHATS[chat],
+        False,
+        load_tokenizer(dirs["qwen3"]).special_tokens,  # type: ignore[attr-defined]
     )
     assert got == want
 
