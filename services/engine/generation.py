@@ -193,7 +193,10 @@ class Generation:
             await self._send(msg.reply, chunk)
             self._json_replies.pop(msg.reply, None)
             return
-        await self._send(msg.reply, m.GenChunk(rid, heartbeat=True))  # queued
+        # queued; the version lets a request that ends with no token still name one
+        await self._send(
+            msg.reply, m.GenChunk(rid, heartbeat=True, version=self.engine.state.weight_version)
+        )
         self.last_arrival = time.monotonic()
         # the sender's connection (its inbox prefix): how many more it holds right now
         self._coming[msg.reply.rpartition(".")[0]] = (gen.more, self.last_arrival)
@@ -252,9 +255,8 @@ class Generation:
             raise Refused(
                 BAD_REQUEST, f"request_id {gen.request_id!r} is already running", "request_id"
             )
-        why = self.sched.check(gen)
-        if why:
-            raise Refused(BAD_REQUEST, why, "max_tokens")
+        if refused := self.sched.check(gen):
+            raise Refused(BAD_REQUEST, *refused)
         if self.sched.num_queued >= s.max_waiting:
             raise Refused(
                 TOO_MANY_REQUESTS,

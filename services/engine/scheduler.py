@@ -175,20 +175,25 @@ class Scheduler:
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
-    def check(self, gen: m.GenRequest) -> str | None:
-        """Why ``gen`` can never run (None when it can)."""
-        total = len(gen.prompt_token_ids) + gen.max_tokens
-        if not gen.prompt_token_ids:
-            return "prompt is empty"
+    def check(self, gen: m.GenRequest) -> tuple[str, str] | None:
+        """``(why, param)`` when ``gen`` can never run (None when it can): ``prompt`` when
+        the prompt alone does not fit, else ``max_tokens``."""
+        prompt = len(gen.prompt_token_ids)
+        total = prompt + gen.max_tokens
+        if not prompt:
+            return "prompt is empty", "prompt"
+        param = "prompt" if prompt > self.max_model_len else "max_tokens"
         if total > self.max_model_len:
             return (
-                f"prompt ({len(gen.prompt_token_ids)} tokens) + max_tokens ({gen.max_tokens}) "
+                f"prompt ({prompt} tokens) + max_tokens ({gen.max_tokens}) "
                 f"exceeds the maximum context length {self.max_model_len}"
-            )
+            ), param
         if self.blocks_for(total) > self.alloc.num_blocks:
+            if self.blocks_for(prompt) > self.alloc.num_blocks:
+                param = "prompt"
             return (
                 f"needs {self.blocks_for(total)} KV blocks, the cache has {self.alloc.num_blocks}"
-            )
+            ), param
         return None
 
     def add(self, gen: m.GenRequest, reply: str) -> Request:

@@ -145,8 +145,13 @@ def test_preemption_recomputes_when_blocks_run_out() -> None:
 
 def test_request_too_big_for_cache_or_context() -> None:
     s = sched(blocks=2, bs=4)
-    assert "KV blocks" in (s.check(gen("a", prompt=6, max_tokens=4)) or "")
-    assert "context length" in (s.check(gen("a", prompt=60, max_tokens=10)) or "")
+    def why(prompt: int, max_tokens: int) -> tuple[str, str]:
+        return s.check(gen("a", prompt=prompt, max_tokens=max_tokens)) or ("", "")
+
+    assert why(6, 4) == ("needs 3 KV blocks, the cache has 2", "max_tokens")
+    assert why(9, 1) == ("needs 3 KV blocks, the cache has 2", "prompt")  # the prompt alone
+    assert "context length" in why(60, 10)[0] and why(60, 10)[1] == "prompt"
+    assert "context length" in why(4, 60)[0] and why(4, 60)[1] == "max_tokens"
     assert s.check(gen("a", prompt=4, max_tokens=4)) is None
 
 

@@ -196,3 +196,19 @@ async def test_after_a_gap_a_rank_runs_nothing_while_a_peer_is_in_a_step_it_miss
     assert st.missed == []
     bus.busy[0] = "step 7"
     assert await st.blocked_peer() == ""  # forgotten: no more pings needed
+
+
+async def test_the_queued_acknowledgement_names_the_serving_version() -> None:
+    """The first heartbeat carries the weight version: an API that has not seen a token yet
+    (just restarted) can still name the version of an answer that ends with no token."""
+    sent: list[m.GenChunk] = []
+
+    async def publish(subject: str, data: bytes, headers: Any = None) -> None:
+        sent.append(m.unpack(data, type=m.GenChunk))
+
+    eng = engine()
+    eng.bus = SimpleNamespace(publish=publish)
+    eng.settings.max_n, eng.settings.max_waiting = 8, 8
+    gen = m.GenRequest("r1", [1, 2, 3], max_tokens=4)
+    await eng.scheduler.on_gen(SimpleNamespace(reply="_INBOX.x.1", data=m.pack(gen), headers={}))
+    assert [(c.heartbeat, c.version) for c in sent] == [(True, "v0")]
