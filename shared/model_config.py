@@ -152,7 +152,7 @@ class ModelConfig:
             return cls(
                 **sizes,
                 num_key_value_heads=int(config.get("num_key_value_heads") or heads),
-                rms_norm_eps=float(config.get("rms_norm_eps") or d["rms_norm_eps"]),
+                rms_norm_eps=float(_given(config, "rms_norm_eps", d["rms_norm_eps"])),
                 max_position_embeddings=max_pos,
                 attention_bias=model_type == "qwen2",
                 tie_word_embeddings=bool(d["tie_word_embeddings"] if tie is None else tie),
@@ -187,6 +187,12 @@ class ModelConfig:
         if self.rope_type in ("linear", "dynamic"):
             return int(self.max_position_embeddings * self.rope_factor)
         return self.max_position_embeddings
+
+
+def _given(config: dict[str, Any], field: str, default: Any) -> Any:
+    """The field's value, ``default`` only when absent or null (a 0 is a value)."""
+    value = config.get(field)
+    return default if value is None else value
 
 
 def _refuse(config: dict[str, Any], field: str, bad: Any, what: str) -> None:

@@ -111,3 +111,11 @@ def test_head_dim_absent_is_the_family_default_null_is_hidden_over_heads() -> No
         assert ModelConfig.from_hf({**base, "model_type": family}).head_dim == absent
         nulled = {**base, "model_type": family, "head_dim": None}
         assert ModelConfig.from_hf(nulled).head_dim == 16, family
+
+
+def test_rms_norm_eps_zero_is_a_value() -> None:
+    """0 is what the file says (transformers uses it); only an absent or null field
+    takes the family default."""
+    assert parse(rms_norm_eps=0.0).rms_norm_eps == 0.0
+    assert parse(rms_norm_eps=None).rms_norm_eps == 1e-6
+    assert parse(rms_norm_eps=1e-5).rms_norm_eps == 1e-5
