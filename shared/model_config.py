@@ -231,6 +231,12 @@ def _rope(config: dict[str, Any], default_theta: float) -> dict[str, Any]:
         raise ConfigError(f"config field {field}={params!r} must be an object")
     if any(isinstance(v, dict) for v in params.values()):
         raise ConfigError(f"config field {field} per layer type is not supported")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ROPE_TYPES:  # named before its keys: longrope's are all unknown here
+        key = "rope_type" if "rope_type" in params else "type"
+        raise ConfigError(
+            f"config field {field}.{key}={kind!r} is not supported ({', '.join(ROPE_TYPES)})"
+        )
     unknown = sorted(set(params) - _ROPE_KEYS)
     if unknown:
         raise ConfigError(f"config field {field}.{unknown[0]} is not supported")
@@ -242,12 +248,6 @@ def _rope(config: dict[str, Any], default_theta: float) -> dict[str, Any]:
     if params.get("rope_theta") is not None:
         theta = params["rope_theta"]
     out["rope_theta"] = float(theta if theta is not None else default_theta)
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in ROPE_TYPES:
-        key = "rope_type" if "rope_type" in params else "type"
-        raise ConfigError(
-            f"config field {field}.{key}={kind!r} is not supported ({', '.join(ROPE_TYPES)})"
-        )
     out["rope_type"] = kind
     if kind == "default":
         return out

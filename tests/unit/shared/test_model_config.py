@@ -119,3 +119,21 @@ def test_rms_norm_eps_zero_is_a_value() -> None:
     assert parse(rms_norm_eps=0.0).rms_norm_eps == 0.0
     assert parse(rms_norm_eps=None).rms_norm_eps == 1e-6
     assert parse(rms_norm_eps=1e-5).rms_norm_eps == 1e-5
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]},
+        {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32, "attention_factor": 1.0},
+        {"type": "su", "short_factor": [1.0]},
+    ],
+)
+def test_an_unsupported_rope_type_is_named_before_its_keys(params: dict[str, Any]) -> None:
+    """longrope / yarn configs carry keys only their type has: the error names the type
+    (what the user must change), not the first of those keys."""
+    for field in ("rope_parameters", "rope_scaling"):
+        with pytest.raises(ConfigError) as e:
+            parse(**{field: {"rope_theta": 1e4, **params}})
+        kind = params.get("rope_type", params.get("type"))
+        assert f"{field}." in str(e.value) and f"={kind!r}" in str(e.value), str(e.value)
