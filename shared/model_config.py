@@ -121,13 +121,8 @@ class ModelConfig:
         d = _DEFAULTS[model_type]
         _refuse(config, "hidden_act", lambda v: v not in (None, "silu"), "only silu")
         _refuse(config, "quantization_config", bool, "quantized checkpoints")
-        _refuse(config, "use_sliding_window", bool, "sliding-window attention")
         _refuse(config, "partial_rotary_factor", lambda v: v not in (None, 1, 1.0), "partial RoPE")
-        for i, kind in enumerate(config.get("layer_types") or []):
-            if kind != "full_attention":
-                raise ConfigError(
-                    f"config field layer_types[{i}]={kind!r} is not supported (full_attention)"
-                )
+        _refuse_sliding(config, model_type)
         if model_type == "llama":
             # HF llama's attention_bias also adds an o_proj bias, which we do not model.
             _refuse(config, "attention_bias", bool, "llama with attention bias")
@@ -199,6 +194,31 @@ def _refuse(config: dict[str, Any], field: str, bad: Any, what: str) -> None:
     value = config.get(field)
     if bad(value):
         raise ConfigError(f"config field {field}={value!r} is not supported ({what})")
+
+
+def _refuse_sliding(config: dict[str, Any], model_type: str) -> None:
+    """Sliding-window attention on any layer. As transformers decides it: ``layer_types``
+    when the file has it (transformers 5 writes it), else — qwen2 / qwen3 configs of
+    transformers 4 — layers from ``max_window_layers`` on slide when ``use_sliding_window``
+    and ``sliding_window`` are set: ``use_sliding_window`` with no layer that far is
+    full attention everywhere, served."""
+    layers = config.get("layer_types")
+    if layers is None and config.get("use_sliding_window"):
+        what = "sliding-window attention"
+        if model_type in ("qwen2", "qwen3"):
+            first = config.get("max_window_layers", 28)  # Qwen2Config's / Qwen3Config's default
+            n = config.get("num_hidden_layers")
+            if config.get("sliding_window") is None or (
+                isinstance(first, int) and isinstance(n, int) and first >= n
+            ):
+                return  # no layer slides: transformers attends fully
+            what += f" on layers max_window_layers={first!r} .. num_hidden_layers={n!r}"
+        raise ConfigError(f"config field use_sliding_window=True is not supported ({what})")
+    for i, kind in enumerate(layers or []):
+        if kind != "full_attention":
+            raise ConfigError(
+                f"config field layer_types[{i}]={kind!r} is not supported (full_attention)"
+            )
 
 
 def _ids(value: Any, field: str) -> list[int]:

@@ -28,6 +28,14 @@ CASES = [
     # one kv head: at TP=2 both ranks hold a copy of it
     Case("qwen2-mqa", "qwen2", extra={"num_key_value_heads": 1}),
     Case("qwen2-bf16", "qwen2", dtype="bfloat16", extra={"tie_word_embeddings": True}),
+    # use_sliding_window with no layer from max_window_layers on: full attention in
+    # transformers (a window of 4 would change every token past the 4th if it slid)
+    Case(
+        "qwen2-window-unused",
+        "qwen2",
+        layout="old",
+        extra={"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 2},
+    ),
     Case("qwen3", "qwen3", extra={"head_dim": 32}),  # head_dim != hidden / heads (16)
     Case("qwen3-fp16-old-layout", "qwen3", layout="old", dtype="float16", extra={"head_dim": 32}),
 ]

@@ -137,3 +137,25 @@ def test_an_unsupported_rope_type_is_named_before_its_keys(params: dict[str, Any
             parse(**{field: {"rope_theta": 1e4, **params}})
         kind = params.get("rope_type", params.get("type"))
         assert f"{field}." in str(e.value) and f"={kind!r}" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_use_sliding_window_slides_only_from_max_window_layers(family: str) -> None:
+    """As transformers derives ``layer_types`` when the file has none: layers from
+    ``max_window_layers`` (default 28) on slide. None that far (or no ``sliding_window``)
+    is full attention everywhere — served; a layer that slides is refused, named."""
+    on = {"model_type": family, "use_sliding_window": True, "sliding_window": 8}
+    for served in (
+        {**on, "max_window_layers": 1},  # BASE has 1 layer
+        {**on},  # default 28
+        {**on, "sliding_window": None, "max_window_layers": 0},
+        {**on, "max_window_layers": 0, "layer_types": ["full_attention"]},  # the file's word
+    ):
+        assert ModelConfig.from_hf({**BASE, **served}).model_type == family
+    with pytest.raises(ConfigError, match="use_sliding_window=True.*max_window_layers=0"):
+        ModelConfig.from_hf({**BASE, **on, "max_window_layers": 0})
+    with pytest.raises(ConfigError, match=r"layer_types\[0\]='sliding_attention'"):
+        ModelConfig.from_hf({**BASE, **on, "layer_types": ["sliding_attention"]})
+    # llama has no such derivation: the flag alone is refused
+    with pytest.raises(ConfigError, match="use_sliding_window=True"):
+        ModelConfig.from_hf({**BASE, "use_sliding_window": True})
