@@ -208,7 +208,8 @@ def _refuse_sliding(config: dict[str, Any], model_type: str) -> None:
         if model_type in ("qwen2", "qwen3"):
             first = config.get("max_window_layers", 28)  # Qwen2Config's / Qwen3Config's default
             n = config.get("num_hidden_layers")
-            if config.get("sliding_window") is None or (
+            # an absent sliding_window is Qwen2Config's default 4096, an explicit null none
+            if ("sliding_window" in config and config["sliding_window"] is None) or (
                 isinstance(first, int) and isinstance(n, int) and first >= n
             ):
                 return  # no layer slides: transformers attends fully

@@ -154,6 +154,10 @@ def test_use_sliding_window_slides_only_from_max_window_layers(family: str) -> N
         assert ModelConfig.from_hf({**BASE, **served}).model_type == family
     with pytest.raises(ConfigError, match="use_sliding_window=True.*max_window_layers=0"):
         ModelConfig.from_hf({**BASE, **on, "max_window_layers": 0})
+    # an absent sliding_window is transformers' default 4096, not "none"
+    absent = {k: v for k, v in on.items() if k != "sliding_window"}
+    with pytest.raises(ConfigError, match="use_sliding_window=True"):
+        ModelConfig.from_hf({**BASE, **absent, "max_window_layers": 0})
     with pytest.raises(ConfigError, match=r"layer_types\[0\]='sliding_attention'"):
         ModelConfig.from_hf({**BASE, **on, "layer_types": ["sliding_attention"]})
     # llama has no such derivation: the flag alone is refused
