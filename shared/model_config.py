@@ -166,9 +166,12 @@ class ModelConfig:
     def validate_tp(self, tp: int) -> None:
         if tp < 1:
             raise ValueError(f"tp must be >= 1, got {tp}")
-        for name in ("num_attention_heads", "intermediate_size"):
-            if getattr(self, name) % tp:
-                raise ValueError(f"{name}={getattr(self, name)} is not divisible by tp={tp}")
+        if self.num_attention_heads % tp:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not divisible by tp={tp}"
+            )
+        if self.intermediate_size < tp:  # split unevenly, but every rank holds a column
+            raise ValueError(f"intermediate_size={self.intermediate_size} is less than tp={tp}")
         kv = self.num_key_value_heads
         if kv % tp and tp % kv:  # fewer kv heads than ranks: replicated, tp a multiple
             raise ValueError(

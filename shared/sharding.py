@@ -6,8 +6,10 @@ The one definition of a served model's tensor spec (HF names and unsharded shape
 shards what it publishes) and the tiny model:
 
 - column-parallel (dim 0 split): q/k/v/gate/up weights and the q/k/v biases, so each
-  rank owns whole attention heads and a slice of the MLP; with fewer kv heads than
-  ranks, each rank holds a copy of the one kv head its query heads read;
+  rank owns whole attention heads and a slice of the MLP (``intermediate_size`` need
+  not divide by ``tp``: the first ``intermediate_size % tp`` ranks hold one more
+  column); with fewer kv heads than ranks, each rank holds a copy of the one kv head
+  its query heads read;
 - row-parallel (dim 1 split): o_proj and down_proj weights;
 - replicated: the norms (qwen3's per-head q/k norms too), ``embed_tokens`` and
   ``lm_head``.
@@ -21,6 +23,7 @@ from shared.model_config import ModelConfig
 
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 _ROW = ("o_proj", "down_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")  # split along intermediate_size
 _REPLICATED = (
     "input_layernorm",
     "post_attention_layernorm",
@@ -85,6 +88,11 @@ def axis_part(cfg: ModelConfig, name: str, length: int, rank: int, tp: int) -> t
             raise ValueError(f"{name}: axis of {length} cannot hold {kv} kv heads")
         size = length // kv
         return (rank // (tp // kv)) * size, size
+    if name.split(".")[-2] in _MLP and length >= tp:
+        # the MLP's columns need not divide evenly (many of transformers' model testers
+        # use intermediate_size 37): the first ``length % tp`` ranks hold one more
+        base, extra = divmod(length, tp)
+        return rank * base + min(rank, extra), base + (rank < extra)
     if length % tp:
         raise ValueError(f"{name}: axis of {length} cannot be split {tp} ways")
     return rank * (length // tp), length // tp

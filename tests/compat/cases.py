@@ -24,6 +24,9 @@ CASES = [
     Case("llama3", "llama", rope=LLAMA3),
     Case("llama3-old-layout", "llama", layout="old", rope=LLAMA3),
     Case("llama-bf16-sharded", "llama", dtype="bfloat16", max_shard_size="60KB"),
+    # intermediate_size not divisible by TP (as transformers' model testers' 37): at TP=2
+    # the MLP splits 19 + 18
+    Case("llama-intermediate-37", "llama", extra={"intermediate_size": 37}),
     Case("qwen2", "qwen2", layout="old", theta=1e6, extra={"tie_word_embeddings": True}),
     # one kv head: at TP=2 both ranks hold a copy of it
     Case("qwen2-mqa", "qwen2", extra={"num_key_value_heads": 1}),

@@ -37,7 +37,8 @@ BAD = [
     ({"layer_types": ["sliding_attention"]}, "layer_types[0]='sliding_attention'"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
-    ({"intermediate_size": 63}, "intermediate_size=63 is not divisible by tp=2"),
+    ({"num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 1},
+     "intermediate_size=1 is less than tp=2"),
 ]  # fmt: skip
 
 

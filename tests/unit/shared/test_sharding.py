@@ -42,3 +42,27 @@ def test_published_shards_replicate_kv_heads(kv: int, tp: int) -> None:
         for name, w in full.items():
             np.testing.assert_array_equal(got[name], shard_tensor(c, name, w, r, tp))
         assert man.shards[r].tensors["model.layers.0.self_attn.k_proj.weight"].shape == [8, 32]
+
+
+@pytest.mark.parametrize(("inter", "tp"), [(37, 2), (37, 4), (5, 4), (4, 4)])
+def test_mlp_splits_unevenly_and_gathers_back(inter: int, tp: int) -> None:
+    """intermediate_size need not divide by tp: the ranks' gate/up rows and down columns
+    tile the full tensor in rank order, the first ``inter % tp`` ranks one wider, and
+    the published shards hold exactly those parts."""
+    c = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=inter,
+                    num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4)  # fmt: skip
+    c.validate_tp(tp)
+    full = init_weights(c, 2)
+    blobs, _ = serialize(c, full, tp, "m", "v1")
+    for name, axis in (("mlp.gate_proj.weight", 0), ("mlp.up_proj.weight", 0),
+                       ("mlp.down_proj.weight", 1)):  # fmt: skip
+        w = full[f"model.layers.0.{name}"]
+        parts = [shard_tensor(c, f"model.layers.0.{name}", w, r, tp) for r in range(tp)]
+        sizes = [p.shape[axis] for p in parts]
+        assert sizes == [inter // tp + (r < inter % tp) for r in range(tp)]
+        np.testing.assert_array_equal(np.concatenate(parts, axis=axis), w)
+        for r, blob in enumerate(blobs):
+            np.testing.assert_array_equal(load(bytes(blob))[f"model.layers.0.{name}"], parts[r])
+    with pytest.raises(ValueError, match="intermediate_size=3 is less than tp=4"):
+        ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=3, num_hidden_layers=1,
+                    num_attention_heads=4, num_key_value_heads=4).validate_tp(4)  # fmt: skip
