@@ -79,6 +79,46 @@ def test_serve_refuses_unsupported_config(
     assert not (tmp_path / "data" / "nats").exists()  # nothing was started
 
 
+INDEX = b'{"weight_map": {"a": "model-00001-of-00002.safetensors"}}'
+
+
+@pytest.mark.parametrize(
+    "files,needle",
+    [
+        ({"pytorch_model.bin": b"x"},
+         "no *.safetensors (pytorch_model.bin is not read: save with safetensors)"),
+        ({"model.safetensors.index.json": INDEX},
+         "model.safetensors.index.json names missing model-00001-of-00002.safetensors"),
+    ],
+)  # fmt: skip
+def test_serve_refuses_a_dir_without_safetensors(
+    tmp_path: Path, files: dict[str, bytes], needle: str
+) -> None:
+    """A servable config but no weights a rank can read (a torch ``.bin`` checkpoint, an
+    index naming a file that is not there): one line at once, before anything starts —
+    not each rank failing after the stack came up."""
+    model = _model(tmp_path, {})
+    for name, data in files.items():
+        (model / name).write_bytes(data)
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli", "serve"],
+        env=_env(
+            ROLLBUS_TP="2",
+            ROLLBUS_MODEL=str(model),
+            ROLLBUS_API_PORT=str(free_port()),
+            ROLLBUS_NATS_PORT=str(free_port()),
+            ROLLBUS_DATA_DIR=str(tmp_path / "data"),
+        ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(lines) == 1 and needle in lines[0], lines
+    assert not (tmp_path / "data" / "nats").exists()  # nothing was started
+
+
 def test_rank_exits_2_on_unsupported_config(tmp_path: Path, nats_url: str) -> None:
     """A rank started on such a config (the launcher's check bypassed) exits 2, which the
     launcher's restart rule (exit 3 only) never retries."""
