@@ -119,7 +119,8 @@ class ModelConfig:
         if model_type not in FAMILIES:
             raise ConfigError(f"model_type={model_type!r} is not supported ({', '.join(FAMILIES)})")
         d = _DEFAULTS[model_type]
-        _refuse(config, "hidden_act", lambda v: v not in (None, "silu"), "only silu")
+        # "swish" is transformers' other name of SiLU (ACT2FN["swish"] is nn.SiLU)
+        _refuse(config, "hidden_act", lambda v: v not in (None, "silu", "swish"), "only silu")
         _refuse(config, "quantization_config", bool, "quantized checkpoints")
         _refuse(config, "partial_rotary_factor", lambda v: v not in (None, 1, 1.0), "partial RoPE")
         _refuse_sliding(config, model_type)

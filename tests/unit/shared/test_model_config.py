@@ -163,3 +163,10 @@ def test_use_sliding_window_slides_only_from_max_window_layers(family: str) -> N
     # llama has no such derivation: the flag alone is refused
     with pytest.raises(ConfigError, match="use_sliding_window=True"):
         ModelConfig.from_hf({**BASE, "use_sliding_window": True})
+
+
+def test_swish_is_silu() -> None:
+    """transformers maps ``hidden_act`` "swish" to nn.SiLU: served; gelu is not."""
+    assert parse(hidden_act="swish").model_type == "llama"
+    with pytest.raises(ConfigError, match="hidden_act='gelu'"):
+        parse(hidden_act="gelu")
