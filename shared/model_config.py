@@ -67,7 +67,9 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
-    attention_bias: bool = False  # qwen2-style bias on q/k/v only
+    attention_bias: bool = False  # bias on q/k/v (qwen2; llama / qwen3 attention_bias)
+    o_proj_bias: bool = False  # llama / qwen3 attention_bias: o_proj's bias too
+    mlp_bias: bool = False  # llama mlp_bias: gate/up/down biases
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | None = None
@@ -124,12 +126,12 @@ class ModelConfig:
         _refuse(config, "quantization_config", bool, "quantized checkpoints")
         _refuse(config, "partial_rotary_factor", lambda v: v not in (None, 1, 1.0), "partial RoPE")
         _refuse_sliding(config, model_type)
-        if model_type == "llama":
-            # HF llama's attention_bias also adds an o_proj bias, which we do not model.
-            _refuse(config, "attention_bias", bool, "llama with attention bias")
-            _refuse(config, "mlp_bias", bool, "llama with MLP bias")
-        if model_type == "qwen3":
-            _refuse(config, "attention_bias", bool, "qwen3 with attention bias (o_proj bias)")
+        # llama / qwen3 attention_bias: q/k/v and o_proj biases; llama mlp_bias: the MLP's
+        # (qwen2's q/k/v bias is always there, and no other)
+        biased = model_type in ("llama", "qwen3") and bool(config.get("attention_bias"))
+        mlp_bias = model_type == "llama" and bool(config.get("mlp_bias"))
+        if model_type != "llama":
+            _refuse(config, "mlp_bias", bool, f"{model_type} with MLP bias")
         if model_type == "ernie4_5":
             _refuse(config, "use_bias", bool, "ernie4_5 with linear biases")
         missing = [k for k in _REQUIRED if config.get(k) is None]
@@ -150,7 +152,9 @@ class ModelConfig:
                 num_key_value_heads=int(config.get("num_key_value_heads") or heads),
                 rms_norm_eps=float(_given(config, "rms_norm_eps", d["rms_norm_eps"])),
                 max_position_embeddings=max_pos,
-                attention_bias=model_type == "qwen2",
+                attention_bias=model_type == "qwen2" or biased,
+                o_proj_bias=biased,
+                mlp_bias=mlp_bias,
                 tie_word_embeddings=bool(d["tie_word_embeddings"] if tie is None else tie),
                 bos_token_id=bos[0] if bos else None,
                 eos_token_id=eos[0] if eos else None,

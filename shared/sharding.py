@@ -10,7 +10,9 @@ shards what it publishes) and the tiny model:
   not divide by ``tp``: the first ``intermediate_size % tp`` ranks hold one more
   column); with fewer kv heads than ranks, each rank holds a copy of the one kv head
   its query heads read;
-- row-parallel (dim 1 split): o_proj and down_proj weights;
+- row-parallel (dim 1 split): o_proj and down_proj weights (their biases, llama's
+  ``attention_bias`` / ``mlp_bias``, replicated: added once, after the all-reduce);
+- column-parallel too: llama's gate/up biases;
 - replicated: the norms (qwen3's per-head q/k norms too), ``embed_tokens`` and
   ``lm_head``.
 """
@@ -50,9 +52,15 @@ def full_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[f"{p}self_attn.q_norm.weight"] = (cfg.head_dim,)
             shapes[f"{p}self_attn.k_norm.weight"] = (cfg.head_dim,)
         shapes[f"{p}self_attn.o_proj.weight"] = (d, q)
+        if cfg.o_proj_bias:
+            shapes[f"{p}self_attn.o_proj.bias"] = (d,)
         shapes[f"{p}mlp.gate_proj.weight"] = (cfg.intermediate_size, d)
         shapes[f"{p}mlp.up_proj.weight"] = (cfg.intermediate_size, d)
         shapes[f"{p}mlp.down_proj.weight"] = (d, cfg.intermediate_size)
+        if cfg.mlp_bias:
+            shapes[f"{p}mlp.gate_proj.bias"] = (cfg.intermediate_size,)
+            shapes[f"{p}mlp.up_proj.bias"] = (cfg.intermediate_size,)
+            shapes[f"{p}mlp.down_proj.bias"] = (d,)
         shapes[f"{p}input_layernorm.weight"] = (d,)
         shapes[f"{p}post_attention_layernorm.weight"] = (d,)
     shapes["model.norm.weight"] = (d,)
@@ -71,8 +79,8 @@ def split_axis(name: str) -> int | None:
     module = parts[-2] if len(parts) >= 2 else ""
     if module in _COLUMN:
         return 0
-    if module in _ROW and parts[-1] == "weight":
-        return 1
+    if module in _ROW:  # a row-parallel bias is whole on every rank, added once after
+        return 1 if parts[-1] == "weight" else None  # the all-reduce
     if module in _REPLICATED:
         return None
     raise ValueError(f"unknown parameter {name!r}")

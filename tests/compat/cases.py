@@ -39,7 +39,15 @@ CASES = [
         layout="old",
         extra={"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 2},
     ),
+    # attention_bias: q/k/v and o_proj biases (o_proj's added once, after the all-reduce);
+    # mlp_bias: gate/up (split) and down (whole) biases; with 37 MLP columns (19 + 18)
+    Case(
+        "llama-biases",
+        "llama",
+        extra={"attention_bias": True, "mlp_bias": True, "intermediate_size": 37},
+    ),
     Case("qwen3", "qwen3", extra={"head_dim": 32}),  # head_dim != hidden / heads (16)
+    Case("qwen3-attention-bias", "qwen3", extra={"head_dim": 32, "attention_bias": True}),
     Case("qwen3-fp16-old-layout", "qwen3", layout="old", dtype="float16", extra={"head_dim": 32}),
 ]
 if "ernie4_5" in CLASSES:

@@ -66,3 +66,19 @@ def test_mlp_splits_unevenly_and_gathers_back(inter: int, tp: int) -> None:
     with pytest.raises(ValueError, match="intermediate_size=3 is less than tp=4"):
         ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=3, num_hidden_layers=1,
                     num_attention_heads=4, num_key_value_heads=4).validate_tp(4)  # fmt: skip
+
+
+def test_llama_biases_split_with_their_weights() -> None:
+    """llama's attention_bias / mlp_bias: q/k/v and gate/up biases split as their
+    weights' rows; o_proj and down_proj biases whole on every rank (added once, after
+    the all-reduce)."""
+    c = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=37, num_hidden_layers=1,
+                    num_attention_heads=4, num_key_value_heads=2, attention_bias=True,
+                    o_proj_bias=True, mlp_bias=True)  # fmt: skip
+    shapes = full_shapes(c)
+    p = "model.layers.0."
+    for name, want in (("self_attn.o_proj.bias", (32,)), ("mlp.down_proj.bias", (32,)),
+                       ("mlp.gate_proj.bias", (19,)), ("mlp.up_proj.bias", (19,)),
+                       ("self_attn.q_proj.bias", (16,))):  # fmt: skip
+        assert shard_shape(c, p + name, shapes[p + name], 0, 2) == want, name
+    assert shard_shape(c, p + "mlp.gate_proj.bias", (37,), 1, 2) == (18,)
