@@ -67,9 +67,9 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
-    attention_bias: bool = False  # bias on q/k/v (qwen2; llama / qwen3 attention_bias)
+    attention_bias: bool = False  # q/k/v biases (qwen2; llama / qwen3 attention_bias; ernie)
     o_proj_bias: bool = False  # llama / qwen3 attention_bias: o_proj's bias too
-    mlp_bias: bool = False  # llama mlp_bias: gate/up/down biases
+    mlp_bias: bool = False  # gate/up/down biases (llama mlp_bias, ernie4_5 use_bias)
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | None = None
@@ -126,14 +126,15 @@ class ModelConfig:
         _refuse(config, "quantization_config", bool, "quantized checkpoints")
         _refuse(config, "partial_rotary_factor", lambda v: v not in (None, 1, 1.0), "partial RoPE")
         _refuse_sliding(config, model_type)
-        # llama / qwen3 attention_bias: q/k/v and o_proj biases; llama mlp_bias: the MLP's
-        # (qwen2's q/k/v bias is always there, and no other)
-        biased = model_type in ("llama", "qwen3") and bool(config.get("attention_bias"))
-        mlp_bias = model_type == "llama" and bool(config.get("mlp_bias"))
-        if model_type != "llama":
-            _refuse(config, "mlp_bias", bool, f"{model_type} with MLP bias")
-        if model_type == "ernie4_5":
-            _refuse(config, "use_bias", bool, "ernie4_5 with linear biases")
+        # Linear biases as transformers builds them: llama / qwen3 attention_bias on q/k/v
+        # and o_proj, llama mlp_bias on gate/up/down, ernie4_5 use_bias on all seven;
+        # qwen2's q/k/v bias is always there. A field a family does not read is ignored,
+        # as transformers does.
+        ernie_bias = model_type == "ernie4_5" and bool(config.get("use_bias"))
+        biased = ernie_bias or (
+            model_type in ("llama", "qwen3") and bool(config.get("attention_bias"))
+        )
+        mlp_bias = ernie_bias or (model_type == "llama" and bool(config.get("mlp_bias")))
         missing = [k for k in _REQUIRED if config.get(k) is None]
         if missing:
             raise ConfigError(f"config lacks {', '.join(missing)}")

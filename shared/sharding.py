@@ -5,14 +5,13 @@ The one definition of a served model's tensor spec (HF names and unsharded shape
 (Megatron style), used by the worker (which slices what it loads), the trainer (which
 shards what it publishes) and the tiny model:
 
-- column-parallel (dim 0 split): q/k/v/gate/up weights and the q/k/v biases, so each
+- column-parallel (dim 0 split): q/k/v/gate/up weights and biases, so each
   rank owns whole attention heads and a slice of the MLP (``intermediate_size`` need
   not divide by ``tp``: the first ``intermediate_size % tp`` ranks hold one more
   column); with fewer kv heads than ranks, each rank holds a copy of the one kv head
   its query heads read;
-- row-parallel (dim 1 split): o_proj and down_proj weights (their biases, llama's
-  ``attention_bias`` / ``mlp_bias``, replicated: added once, after the all-reduce);
-- column-parallel too: llama's gate/up biases;
+- row-parallel (dim 1 split): o_proj and down_proj weights (their biases replicated:
+  added once, after the all-reduce);
 - replicated: the norms (qwen3's per-head q/k norms too), ``embed_tokens`` and
   ``lm_head``.
 """

@@ -52,6 +52,8 @@ CASES = [
 ]
 if "ernie4_5" in CLASSES:
     CASES.append(Case("ernie4_5", "ernie4_5", extra={"head_dim": 32}))
+    # use_bias: q/k/v/o and gate/up/down biases
+    CASES.append(Case("ernie4_5-bias", "ernie4_5", extra={"head_dim": 32, "use_bias": True}))
 BY_NAME = {c.name: c for c in CASES}
 
 PROMPTS = [[5, 17, 200, 3, 99, 42, 7, 300, 11], [250, 1, 64]]

@@ -31,7 +31,6 @@ BAD = [
     ({"rope_scaling": {"type": "longrope", "factor": 4.0}}, "rope_scaling.type='longrope'"),
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}},
      "rope_parameters.low_freq_factor"),
-    ({"model_type": "qwen3", "mlp_bias": True}, "mlp_bias=True"),
     ({"model_type": "qwen2", "use_sliding_window": True, "max_window_layers": 0},
      "use_sliding_window=True"),
     ({"layer_types": ["sliding_attention"]}, "layer_types[0]='sliding_attention'"),

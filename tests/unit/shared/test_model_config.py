@@ -86,9 +86,6 @@ def test_eos_ids_int_or_list() -> None:
          "partial_rotary_factor"),
         ({"rope_parameters": {"rope_theta": 1e4, "rope_type": "default"},
           "rope_scaling": {"type": "linear", "factor": 2.0}}, "contradict"),
-        ({"model_type": "qwen3", "mlp_bias": True}, "mlp_bias"),
-        ({"model_type": "qwen2", "mlp_bias": True}, "mlp_bias"),
-        ({"model_type": "ernie4_5", "use_bias": True}, "use_bias"),
         ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
         ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types[1]"),
         ({"eos_token_id": "x"}, "eos_token_id"),
@@ -174,12 +171,17 @@ def test_swish_is_silu() -> None:
 
 def test_llama_and_qwen3_biases() -> None:
     """transformers' llama / qwen3 ``attention_bias`` adds q/k/v *and* o_proj biases,
-    llama's ``mlp_bias`` gate/up/down ones; qwen2 has q/k/v biases only."""
+    llama's ``mlp_bias`` gate/up/down ones, ernie4_5's ``use_bias`` all of them; qwen2
+    has q/k/v biases only."""
     llama = parse(attention_bias=True, mlp_bias=True)
     assert llama.attention_bias and llama.o_proj_bias and llama.mlp_bias
     q3 = parse(model_type="qwen3", attention_bias=True)
     assert q3.attention_bias and q3.o_proj_bias and not q3.mlp_bias
     q2 = parse(model_type="qwen2", attention_bias=False)  # Qwen2Config has no such field
     assert q2.attention_bias and not q2.o_proj_bias and not q2.mlp_bias
+    e = parse(model_type="ernie4_5", use_bias=True)
+    assert e.attention_bias and e.o_proj_bias and e.mlp_bias
+    # a field the family does not read is ignored, as transformers does (Qwen3MLP has none)
+    assert not parse(model_type="qwen3", mlp_bias=True).mlp_bias
     plain = parse(attention_bias=False, mlp_bias=False)
     assert not (plain.attention_bias or plain.o_proj_bias or plain.mlp_bias)
