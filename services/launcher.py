@@ -41,6 +41,7 @@ from shared.bus import Bus
 from shared.errors import BusUnreachable, NoResponders, Timeout
 from shared.model_config import ConfigError, ModelConfig, read_hf_config
 from shared.redact import public_url
+from shared.safetensors import INDEX_FILE, checkpoint_files
 from shared.settings import Settings
 from shared.subjects import Subjects
 
@@ -137,9 +138,7 @@ def check_nats(url: str, tls: ssl.SSLContext | None = None, instance: str = "") 
             if not instance:
                 return False
             try:
-                await bus.request(
-                    Subjects(instance).ctl("health"), b"{}", timeout=INSTANCE_PROBE_S
-                )
+                await bus.request(Subjects(instance).ctl("health"), b"{}", timeout=INSTANCE_PROBE_S)
             except (NoResponders, Timeout):
                 return False
             return True
@@ -259,7 +258,7 @@ class Launcher:
     def prepare(self) -> Settings:
         s = self.settings
         if s.model:
-            check_model(s.model_dir, s.tp)
+            check_model(s.model_dir, s.tp, s.load_strategy == "snapshot")
         if s.device != "cpu":
             check_device(s)
         if not natsd.port_is_free(s.api_host, s.api_port):
@@ -574,8 +573,10 @@ class Launcher:
             self.stop()
 
 
-def check_model(model_dir: Path, tp: int) -> None:
-    """A model dir the ranks cannot serve is one line at once, before any rank starts."""
+def check_model(model_dir: Path, tp: int, weights: bool = True) -> None:
+    """A model dir the ranks cannot serve is one line at once, before any rank starts.
+    ``weights``: its ranks load it from the dir itself (``snapshot``), so it must hold
+    safetensors files (else each rank would fail on its own, after the stack started)."""
     try:
         cfg = read_hf_config(model_dir)
     except ConfigError as e:
@@ -584,6 +585,19 @@ def check_model(model_dir: Path, tp: int) -> None:
         ModelConfig.from_hf(cfg).validate_tp(tp)
     except (ValueError, TypeError, KeyError, ArithmeticError) as e:
         raise LaunchError(f"ROLLBUS_MODEL={model_dir}: unsupported model config: {e!s}") from None
+    if weights:
+        try:
+            files = checkpoint_files(Path(model_dir))
+        except ValueError as e:
+            raise LaunchError(f"ROLLBUS_MODEL={model_dir}: {e}") from None
+        missing = [f.name for f in files if not f.is_file()]
+        if not files or missing:
+            bins = sorted(f.name for f in Path(model_dir).glob("*.bin"))
+            raise LaunchError(
+                f"ROLLBUS_MODEL={model_dir}: "
+                + (f"{INDEX_FILE} names missing {missing[0]}" if missing else "no *.safetensors")
+                + (f" ({bins[0]} is not read: save with safetensors)" if bins else "")
+            )
 
 
 def check_device(settings: Settings) -> None:

@@ -67,7 +67,9 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
-    attention_bias: bool = False  # qwen2-style bias on q/k/v only
+    attention_bias: bool = False  # q/k/v biases (qwen2; llama / qwen3 attention_bias; ernie)
+    o_proj_bias: bool = False  # llama / qwen3 attention_bias: o_proj's bias too
+    mlp_bias: bool = False  # gate/up/down biases (llama mlp_bias, ernie4_5 use_bias)
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | None = None
@@ -119,23 +121,20 @@ class ModelConfig:
         if model_type not in FAMILIES:
             raise ConfigError(f"model_type={model_type!r} is not supported ({', '.join(FAMILIES)})")
         d = _DEFAULTS[model_type]
-        _refuse(config, "hidden_act", lambda v: v not in (None, "silu"), "only silu")
+        # "swish" is transformers' other name of SiLU (ACT2FN["swish"] is nn.SiLU)
+        _refuse(config, "hidden_act", lambda v: v not in (None, "silu", "swish"), "only silu")
         _refuse(config, "quantization_config", bool, "quantized checkpoints")
-        _refuse(config, "use_sliding_window", bool, "sliding-window attention")
         _refuse(config, "partial_rotary_factor", lambda v: v not in (None, 1, 1.0), "partial RoPE")
-        for i, kind in enumerate(config.get("layer_types") or []):
-            if kind != "full_attention":
-                raise ConfigError(
-                    f"config field layer_types[{i}]={kind!r} is not supported (full_attention)"
-                )
-        if model_type == "llama":
-            # HF llama's attention_bias also adds an o_proj bias, which we do not model.
-            _refuse(config, "attention_bias", bool, "llama with attention bias")
-            _refuse(config, "mlp_bias", bool, "llama with MLP bias")
-        if model_type == "qwen3":
-            _refuse(config, "attention_bias", bool, "qwen3 with attention bias (o_proj bias)")
-        if model_type == "ernie4_5":
-            _refuse(config, "use_bias", bool, "ernie4_5 with linear biases")
+        _refuse_sliding(config, model_type)
+        # Linear biases as transformers builds them: llama / qwen3 attention_bias on q/k/v
+        # and o_proj, llama mlp_bias on gate/up/down, ernie4_5 use_bias on all seven;
+        # qwen2's q/k/v bias is always there. A field a family does not read is ignored,
+        # as transformers does.
+        ernie_bias = model_type == "ernie4_5" and bool(config.get("use_bias"))
+        biased = ernie_bias or (
+            model_type in ("llama", "qwen3") and bool(config.get("attention_bias"))
+        )
+        mlp_bias = ernie_bias or (model_type == "llama" and bool(config.get("mlp_bias")))
         missing = [k for k in _REQUIRED if config.get(k) is None]
         if missing:
             raise ConfigError(f"config lacks {', '.join(missing)}")
@@ -152,9 +151,11 @@ class ModelConfig:
             return cls(
                 **sizes,
                 num_key_value_heads=int(config.get("num_key_value_heads") or heads),
-                rms_norm_eps=float(config.get("rms_norm_eps") or d["rms_norm_eps"]),
+                rms_norm_eps=float(_given(config, "rms_norm_eps", d["rms_norm_eps"])),
                 max_position_embeddings=max_pos,
-                attention_bias=model_type == "qwen2",
+                attention_bias=model_type == "qwen2" or biased,
+                o_proj_bias=biased,
+                mlp_bias=mlp_bias,
                 tie_word_embeddings=bool(d["tie_word_embeddings"] if tie is None else tie),
                 bos_token_id=bos[0] if bos else None,
                 eos_token_id=eos[0] if eos else None,
@@ -171,9 +172,12 @@ class ModelConfig:
     def validate_tp(self, tp: int) -> None:
         if tp < 1:
             raise ValueError(f"tp must be >= 1, got {tp}")
-        for name in ("num_attention_heads", "intermediate_size"):
-            if getattr(self, name) % tp:
-                raise ValueError(f"{name}={getattr(self, name)} is not divisible by tp={tp}")
+        if self.num_attention_heads % tp:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not divisible by tp={tp}"
+            )
+        if self.intermediate_size < tp:  # split unevenly, but every rank holds a column
+            raise ValueError(f"intermediate_size={self.intermediate_size} is less than tp={tp}")
         kv = self.num_key_value_heads
         if kv % tp and tp % kv:  # fewer kv heads than ranks: replicated, tp a multiple
             raise ValueError(
@@ -189,10 +193,42 @@ class ModelConfig:
         return self.max_position_embeddings
 
 
+def _given(config: dict[str, Any], field: str, default: Any) -> Any:
+    """The field's value, ``default`` only when absent or null (a 0 is a value)."""
+    value = config.get(field)
+    return default if value is None else value
+
+
 def _refuse(config: dict[str, Any], field: str, bad: Any, what: str) -> None:
     value = config.get(field)
     if bad(value):
         raise ConfigError(f"config field {field}={value!r} is not supported ({what})")
+
+
+def _refuse_sliding(config: dict[str, Any], model_type: str) -> None:
+    """Sliding-window attention on any layer. As transformers decides it: ``layer_types``
+    when the file has it (transformers 5 writes it), else — qwen2 / qwen3 configs of
+    transformers 4 — layers from ``max_window_layers`` on slide when ``use_sliding_window``
+    and ``sliding_window`` are set: ``use_sliding_window`` with no layer that far is
+    full attention everywhere, served."""
+    layers = config.get("layer_types")
+    if layers is None and config.get("use_sliding_window"):
+        what = "sliding-window attention"
+        if model_type in ("qwen2", "qwen3"):
+            first = config.get("max_window_layers", 28)  # Qwen2Config's / Qwen3Config's default
+            n = config.get("num_hidden_layers")
+            # an absent sliding_window is Qwen2Config's default 4096, an explicit null none
+            if ("sliding_window" in config and config["sliding_window"] is None) or (
+                isinstance(first, int) and isinstance(n, int) and first >= n
+            ):
+                return  # no layer slides: transformers attends fully
+            what += f" on layers max_window_layers={first!r} .. num_hidden_layers={n!r}"
+        raise ConfigError(f"config field use_sliding_window=True is not supported ({what})")
+    for i, kind in enumerate(layers or []):
+        if kind != "full_attention":
+            raise ConfigError(
+                f"config field layer_types[{i}]={kind!r} is not supported (full_attention)"
+            )
 
 
 def _ids(value: Any, field: str) -> list[int]:
@@ -225,6 +261,12 @@ def _rope(config: dict[str, Any], default_theta: float) -> dict[str, Any]:
         raise ConfigError(f"config field {field}={params!r} must be an object")
     if any(isinstance(v, dict) for v in params.values()):
         raise ConfigError(f"config field {field} per layer type is not supported")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ROPE_TYPES:  # named before its keys: longrope's are all unknown here
+        key = "rope_type" if "rope_type" in params else "type"
+        raise ConfigError(
+            f"config field {field}.{key}={kind!r} is not supported ({', '.join(ROPE_TYPES)})"
+        )
     unknown = sorted(set(params) - _ROPE_KEYS)
     if unknown:
         raise ConfigError(f"config field {field}.{unknown[0]} is not supported")
@@ -236,12 +278,6 @@ def _rope(config: dict[str, Any], default_theta: float) -> dict[str, Any]:
     if params.get("rope_theta") is not None:
         theta = params["rope_theta"]
     out["rope_theta"] = float(theta if theta is not None else default_theta)
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in ROPE_TYPES:
-        key = "rope_type" if "rope_type" in params else "type"
-        raise ConfigError(
-            f"config field {field}.{key}={kind!r} is not supported ({', '.join(ROPE_TYPES)})"
-        )
     out["rope_type"] = kind
     if kind == "default":
         return out

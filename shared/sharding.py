@@ -5,10 +5,13 @@ The one definition of a served model's tensor spec (HF names and unsharded shape
 (Megatron style), used by the worker (which slices what it loads), the trainer (which
 shards what it publishes) and the tiny model:
 
-- column-parallel (dim 0 split): q/k/v/gate/up weights and the q/k/v biases, so each
-  rank owns whole attention heads and a slice of the MLP; with fewer kv heads than
-  ranks, each rank holds a copy of the one kv head its query heads read;
-- row-parallel (dim 1 split): o_proj and down_proj weights;
+- column-parallel (dim 0 split): q/k/v/gate/up weights and biases, so each
+  rank owns whole attention heads and a slice of the MLP (``intermediate_size`` need
+  not divide by ``tp``: the first ``intermediate_size % tp`` ranks hold one more
+  column); with fewer kv heads than ranks, each rank holds a copy of the one kv head
+  its query heads read;
+- row-parallel (dim 1 split): o_proj and down_proj weights (their biases replicated:
+  added once, after the all-reduce);
 - replicated: the norms (qwen3's per-head q/k norms too), ``embed_tokens`` and
   ``lm_head``.
 """
@@ -21,6 +24,7 @@ from shared.model_config import ModelConfig
 
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 _ROW = ("o_proj", "down_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")  # split along intermediate_size
 _REPLICATED = (
     "input_layernorm",
     "post_attention_layernorm",
@@ -47,9 +51,15 @@ def full_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[f"{p}self_attn.q_norm.weight"] = (cfg.head_dim,)
             shapes[f"{p}self_attn.k_norm.weight"] = (cfg.head_dim,)
         shapes[f"{p}self_attn.o_proj.weight"] = (d, q)
+        if cfg.o_proj_bias:
+            shapes[f"{p}self_attn.o_proj.bias"] = (d,)
         shapes[f"{p}mlp.gate_proj.weight"] = (cfg.intermediate_size, d)
         shapes[f"{p}mlp.up_proj.weight"] = (cfg.intermediate_size, d)
         shapes[f"{p}mlp.down_proj.weight"] = (d, cfg.intermediate_size)
+        if cfg.mlp_bias:
+            shapes[f"{p}mlp.gate_proj.bias"] = (cfg.intermediate_size,)
+            shapes[f"{p}mlp.up_proj.bias"] = (cfg.intermediate_size,)
+            shapes[f"{p}mlp.down_proj.bias"] = (d,)
         shapes[f"{p}input_layernorm.weight"] = (d,)
         shapes[f"{p}post_attention_layernorm.weight"] = (d,)
     shapes["model.norm.weight"] = (d,)
@@ -68,8 +78,8 @@ def split_axis(name: str) -> int | None:
     module = parts[-2] if len(parts) >= 2 else ""
     if module in _COLUMN:
         return 0
-    if module in _ROW and parts[-1] == "weight":
-        return 1
+    if module in _ROW:  # a row-parallel bias is whole on every rank, added once after
+        return 1 if parts[-1] == "weight" else None  # the all-reduce
     if module in _REPLICATED:
         return None
     raise ValueError(f"unknown parameter {name!r}")
@@ -85,6 +95,11 @@ def axis_part(cfg: ModelConfig, name: str, length: int, rank: int, tp: int) -> t
             raise ValueError(f"{name}: axis of {length} cannot hold {kv} kv heads")
         size = length // kv
         return (rank // (tp // kv)) * size, size
+    if name.split(".")[-2] in _MLP and length >= tp:
+        # the MLP's columns need not divide evenly (many of transformers' model testers
+        # use intermediate_size 37): the first ``length % tp`` ranks hold one more
+        base, extra = divmod(length, tp)
+        return rank * base + min(rank, extra), base + (rank < extra)
     if length % tp:
         raise ValueError(f"{name}: axis of {length} cannot be split {tp} ways")
     return rank * (length // tp), length // tp

@@ -39,7 +39,8 @@ PREFIXES = ("llama", "qwen2")
 
 
 def default_prefix(cfg: ModelConfig) -> str:
-    return "qwen2" if cfg.attention_bias else "llama"
+    # q/k/v biases without an o_proj one: qwen2 (llama's attention_bias has both)
+    return "qwen2" if cfg.attention_bias and not cfg.o_proj_bias else "llama"
 
 
 def is_transposed(inference_name: str) -> bool:
@@ -59,17 +60,13 @@ def training_name(inference_name: str, prefix: str = "llama") -> str:
     raise ValueError(f"no training name for {inference_name!r}")
 
 
-def get_name_mappings_to_training(
-    cfg: ModelConfig, prefix: str | None = None
-) -> dict[str, str]:
+def get_name_mappings_to_training(cfg: ModelConfig, prefix: str | None = None) -> dict[str, str]:
     """Inference (HF) name → training name, for every parameter of ``cfg``."""
     p = prefix or default_prefix(cfg)
     return {name: training_name(name, p) for name in full_shapes(cfg)}
 
 
-def get_name_mappings_to_inference(
-    cfg: ModelConfig, prefix: str | None = None
-) -> dict[str, str]:
+def get_name_mappings_to_inference(cfg: ModelConfig, prefix: str | None = None) -> dict[str, str]:
     """Training name → inference (HF) name: the inverse of the above."""
     return {t: i for i, t in get_name_mappings_to_training(cfg, prefix).items()}
 

@@ -249,10 +249,19 @@ class TPModel:
             x = _rms_norm(h, weights[p + "input_layernorm.weight"], cfg.rms_norm_eps)
             attn = self._attention(weights, p + "self_attn.", x, kv, i, plan)
             h = h + self._all_reduce(_linear(attn, weights[p + "self_attn.o_proj.weight"]))
+            if cfg.o_proj_bias:  # whole on every rank: added after the sum, once
+                h = h + weights[p + "self_attn.o_proj.bias"]
             x = _rms_norm(h, weights[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
-            gate = F.silu(_linear(x, weights[p + "mlp.gate_proj.weight"]))
-            up = _linear(x, weights[p + "mlp.up_proj.weight"])
+            # llama's mlp_bias: column-parallel gate/up biases (absent: None)
+            gate = F.silu(
+                _linear(
+                    x, weights[p + "mlp.gate_proj.weight"], weights.get(p + "mlp.gate_proj.bias")
+                )
+            )
+            up = _linear(x, weights[p + "mlp.up_proj.weight"], weights.get(p + "mlp.up_proj.bias"))
             h = h + self._all_reduce(_linear(gate * up, weights[p + "mlp.down_proj.weight"]))
+            if cfg.mlp_bias:
+                h = h + weights[p + "mlp.down_proj.bias"]
         # Only the last position of each sequence is sampled: norm and project just those.
         h = _rms_norm(
             paddle.gather(h, plan.last_rows), weights["model.norm.weight"], cfg.rms_norm_eps

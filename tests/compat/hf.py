@@ -3,7 +3,7 @@
 ``build(case, dir)`` writes a HF model dir with ``save_pretrained`` (safetensors, the
 case's dtype) and rewrites ``config.json`` into the case's layout: ``new`` is what
 transformers 5 writes (``rope_parameters`` holding ``rope_theta``), ``old`` is the
-transformers 4 layout (top-level ``rope_theta`` plus ``rope_scaling``).
+transformers 4 layout (top-level ``rope_theta`` plus ``rope_scaling``, no ``layer_types``).
 
 Weights: transformers' init with ``initializer_range`` 0.02 gives logits so flat that
 greedy decoding meets near-ties; embeddings and ``lm_head`` are scaled up so the top two
@@ -117,6 +117,9 @@ def _relayout(path: Path, layout: str) -> None:
         params = dict(cfg.pop("rope_parameters"))
         cfg["rope_theta"] = params.pop("rope_theta")
         cfg["rope_scaling"] = None if params.get("rope_type") == "default" else params
+        # older transformers wrote no layer_types: qwen2 / qwen3 derive them from
+        # use_sliding_window, sliding_window and max_window_layers
+        cfg.pop("layer_types", None)
     else:
         assert layout == "new", layout
         cfg.pop("rope_theta", None)

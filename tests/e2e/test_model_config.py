@@ -31,12 +31,13 @@ BAD = [
     ({"rope_scaling": {"type": "longrope", "factor": 4.0}}, "rope_scaling.type='longrope'"),
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 8.0}},
      "rope_parameters.low_freq_factor"),
-    ({"model_type": "qwen3", "attention_bias": True}, "attention_bias=True"),
-    ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window=True"),
+    ({"model_type": "qwen2", "use_sliding_window": True, "max_window_layers": 0},
+     "use_sliding_window=True"),
     ({"layer_types": ["sliding_attention"]}, "layer_types[0]='sliding_attention'"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
     ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
-    ({"intermediate_size": 63}, "intermediate_size=63 is not divisible by tp=2"),
+    ({"num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 1},
+     "intermediate_size=1 is less than tp=2"),
 ]  # fmt: skip
 
 
@@ -73,6 +74,46 @@ def test_serve_refuses_unsupported_config(
     )
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 1 and needle in lines[0], lines
+    assert not (tmp_path / "data" / "nats").exists()  # nothing was started
+
+
+INDEX = b'{"weight_map": {"a": "model-00001-of-00002.safetensors"}}'
+
+
+@pytest.mark.parametrize(
+    "files,needle",
+    [
+        ({"pytorch_model.bin": b"x"},
+         "no *.safetensors (pytorch_model.bin is not read: save with safetensors)"),
+        ({"model.safetensors.index.json": INDEX},
+         "model.safetensors.index.json names missing model-00001-of-00002.safetensors"),
+    ],
+)  # fmt: skip
+def test_serve_refuses_a_dir_without_safetensors(
+    tmp_path: Path, files: dict[str, bytes], needle: str
+) -> None:
+    """A servable config but no weights a rank can read (a torch ``.bin`` checkpoint, an
+    index naming a file that is not there): one line at once, before anything starts —
+    not each rank failing after the stack came up."""
+    model = _model(tmp_path, {})
+    for name, data in files.items():
+        (model / name).write_bytes(data)
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli", "serve"],
+        env=_env(
+            ROLLBUS_TP="2",
+            ROLLBUS_MODEL=str(model),
+            ROLLBUS_API_PORT=str(free_port()),
+            ROLLBUS_NATS_PORT=str(free_port()),
+            ROLLBUS_DATA_DIR=str(tmp_path / "data"),
+        ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2, proc.stderr[-2000:]
     assert len(lines) == 1 and needle in lines[0], lines
     assert not (tmp_path / "data" / "nats").exists()  # nothing was started
 

@@ -86,9 +86,6 @@ def test_eos_ids_int_or_list() -> None:
          "partial_rotary_factor"),
         ({"rope_parameters": {"rope_theta": 1e4, "rope_type": "default"},
           "rope_scaling": {"type": "linear", "factor": 2.0}}, "contradict"),
-        ({"attention_bias": True}, "attention_bias"),
-        ({"mlp_bias": True}, "mlp_bias"),
-        ({"model_type": "ernie4_5", "use_bias": True}, "use_bias"),
         ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config"),
         ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types[1]"),
         ({"eos_token_id": "x"}, "eos_token_id"),
@@ -111,3 +108,80 @@ def test_head_dim_absent_is_the_family_default_null_is_hidden_over_heads() -> No
         assert ModelConfig.from_hf({**base, "model_type": family}).head_dim == absent
         nulled = {**base, "model_type": family, "head_dim": None}
         assert ModelConfig.from_hf(nulled).head_dim == 16, family
+
+
+def test_rms_norm_eps_zero_is_a_value() -> None:
+    """0 is what the file says (transformers uses it); only an absent or null field
+    takes the family default."""
+    assert parse(rms_norm_eps=0.0).rms_norm_eps == 0.0
+    assert parse(rms_norm_eps=None).rms_norm_eps == 1e-6
+    assert parse(rms_norm_eps=1e-5).rms_norm_eps == 1e-5
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]},
+        {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32, "attention_factor": 1.0},
+        {"type": "su", "short_factor": [1.0]},
+    ],
+)
+def test_an_unsupported_rope_type_is_named_before_its_keys(params: dict[str, Any]) -> None:
+    """longrope / yarn configs carry keys only their type has: the error names the type
+    (what the user must change), not the first of those keys."""
+    for field in ("rope_parameters", "rope_scaling"):
+        with pytest.raises(ConfigError) as e:
+            parse(**{field: {"rope_theta": 1e4, **params}})
+        kind = params.get("rope_type", params.get("type"))
+        assert f"{field}." in str(e.value) and f"={kind!r}" in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_use_sliding_window_slides_only_from_max_window_layers(family: str) -> None:
+    """As transformers derives ``layer_types`` when the file has none: layers from
+    ``max_window_layers`` (default 28) on slide. None that far (or no ``sliding_window``)
+    is full attention everywhere — served; a layer that slides is refused, named."""
+    on = {"model_type": family, "use_sliding_window": True, "sliding_window": 8}
+    for served in (
+        {**on, "max_window_layers": 1},  # BASE has 1 layer
+        {**on},  # default 28
+        {**on, "sliding_window": None, "max_window_layers": 0},
+        {**on, "max_window_layers": 0, "layer_types": ["full_attention"]},  # the file's word
+    ):
+        assert ModelConfig.from_hf({**BASE, **served}).model_type == family
+    with pytest.raises(ConfigError, match="use_sliding_window=True.*max_window_layers=0"):
+        ModelConfig.from_hf({**BASE, **on, "max_window_layers": 0})
+    # an absent sliding_window is transformers' default 4096, not "none"
+    absent = {k: v for k, v in on.items() if k != "sliding_window"}
+    with pytest.raises(ConfigError, match="use_sliding_window=True"):
+        ModelConfig.from_hf({**BASE, **absent, "max_window_layers": 0})
+    with pytest.raises(ConfigError, match=r"layer_types\[0\]='sliding_attention'"):
+        ModelConfig.from_hf({**BASE, **on, "layer_types": ["sliding_attention"]})
+    # llama has no such derivation: the flag alone is refused
+    with pytest.raises(ConfigError, match="use_sliding_window=True"):
+        ModelConfig.from_hf({**BASE, "use_sliding_window": True})
+
+
+def test_swish_is_silu() -> None:
+    """transformers maps ``hidden_act`` "swish" to nn.SiLU: served; gelu is not."""
+    assert parse(hidden_act="swish").model_type == "llama"
+    with pytest.raises(ConfigError, match="hidden_act='gelu'"):
+        parse(hidden_act="gelu")
+
+
+def test_llama_and_qwen3_biases() -> None:
+    """transformers' llama / qwen3 ``attention_bias`` adds q/k/v *and* o_proj biases,
+    llama's ``mlp_bias`` gate/up/down ones, ernie4_5's ``use_bias`` all of them; qwen2
+    has q/k/v biases only."""
+    llama = parse(attention_bias=True, mlp_bias=True)
+    assert llama.attention_bias and llama.o_proj_bias and llama.mlp_bias
+    q3 = parse(model_type="qwen3", attention_bias=True)
+    assert q3.attention_bias and q3.o_proj_bias and not q3.mlp_bias
+    q2 = parse(model_type="qwen2", attention_bias=False)  # Qwen2Config has no such field
+    assert q2.attention_bias and not q2.o_proj_bias and not q2.mlp_bias
+    e = parse(model_type="ernie4_5", use_bias=True)
+    assert e.attention_bias and e.o_proj_bias and e.mlp_bias
+    # a field the family does not read is ignored, as transformers does (Qwen3MLP has none)
+    assert not parse(model_type="qwen3", mlp_bias=True).mlp_bias
+    plain = parse(attention_bias=False, mlp_bias=False)
+    assert not (plain.attention_bias or plain.o_proj_bias or plain.mlp_bias)
