@@ -150,8 +150,9 @@ def test_request_too_big_for_cache_or_context() -> None:
 
     assert why(6, 4) == ("needs 3 KV blocks, the cache has 2", "max_tokens")
     assert why(9, 1) == ("needs 3 KV blocks, the cache has 2", "prompt")  # the prompt alone
-    assert "context length" in why(60, 10)[0] and why(60, 10)[1] == "prompt"
-    assert "context length" in why(4, 60)[0] and why(4, 60)[1] == "max_tokens"
+    assert "context length" in why(70, 10)[0] and why(70, 10)[1] == "prompt"
+    assert why(60, 10)[1] == "max_tokens"
+    assert "context length" in why(4, 61)[0] and why(4, 61)[1] == "max_tokens"
     assert s.check(gen("a", prompt=4, max_tokens=4)) is None
 
 
