@@ -361,3 +361,48 @@ def test_kv_cache_free_and_allocate() -> None:
         TPModel(cfg, 0, 1).forward(to_paddle(init_weights(cfg, 0)), kv, Batch([[1]], [0], [[0]]))
     kv.allocate()
     assert kv.allocated and float(kv.values[1].abs().sum()) == 0.0
+
+
+class _OneRankShm:
+    """Stands in for the shared-memory all-reduce of one rank: keeps what the rank
+    contributes (the peers' shares are zero-padded elsewhere, so the sum is theirs)."""
+
+    def __init__(self, slot_bytes: int) -> None:
+        self.slot_bytes = slot_bytes
+        self.sent: list[np.ndarray] = []
+
+    def fits(self, nbytes: int) -> bool:
+        return nbytes <= self.slot_bytes
+
+    def reduce(self, a: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        self.sent.append(a.copy())
+        return a
+
+
+@pytest.mark.parametrize("vocab", [300, 301])  # 301: shares of unequal size
+def test_each_rank_projects_onto_its_share_of_the_vocabulary(vocab: int) -> None:
+    """Over shm each rank reads only its 1/tp of the (replicated) head: rows outside its
+    share are NaN here and must not reach the logits. The ranks' zero-padded shares sum
+    to the projection onto the whole head; without room in the slot every rank projects
+    onto the whole head and sends nothing."""
+    cfg = tiny(vocab_size=vocab)
+    rng = np.random.default_rng(3)
+    h = paddle.to_tensor(rng.standard_normal((5, cfg.hidden_size)).astype(np.float32))
+    head = rng.standard_normal((vocab, cfg.hidden_size)).astype(np.float32)
+    full = (h.numpy() @ head.T).astype(np.float32)
+    total = np.zeros_like(full)
+    for rank in range(2):
+        lo, hi = rank * vocab // 2, (rank + 1) * vocab // 2
+        poisoned = np.full_like(head, np.nan)
+        poisoned[lo:hi] = head[lo:hi]
+        shm = _OneRankShm(slot_bytes=5 * vocab * 4)
+        got = TPModel(cfg, rank, 2, shm=shm)._project_vocab(h, paddle.to_tensor(poisoned)).numpy()
+        assert len(shm.sent) == 1 and np.isfinite(got).all()
+        assert not got[:, :lo].any() and not got[:, hi:].any()
+        np.testing.assert_allclose(got[:, lo:hi], full[:, lo:hi], rtol=1e-5, atol=1e-5)
+        total += got
+    np.testing.assert_allclose(total, full, rtol=1e-5, atol=1e-5)
+    small = _OneRankShm(slot_bytes=5 * vocab * 4 - 4)  # the logits do not fit: whole head
+    got = TPModel(cfg, 1, 2, shm=small)._project_vocab(h, paddle.to_tensor(head)).numpy()
+    assert not small.sent
+    np.testing.assert_allclose(got, full, rtol=1e-5, atol=1e-5)
