@@ -60,7 +60,6 @@ import msgspec
 import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.aio.transport import TcpTransport
 from nats.micro.request import Request
 from nats.micro.service import Service, ServiceConfig
 
@@ -579,7 +578,6 @@ class Bus:
         self._pending[token] = gather
         try:
             await self._send(subject, data, token, request_id or token, headers)
-            self._write_now()
             # the gather's own future, awaited directly (no shield, no wait_for: each
             # costs a loop turn and futures per scatter): at the timeout it is cancelled,
             # which only this call sees (it is dropped from _pending below)
@@ -662,22 +660,6 @@ class Bus:
     async def flush(self, timeout: float = 5.0) -> None:
         await self.nc.flush(timeout=int(max(1, timeout)))
 
-    def _write_now(self) -> None:
-        """Hand what nats-py holds for the server (``publish`` only queues it) to the
-        socket now, in order, instead of on its flusher task's next loop turn: a control
-        call's scatter and replies each leave a turn earlier. The flusher, woken by the
-        publish, then finds nothing pending. Plain TCP (and TLS over it) only: another
-        transport (websocket) sends on ``drain``, which only the flusher does."""
-        nc = self.nc
-        tr = getattr(nc, "_transport", None)
-        if not isinstance(tr, TcpTransport) or not nc.is_connected:
-            return
-        pending = getattr(nc, "_pending", None)
-        if pending and getattr(nc, "_pending_data_size", 0) > 0:
-            tr.writelines(pending)
-            nc._pending = []
-            nc._pending_data_size = 0
-
     # ------------------------------------------------------------------ serving
 
     async def add_service(
@@ -739,7 +721,6 @@ class Bus:
             if REQUEST_ID in headers:
                 h[REQUEST_ID] = headers[REQUEST_ID]
             await req.respond(out, headers=h)
-            self._write_now()
 
         run = guarded(subject, handle, self.callback_errors)
 

@@ -255,34 +255,3 @@ async def test_served_endpoints_are_discoverable_micro_services(bus: Bus, nats_u
         assert info["endpoints"][0]["subject"] == subj
     finally:
         await nc.close()
-
-
-async def test_write_now_hands_queued_messages_to_the_socket_in_order(
-    bus: Bus, nats_url: str
-) -> None:
-    """nats-py's publish only queues (its flusher task writes on a later loop turn);
-    ``_write_now`` (after a scatter's send and a served reply) writes what is queued at
-    once, in order, and the flusher then sends what comes after it."""
-    subj = subject()
-    nc = await connect(nats_url)
-    got: list[bytes] = []
-    done = asyncio.Event()
-
-    async def on_msg(msg) -> None:  # noqa: ANN001
-        got.append(msg.data)
-        if len(got) == 3:
-            done.set()
-
-    await nc.subscribe(subj, cb=on_msg)
-    await settle(bus, nc)
-    try:
-        await bus.nc.publish(subj, b"1")
-        await bus.nc.publish(subj, b"2")
-        assert bus.nc._pending_data_size > 0  # queued, not written: no turn has passed
-        bus._write_now()
-        assert bus.nc._pending_data_size == 0 and not bus.nc._pending
-        await bus.nc.publish(subj, b"3")  # the flusher's, as before
-        await asyncio.wait_for(done.wait(), 5)
-        assert got == [b"1", b"2", b"3"]
-    finally:
-        await nc.close()
