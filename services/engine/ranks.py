@@ -80,17 +80,17 @@ class RankView:
             return {"rank": rank, "alive": False, "age_ms": None, "reason": why}
         age = now - self.at[rank]
         out = {**rep, "rank": rank, "alive": True, "age_ms": round(age * 1e3, 1)}
-        if missed is not None:
+        if _exited(rep):
+            # killed: seen at once, not after the bound; said first, whatever the age
+            # of its last report (the exit is the fact, the silence only follows it)
+            out["alive"] = False
+            out["reason"] = f"its process {rep.get('pid')} has exited"
+        elif missed is not None:
             out["alive"] = False
             out["reason"] = f"no report for {age:.1f} s ({missed[1]})"
         elif age > self.stale_s:
             out["alive"] = False
-            out["reason"] = (
-                f"no report for {age:.1f} s (status asked every {self.refresh_s:g} s)"
-            )
-        elif _exited(rep):
-            out["alive"] = False  # killed: seen at once, not after the bound
-            out["reason"] = f"its process {rep.get('pid')} has exited"
+            out["reason"] = f"no report for {age:.1f} s (status asked every {self.refresh_s:g} s)"
         return out
 
     def entries(self) -> list[dict[str, Any]]:

@@ -65,7 +65,10 @@ INIT_FAILED = 3  # exit code: a start that failed for a reason a restart may cle
 CONFIG_ERROR = 2  # exit code: the model dir / config cannot be served; never retried
 STEP_HUNG = 4  # exit code: the compute thread was blocked in one step past the bound
 INIT_TIMEOUT_S = 600.0  # rendezvous + loading one shard of a large model
-# answered on the event loop, not queued behind paddle work
+# answered on the event loop, not queued behind paddle work; their handlers never await
+# before replying, so each runs in its subscription's callback (no task per call: a
+# loop turn and a task less on every ``status``; a late commit is refused by data,
+# whatever order the handlers run in, see BARRIER)
 INLINE = {"ping", "status"}
 # recorded on the event loop the moment the message arrives, before its paddle work is
 # queued: a rollback's update id is refused to every commit that runs after that
@@ -97,7 +100,10 @@ def build_rank(settings: Settings, rank: int) -> control.Rank:
     weights = WeightStore(rank, source)
     weights.load_initial(model_dir_version(model_dir))
     kv = mdl.KVCache(
-        cfg, settings.kv_cache_blocks, settings.kv_block_size, settings.tp,
+        cfg,
+        settings.kv_cache_blocks,
+        settings.kv_block_size,
+        settings.tp,
         served_dtype(settings),
     )
     model = mdl.TPModel(cfg, rank, settings.tp, comm.group, comm.shm)
@@ -193,7 +199,6 @@ class WorkerServer:
                 self._handler(method),
                 queue=f"rank{self.rank}",
                 reply_headers=hdr,
-                concurrent=method in INLINE,
             )
         await self._serve_weights(svc, hdr)
         self.stepper = Stepper(
@@ -208,7 +213,6 @@ class WorkerServer:
             self.subjects.worker_step, self.stepper.on_step, queue=f"rank{self.rank}"
         )
         await self.bus.flush()
-
 
     async def _serve_weights(self, svc: Any, hdr: dict[str, str]) -> None:
         """The read-only weights subjects (``shared.readout``): trainers and operators may

@@ -51,3 +51,22 @@ def test_no_report_yet() -> None:
     assert v.entries() == [
         {"rank": r, "alive": False, "age_ms": None, "reason": "no report yet"} for r in (0, 1)
     ]
+
+
+def test_an_exited_rank_says_so_whatever_the_age_of_its_last_report() -> None:
+    """The exit is the fact (seen at once through the shared pid space); a caller that
+    comes later than the staleness bound (a loaded host) still reads it, not silence."""
+    import subprocess
+    import sys
+
+    from shared import procs
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()  # exited and reaped
+    v = RankView(1, 0.25)
+    v.record(v.begin(), 0, {"rank": 0, "pid": p.pid, "pid_space": procs.pid_space()}, at=100.0)
+    for now in (100.1, 102.1):  # fresh, and past the 1 s bound
+        e = v.entry(0, now=now)
+        assert e["alive"] is False and e["reason"] == f"its process {p.pid} has exited", e
+    v.miss(v.begin(), 0, "did not answer status within 1 s")
+    assert v.entry(0, now=100.1)["reason"] == f"its process {p.pid} has exited"
