@@ -249,7 +249,12 @@ class _FirstToken:
 
 class OpenAIRoutes:
     def __init__(self, deps: Deps) -> None:
-        from shared.model_config import max_model_len, model_vocab_size
+        from shared.model_config import (
+            GenerationDefaults,
+            generation_defaults,
+            max_model_len,
+            model_vocab_size,
+        )
         from shared.tokenizer import load_tokenizer
 
         self.deps = deps
@@ -270,6 +275,20 @@ class OpenAIRoutes:
         # vocab_size), not the tokenizer's size: a padded vocabulary accepts every id the
         # model has, a tokenizer with more ids than the model cannot feed it an unknown one
         self.vocab_size = model_vocab_size(s.model_dir, self.tokenizer.vocab_size)
+        # as vLLM's --generation-config auto: generation_config.json's sampling fields are
+        # the defaults of a request that does not set them (a field out of range stops
+        # the start, naming it: the launcher checks it first)
+        self.defaults = (
+            generation_defaults(s.model_dir)
+            if s.generation_config == "auto"
+            else GenerationDefaults()
+        )
+        if self.defaults.items():
+            log.info(
+                "request defaults from generation_config.json (ROLLBUS_GENERATION_CONFIG="
+                "none: OpenAI's): %s",
+                self.defaults.items(),
+            )
         # generation requests received and not yet sent to the engine: each one sent
         # tells the engine how many more are coming (``GenRequest.more``), so that an idle
         # engine starts a burst in one step (README "Admission")
@@ -413,15 +432,23 @@ class OpenAIRoutes:
             raise BadRequest(
                 "Stream options can only be defined when `stream=True`.", "stream_options"
             )
+        sampling = self.defaults.merge(
+            {
+                "temperature": req.temperature,
+                "top_p": req.top_p,
+                "top_k": req.top_k,
+                "repetition_penalty": req.repetition_penalty,
+            }
+        )
         gens = [
             m.GenRequest(
                 request_id=uuid.uuid4().hex,
                 prompt_token_ids=ids,
                 max_tokens=budget,
                 n=n,
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=max(0, req.top_k or 0),
+                temperature=sampling["temperature"],
+                top_p=sampling["top_p"],
+                top_k=max(0, sampling["top_k"]),  # -1: off, as 0
                 seed=req.seed,
                 logprobs=logprobs,
                 top_logprobs=top,
@@ -430,7 +457,7 @@ class OpenAIRoutes:
                 min_tokens=req.min_tokens or 0,
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
-                repetition_penalty=req.repetition_penalty or 1.0,
+                repetition_penalty=sampling["repetition_penalty"],
                 max_staleness=req.max_staleness,
                 # not streamed, no stop strings: no token is read before the end
                 coalesce=not req.stream and not stops,
@@ -468,7 +495,10 @@ class OpenAIRoutes:
                     "prompt" if not chat else "messages",
                 )
             room = min(room, kv_room)  # a context longer than the cache: the cache's rest
-            return room if chat else min(16, room)
+            if not chat:
+                return min(16, room)  # OpenAI's and vLLM's default (the file's is not used)
+            # vLLM: generation_config.json's max_new_tokens, else the rest of the context
+            return min(room, self.defaults.max_tokens or room)
         if max_tokens > room:
             raise BadRequest(
                 f"prompt ({len(ids)} tokens) + {max_name} ({max_tokens}) exceeds the maximum "
