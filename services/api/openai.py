@@ -438,8 +438,16 @@ class OpenAIRoutes:
                 "top_p": req.top_p,
                 "top_k": req.top_k,
                 "repetition_penalty": req.repetition_penalty,
+                "min_p": req.min_p,
             }
         )
+        allowed = None
+        if req.allowed_token_ids is not None:
+            if any(t >= self.vocab_size for t in req.allowed_token_ids):
+                raise BadRequest(
+                    "allowed_token_ids: token id out of the vocabulary", "allowed_token_ids"
+                )
+            allowed = list(dict.fromkeys(req.allowed_token_ids))
         gens = [
             m.GenRequest(
                 request_id=uuid.uuid4().hex,
@@ -458,6 +466,8 @@ class OpenAIRoutes:
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
                 repetition_penalty=sampling["repetition_penalty"],
+                min_p=sampling["min_p"],
+                allowed_token_ids=allowed,
                 max_staleness=req.max_staleness,
                 # not streamed, no stop strings: no token is read before the end
                 coalesce=not req.stream and not stops,

@@ -18,6 +18,7 @@ from shared.messages import (
     FLOAT_MAX,
     INT64_MAX,
     INT64_MIN,
+    MAX_ALLOWED_TOKEN_IDS,
     MAX_BIAS,
     MAX_LOGIT_BIAS,
     MAX_PENALTY,
@@ -73,6 +74,12 @@ class Sampling(msgspec.Struct, kw_only=True):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=FLOAT_MAX)] | None = None
+    # vLLM's, applied on rank 0 (README "Limits"): min_p after temperature; only these
+    # ids may be sampled (the route checks them against the vocabulary)
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    allowed_token_ids: (
+        Annotated[list[TokenId], Meta(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None
+    ) = None
     user: Annotated[str, Meta(max_length=1024)] | None = None
     # rollbus: this request's staleness bound (README "Staleness"); the stricter of it and
     # ROLLBUS_MAX_STALENESS applies
@@ -124,10 +131,8 @@ def _off(value: Any) -> bool:
 # it is refused (400 naming the field), never silently ignored. Other unknown fields
 # (``user``, ``metadata``, ``priority``, ...) change nothing and are ignored.
 UNSUPPORTED: dict[str, Any] = {
-    "min_p": _off,
     "prompt_logprobs": lambda v: v is None,
     "use_beam_search": _off,
-    "allowed_token_ids": _off,
     "bad_words": _off,
     "response_format": lambda v: _off(v) or (isinstance(v, dict) and v.get("type") == "text"),
     "guided_json": _off,

@@ -46,6 +46,14 @@ def penalties(gen: m.GenRequest) -> m.Penalties | None:
     )  # fmt: skip
 
 
+def limits(gen: m.GenRequest) -> m.Limits | None:
+    """The request's ``min_p`` / ``allowed_token_ids`` for its sample specs; None when it
+    has neither (one nil byte per spec)."""
+    if gen.min_p == 0 and gen.allowed_token_ids is None:
+        return None
+    return m.Limits(gen.min_p, gen.allowed_token_ids)
+
+
 class BlockAllocator:
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
@@ -85,6 +93,7 @@ class Request:
     forked: bool = False
     started: bool = False  # scheduled once: no longer counts against the waiting limit
     penalties: m.Penalties | None = None  # its sample specs' (see ``penalties``)
+    limits: m.Limits | None = None  # its sample specs' (see ``limits``)
 
     @property
     def request_id(self) -> str:
@@ -197,7 +206,7 @@ class Scheduler:
         return None
 
     def add(self, gen: m.GenRequest, reply: str) -> Request:
-        req = Request(gen, reply, penalties=penalties(gen))
+        req = Request(gen, reply, penalties=penalties(gen), limits=limits(gen))
         prompt = list(gen.prompt_token_ids)
         for i in range(max(1, gen.n)):
             req.seqs.append(Seq(self._next_seq, req, i, list(prompt), len(prompt)))
@@ -255,6 +264,7 @@ class Scheduler:
                     if t.length - t.prompt_len < g.min_tokens
                     else None,
                     req.penalties,
+                    req.limits,
                 )
                 for t in targets
             ]

@@ -299,6 +299,8 @@ class Stepper:
                     repetition_penalty=pen.repetition if pen else 1.0,
                     seen_ids=seen,
                     output_counts=counts,
+                    allowed_ids=(s.limits.allowed or ()) if s.limits else (),
+                    min_p=s.limits.min_p if s.limits else 0.0,
                 )
             except NoHistory as e:
                 failed.append((s.seq_id, INTERNAL, str(e)))
