@@ -448,6 +448,7 @@ class OpenAIRoutes:
                     "allowed_token_ids: token id out of the vocabulary", "allowed_token_ids"
                 )
             allowed = list(dict.fromkeys(req.allowed_token_ids))
+        bad = self._bad_words(req.bad_words) if req.bad_words else None
         gens = [
             m.GenRequest(
                 request_id=uuid.uuid4().hex,
@@ -468,6 +469,7 @@ class OpenAIRoutes:
                 repetition_penalty=sampling["repetition_penalty"],
                 min_p=sampling["min_p"],
                 allowed_token_ids=allowed,
+                bad_words=bad,
                 max_staleness=req.max_staleness,
                 # not streamed, no stop strings: no token is read before the end
                 coalesce=not req.stream and not stops,
@@ -487,6 +489,29 @@ class OpenAIRoutes:
             keep_stop=bool(req.include_stop_str_in_output),
             skip_special=req.skip_special_tokens is not False,
         )
+
+    def _bad_words(self, words: list[str]) -> list[list[int]]:
+        """vLLM's ``bad_words`` as token sequences (``SamplingParams.update_from_tokenizer``):
+        each word, stripped on the left, is encoded as it is and with one leading space;
+        the second is kept when it is another word of the same length (a word at the
+        start of the text and one inside it are different tokens)."""
+        out: list[list[int]] = []
+        for i, word in enumerate(words):
+            if not word.strip():
+                raise BadRequest(f"bad_words[{i}] is empty", "bad_words")
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            for ids in (
+                (plain, spaced) if spaced[0] != plain[0] and len(spaced) == len(plain) else (plain,)
+            ):
+                if len(ids) > m.MAX_BAD_WORD_TOKENS or any(t >= self.vocab_size for t in ids):
+                    raise BadRequest(
+                        f"bad_words[{i}]: more than {m.MAX_BAD_WORD_TOKENS} tokens or a token "
+                        "out of the vocabulary",
+                        "bad_words",
+                    )
+                out.append(ids)
+        return out
 
     def _budget(self, ids: list[int], max_name: str, max_tokens: int | None, chat: bool) -> int:
         """``max_tokens`` for one prompt (its default when not given), within the context."""

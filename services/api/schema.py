@@ -19,6 +19,7 @@ from shared.messages import (
     INT64_MAX,
     INT64_MIN,
     MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORDS,
     MAX_BIAS,
     MAX_LOGIT_BIAS,
     MAX_PENALTY,
@@ -27,6 +28,7 @@ from shared.messages import (
     TOKEN_LIMIT,
 )
 
+MAX_BAD_WORD_LEN = 1024  # characters per bad word
 MAX_STOP = 64  # stop strings per request
 MAX_STOP_LEN = 1024  # characters per stop string
 MAX_MESSAGES = 4096  # chat messages per request
@@ -79,6 +81,14 @@ class Sampling(msgspec.Struct, kw_only=True):
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     allowed_token_ids: (
         Annotated[list[TokenId], Meta(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None
+    ) = None
+    # vLLM's: words never written (tokenized by the route, with and without a leading space)
+    bad_words: (
+        Annotated[
+            list[Annotated[str, Meta(max_length=MAX_BAD_WORD_LEN)]],
+            Meta(max_length=MAX_BAD_WORDS // 2),
+        ]
+        | None
     ) = None
     user: Annotated[str, Meta(max_length=1024)] | None = None
     # rollbus: this request's staleness bound (README "Staleness"); the stricter of it and
@@ -133,7 +143,6 @@ def _off(value: Any) -> bool:
 UNSUPPORTED: dict[str, Any] = {
     "prompt_logprobs": lambda v: v is None,
     "use_beam_search": _off,
-    "bad_words": _off,
     "response_format": lambda v: _off(v) or (isinstance(v, dict) and v.get("type") == "text"),
     "guided_json": _off,
     "guided_regex": _off,

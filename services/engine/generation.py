@@ -233,6 +233,11 @@ class Generation:
                 raise Refused(
                     BAD_REQUEST, f"{name}: token id out of the vocabulary ({self.vocab_size})", name
                 )
+        if any(t >= self.vocab_size for w in gen.bad_words or () for t in w):
+            raise Refused(
+                BAD_REQUEST, f"bad_words: token id out of the vocabulary ({self.vocab_size})",
+                "bad_words",
+            )  # fmt: skip
         if gen.min_tokens > gen.max_tokens:
             raise Refused(
                 BAD_REQUEST,

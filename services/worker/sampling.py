@@ -317,6 +317,17 @@ def _sample_row(logits: np.ndarray, p: SamplingParams, gen: np.random.Generator)
     return Sampled(token, float(raw[token]), top)
 
 
+def bad_word_bans(words: Sequence[Sequence[int]], tail: Sequence[int]) -> list[int]:
+    """vLLM's ``bad_words`` (``apply_bad_words``) of more than one token: the last id of
+    each word whose other ids are the end of the output (``tail``: its last tokens)."""
+    bans = []
+    for w in words:
+        k = len(w) - 1
+        if 0 < k <= len(tail) and list(tail[len(tail) - k :]) == list(w[:k]):
+            bans.append(w[-1])
+    return bans
+
+
 def apply_min_p(logp: np.ndarray, min_p: float) -> np.ndarray:
     """vLLM's min_p over tempered log-probabilities: a token whose probability is below
     ``min_p`` times the most probable one's gets -inf (a new array; the most probable

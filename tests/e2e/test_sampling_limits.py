@@ -51,3 +51,17 @@ def test_out_of_vocab_allowed_ids_are_400_naming_the_field(stack: Stack) -> None
         r = c.post("/v1/completions", json=BODY | {"allowed_token_ids": [1, 10**6]})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "allowed_token_ids"
+
+
+def test_bad_words_single_and_multi_token(stack: Stack) -> None:
+    """With "a" forced (+100) and "b" next (+50): bad_words ["a"] never writes "a";
+    ["aa"] bans the second "a" of a pair, also on pipelined decode steps (the engine
+    does not yet have the token a step in flight sampled; rank 0 adds it)."""
+    bias = {"97": 100, "98": 50}  # the byte tokenizer: "a", "b"
+    kw: dict[str, Any] = {"logit_bias": bias, "max_tokens": 10}
+    assert complete(stack, temperature=0, **kw)["choices"][0]["token_ids"] == [97] * 10
+    for temp in (0, 1.0):
+        one = complete(stack, temperature=temp, seed=2, bad_words=["a"], **kw)
+        assert one["choices"][0]["token_ids"] == [98] * 10
+        two = complete(stack, temperature=temp, seed=2, bad_words=["aa"], **kw)
+        assert two["choices"][0]["token_ids"] == [97, 98] * 5, two["choices"][0]

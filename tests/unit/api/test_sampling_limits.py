@@ -59,3 +59,21 @@ def test_min_p_default_from_generation_config(tmp_path: Path) -> None:
     r = OpenAIRoutes(Deps(Settings(model=str(d), max_model_len=64)))
     assert r.parse(CHAT, chat=True).gen.min_p == 0.05
     assert r.parse({**CHAT, "min_p": 0}, chat=True).gen.min_p == 0.0
+
+
+def test_bad_words_are_tokenized_as_vllm_does(routes: OpenAIRoutes, monkeypatch: Any) -> None:
+    """Each word (stripped on the left) as it is, and with a leading space when that is
+    another word of as many tokens (a BPE's " word" vs "word"); empty is a 400."""
+    gen = routes.parse({"prompt": "hi", "bad_words": ["ab", " c"]}, chat=False).gen
+    # the byte tokenizer: " ab" is one token longer, so only the plain encoding counts
+    assert gen.bad_words == [[97, 98], [99]]
+    assert routes.parse({"prompt": "hi"}, chat=False).gen.bad_words is None
+
+    bpe = {"ab": [7, 8], " ab": [17, 8], "x": [5], " x": [5, 1]}
+    monkeypatch.setattr(routes.tokenizer, "encode", lambda t, add_special_tokens=True: bpe[t])
+    assert routes._bad_words(["ab", "x"]) == [[7, 8], [17, 8], [5]]
+    monkeypatch.undo()
+    for words in (["  "], [""], ["x" * 65]):
+        with pytest.raises(BadRequest) as e:
+            routes.parse({"prompt": "hi", "bad_words": words}, chat=False)
+        assert e.value.param == "bad_words", words

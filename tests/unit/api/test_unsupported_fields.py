@@ -34,7 +34,6 @@ def routes(tmp_path_factory: pytest.TempPathFactory) -> OpenAIRoutes:
 BOTH = [
     ({"prompt_logprobs": 0}, "prompt_logprobs"),
     ({"use_beam_search": True}, "use_beam_search"),
-    ({"bad_words": ["x"]}, "bad_words"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"guided_json": {"type": "object"}}, "guided_json"),
     ({"guided_choice": ["a", "b"]}, "guided_choice"),

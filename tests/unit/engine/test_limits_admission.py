@@ -66,3 +66,34 @@ def test_good_ones_reach_every_sample_spec(model_dir: Path) -> None:
     specs = {x.seq_id: x for row in wire.rows for x in row.sample}
     assert all(specs[x.seq_id].limits == m.Limits(0.2, [319, 2]) for x in s.requests["a"].seqs)
     assert all(specs[x.seq_id].limits is None for x in s.requests["b"].seqs)
+
+
+def test_bad_words_out_of_the_vocabulary_are_refused(model_dir: Path) -> None:
+    g = generation(model_dir)
+    with pytest.raises(Refused) as e:
+        g.admit_request(msg(bad_words=[[1, 320]]))
+    assert e.value.code == 400 and e.value.param == "bad_words"
+
+
+def test_bad_words_reach_the_specs_single_in_the_ban_longer_with_the_tail() -> None:
+    """Single-token words join every spec's ban (with min_tokens' stop ids); longer ones
+    go with the output's last (longest - 1) tokens the engine has."""
+    s = Scheduler(32, 4, 8, 64, max_model_len=64)
+    gen = m.GenRequest("a", [1, 2, 3], 6, bad_words=[[9], [4, 5, 6], [7, 8]],
+                       stop_token_ids=[2], min_tokens=6)  # fmt: skip
+    s.add(gen, "ia")
+    seq = s.requests["a"].seqs[0]
+
+    def spec() -> m.SamplingSpec:
+        plan = s.schedule()
+        assert plan is not None
+        wire = msgspec.msgpack.decode(msgspec.msgpack.encode(plan.step), type=m.StepRequest)
+        return wire.rows[0].sample[0]
+
+    first = spec()  # from the prompt: no output yet
+    assert first.ban == [2, 9]
+    assert first.limits == m.Limits(0.0, None, [[4, 5, 6], [7, 8]], [])
+    seq.num_computed, seq.tokens = 3, [1, 2, 3, 10, 4, 5]  # two output tokens known
+    s.running = [seq] if seq not in s.running else s.running
+    later = spec()
+    assert later.limits is not None and later.limits.tail == [4, 5]  # reach 2

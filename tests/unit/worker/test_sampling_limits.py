@@ -13,6 +13,7 @@ import numpy as np
 from services.worker.sampling import (
     SamplingParams,
     apply_min_p,
+    bad_word_bans,
     make_generator,
     sample,
     sample_each,
@@ -115,3 +116,28 @@ def test_allowed_ids_hold_on_a_penalised_row() -> None:
         seen_ids=[top, allowed[0]], output_counts=[3.0, 1.0],
     )  # fmt: skip
     assert draws(x, p) <= set(allowed)
+
+
+def test_bad_word_bans_the_last_token_after_the_others() -> None:
+    """vLLM's ``apply_bad_words``: a word of k+1 tokens bans its last one when the output
+    ends with its first k (and never before the output has k tokens)."""
+    words = [[5, 6], [1, 2, 3], [9, 9]]
+    assert bad_word_bans(words, []) == []
+    assert bad_word_bans(words, [4, 5]) == [6]
+    assert bad_word_bans(words, [1, 2]) == [3]
+    assert bad_word_bans(words, [2]) == []  # [1, 2] not complete
+    assert bad_word_bans(words, [9]) == [9]
+    assert bad_word_bans(words, [5, 9]) == [9]
+
+
+def test_the_rank_bans_a_bad_word_with_the_token_in_flight() -> None:
+    """The engine's tail lacks the token a step in flight sampled (``prev``): rank 0 adds
+    it, so the word completes on the pipelined row too."""
+    from services.worker.stepper import Stepper
+
+    row = m.StepRow(1, [5], 10, [0], [], prev=True)
+    spec = m.SamplingSpec(1, ban=[2], limits=m.Limits(bad_words=[[4, 7, 8]], tail=[3, 4]))
+    assert Stepper._bans(row, spec, [5]) == [2]  # the kept token 5: [3, 4, 5]
+    spec.limits = m.Limits(bad_words=[[4, 7, 8]], tail=[4])
+    assert Stepper._bans(row, spec, [7]) == [2, 8]
+    assert Stepper._bans(m.StepRow(1, [7], 10, [0], []), spec, [7]) == [2]  # no prev: [4]
