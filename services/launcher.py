@@ -39,7 +39,7 @@ from services.tiny_model import ensure_tiny_model
 from shared import creds
 from shared.bus import Bus
 from shared.errors import BusUnreachable, NoResponders, Timeout
-from shared.model_config import ConfigError, ModelConfig, read_hf_config
+from shared.model_config import ConfigError, ModelConfig, generation_defaults, read_hf_config
 from shared.redact import public_url
 from shared.safetensors import INDEX_FILE, checkpoint_files
 from shared.settings import Settings
@@ -258,7 +258,9 @@ class Launcher:
     def prepare(self) -> Settings:
         s = self.settings
         if s.model:
-            check_model(s.model_dir, s.tp, s.load_strategy == "snapshot")
+            check_model(
+                s.model_dir, s.tp, s.load_strategy == "snapshot", s.generation_config == "auto"
+            )
         if s.device != "cpu":
             check_device(s)
         if not natsd.port_is_free(s.api_host, s.api_port):
@@ -573,10 +575,15 @@ class Launcher:
             self.stop()
 
 
-def check_model(model_dir: Path, tp: int, weights: bool = True) -> None:
+def check_model(
+    model_dir: Path, tp: int, weights: bool = True, generation_config: bool = True
+) -> None:
     """A model dir the ranks cannot serve is one line at once, before any rank starts.
     ``weights``: its ranks load it from the dir itself (``snapshot``), so it must hold
-    safetensors files (else each rank would fail on its own, after the stack started)."""
+    safetensors files (else each rank would fail on its own, after the stack started).
+    ``generation_config``: its ``generation_config.json`` gives the request defaults
+    (``ROLLBUS_GENERATION_CONFIG=auto``), so a field out of range there is refused too
+    (else every request taking that default would fail)."""
     try:
         cfg = read_hf_config(model_dir)
     except ConfigError as e:
@@ -585,6 +592,11 @@ def check_model(model_dir: Path, tp: int, weights: bool = True) -> None:
         ModelConfig.from_hf(cfg).validate_tp(tp)
     except (ValueError, TypeError, KeyError, ArithmeticError) as e:
         raise LaunchError(f"ROLLBUS_MODEL={model_dir}: unsupported model config: {e!s}") from None
+    if generation_config:
+        try:
+            generation_defaults(model_dir)
+        except ConfigError as e:
+            raise LaunchError(f"ROLLBUS_MODEL={model_dir}: {e}") from None
     if weights:
         try:
             files = checkpoint_files(Path(model_dir))

@@ -27,6 +27,9 @@ MAX_TOP_LOGPROBS = 20  # alternatives per position (OpenAI's maximum)
 MAX_LOGIT_BIAS = 1024  # entries of a request's logit_bias
 MAX_BIAS = 100.0  # |value| of one logit_bias entry (OpenAI's range)
 MAX_PENALTY = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range)
+MAX_ALLOWED_TOKEN_IDS = 4096  # a request's allowed_token_ids (they travel with every step)
+MAX_BAD_WORDS = 256  # a request's bad_words token sequences (each word gives one or two)
+MAX_BAD_WORD_TOKENS = 64  # tokens of one of them
 FLOAT_MAX = sys.float_info.max  # ``le=FLOAT_MAX`` rejects inf; every bound rejects NaN
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 TOKEN_LIMIT = 2**31 - 1
@@ -245,6 +248,23 @@ class Penalties(msgspec.Struct, array_like=True):
     prompt_len: int = 0
 
 
+class Limits(msgspec.Struct, array_like=True):
+    """vLLM's ``min_p`` and ``allowed_token_ids`` of one sample position, applied by rank 0:
+    only ``allowed`` ids may be sampled (the others' logits -inf, with the bias and the
+    ban; None = all), and after temperature a token whose probability is below ``min_p``
+    times the most likely one's is dropped (before top-k / top-p, as vLLM's sampler);
+    ``bad_words`` below."""
+
+    min_p: float = 0.0
+    allowed: list[int] | None = None
+    # vLLM's bad_words of more than one token: the last token of each is banned when the
+    # output ends with the others. ``tail``: the output's last tokens the engine has (at
+    # most the longest word's length - 1); rank 0 appends the one a step in flight
+    # sampled (the row's ``prev``). Single-token words are in the spec's ``ban``.
+    bad_words: list[list[int]] | None = None
+    tail: list[int] | None = None
+
+
 class SamplingSpec(msgspec.Struct, array_like=True):
     """How rank 0 samples one sequence's next token."""
 
@@ -261,6 +281,7 @@ class SamplingSpec(msgspec.Struct, array_like=True):
     # ids that may not be sampled here (min_tokens: the stop ids before the minimum)
     ban: list[int] | None = None
     penalties: Penalties | None = None  # None unless the request has one (one nil byte)
+    limits: Limits | None = None  # None unless the request has min_p / allowed_token_ids
 
 
 class GenRequest(msgspec.Struct):
@@ -291,6 +312,23 @@ class GenRequest(msgspec.Struct):
     presence_penalty: Annotated[float, msgspec.Meta(ge=-MAX_PENALTY, le=MAX_PENALTY)] = 0.0
     frequency_penalty: Annotated[float, msgspec.Meta(ge=-MAX_PENALTY, le=MAX_PENALTY)] = 0.0
     repetition_penalty: Annotated[float, msgspec.Meta(gt=0, le=FLOAT_MAX)] = 1.0
+    # vLLM's (see Limits): 0 = off; None = every id (not empty; ids within the vocabulary)
+    min_p: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0
+    allowed_token_ids: (
+        Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)]
+        | None
+    ) = None
+    # vLLM's bad_words as token sequences (the API tokenizes them): a single id is never
+    # sampled; a longer one's last id is not sampled right after the others in the output
+    bad_words: (
+        Annotated[
+            list[
+                Annotated[list[TokenId], msgspec.Meta(min_length=1, max_length=MAX_BAD_WORD_TOKENS)]
+            ],
+            msgspec.Meta(max_length=MAX_BAD_WORDS),
+        ]
+        | None
+    ) = None
     # the request's own staleness bound (versions behind the newest announced); the
     # stricter of it and ROLLBUS_MAX_STALENESS applies; None = the setting's
     max_staleness: Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)] | None = None

@@ -16,6 +16,7 @@ a start stops with one line instead of serving wrong tokens.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -350,6 +351,102 @@ def max_model_len(model_dir: Path, setting: int = 0) -> int:
 
 def vocab_size(model_dir: Path) -> int:
     return int(read_hf_config(model_dir)["vocab_size"])
+
+
+GENERATION_CONFIG_FILE = "generation_config.json"
+# the sampling fields vLLM takes from generation_config.json as request defaults
+# (``ModelConfig.get_diff_sampling_param``), with the neutral value a request gets when
+# neither it nor the file sets one (OpenAI's / vLLM's)
+NEUTRAL_SAMPLING: dict[str, float | int] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+}
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """The sampling defaults of a model dir's ``generation_config.json``, as vLLM applies
+    them (``--generation-config auto``): each field the file sets (not null) is the value
+    of a request that does not set it; ``max_tokens`` is the file's ``max_new_tokens``.
+    ``do_sample`` is not read (vLLM does not: ``do_sample: false`` with a temperature
+    still samples at that temperature). None = the file does not set it."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    max_tokens: int | None = None
+
+    def merge(self, given: dict[str, Any]) -> dict[str, Any]:
+        """Every sampling field of :data:`NEUTRAL_SAMPLING`: the request's value where
+        ``given`` has one (not None; 0 is a value), else the file's, else the neutral one."""
+        out: dict[str, Any] = {}
+        for name, neutral in NEUTRAL_SAMPLING.items():
+            value = given.get(name)
+            if value is None:
+                value = getattr(self, name)
+            out[name] = neutral if value is None else value
+        return out
+
+    def items(self) -> dict[str, Any]:
+        """The fields the file sets (for the log line at start)."""
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# field -> (what a value must be, the check): a value out of range would make every
+# request that takes the default fail, so the start refuses it instead (naming it)
+_GEN_FIELDS: dict[str, tuple[str, Any]] = {
+    "temperature": (">= 0", lambda v: _number(v) and v >= 0),
+    "top_p": ("in (0, 1]", lambda v: _number(v) and 0 < v <= 1),
+    "top_k": ("an integer, -1 or 0 (off) or >= 1", lambda v: _int(v) and v >= -1),
+    "min_p": ("in [0, 1]", lambda v: _number(v) and 0 <= v <= 1),
+    "repetition_penalty": ("> 0", lambda v: _number(v) and v > 0),
+    "max_new_tokens": ("an integer >= 1", lambda v: _int(v) and v >= 1),
+}
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def generation_defaults(model_dir: Path) -> GenerationDefaults:
+    """The sampling defaults of ``model_dir``'s ``generation_config.json`` (none without
+    the file). :class:`ConfigError` names a field out of range, or an unreadable file."""
+    p = Path(model_dir) / GENERATION_CONFIG_FILE
+    if not p.is_file():
+        return GenerationDefaults()
+    try:
+        raw = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"bad {p}: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"bad {p}: not a JSON object")
+    out: dict[str, Any] = {}
+    for name, (what, ok) in _GEN_FIELDS.items():
+        value = raw.get(name)
+        if value is None:
+            continue  # absent or null: not a default (as vLLM)
+        if not ok(value):
+            raise ConfigError(
+                f"{GENERATION_CONFIG_FILE}: {name}={value!r} must be {what} "
+                "(ROLLBUS_GENERATION_CONFIG=none ignores the file)"
+            )
+        out["max_tokens" if name == "max_new_tokens" else name] = value
+    for name in ("top_k", "max_tokens"):  # -1: off, as 0; past int32: as large as any
+        if name in out:
+            out[name] = min(max(0, out[name]), 2**31 - 1)
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+        if name in out:
+            out[name] = float(out[name])
+    return GenerationDefaults(**out)
 
 
 def model_vocab_size(model_dir: Path, fallback: int) -> int:

@@ -61,12 +61,16 @@ class Settings(BaseSettings):
     max_batch_size: int = Field(64, ge=1, description="sequences per engine step")
     max_step_tokens: int = Field(2048, ge=1, description="tokens per engine step (prefill chunks)")
     admit_wait_ms: float = Field(
-        100.0, ge=0, le=10_000,
+        100.0,
+        ge=0,
+        le=10_000,
         description="an idle engine waits up to this long for requests arriving together "
         "(README 'Admission'); 0 = start at once",
     )
     admit_quiet_ms: float = Field(
-        3.0, ge=0, le=10_000,
+        3.0,
+        ge=0,
+        le=10_000,
         description="an idle engine starts its first step once no request has come for "
         "this long and no API holds more (README 'Admission'); 0 = as soon as none holds more",
     )
@@ -74,6 +78,11 @@ class Settings(BaseSettings):
         True,
         description="send the next decode step before the last one's reply (README "
         "'Pipelined steps'); false = one step at a time",
+    )
+    generation_config: Literal["auto", "none"] = Field(
+        "auto",
+        description="auto: the model dir's generation_config.json sampling fields are the "
+        "defaults of requests that do not set them (as vLLM); none: OpenAI's defaults",
     )
     device: Literal["cpu", "gpu"] = Field(
         "cpu", description="where ranks compute: cpu (gloo) or gpu (rank r on gpu:r, NCCL)"

@@ -249,7 +249,12 @@ class _FirstToken:
 
 class OpenAIRoutes:
     def __init__(self, deps: Deps) -> None:
-        from shared.model_config import max_model_len, model_vocab_size
+        from shared.model_config import (
+            GenerationDefaults,
+            generation_defaults,
+            max_model_len,
+            model_vocab_size,
+        )
         from shared.tokenizer import load_tokenizer
 
         self.deps = deps
@@ -270,6 +275,20 @@ class OpenAIRoutes:
         # vocab_size), not the tokenizer's size: a padded vocabulary accepts every id the
         # model has, a tokenizer with more ids than the model cannot feed it an unknown one
         self.vocab_size = model_vocab_size(s.model_dir, self.tokenizer.vocab_size)
+        # as vLLM's --generation-config auto: generation_config.json's sampling fields are
+        # the defaults of a request that does not set them (a field out of range stops
+        # the start, naming it: the launcher checks it first)
+        self.defaults = (
+            generation_defaults(s.model_dir)
+            if s.generation_config == "auto"
+            else GenerationDefaults()
+        )
+        if self.defaults.items():
+            log.info(
+                "request defaults from generation_config.json (ROLLBUS_GENERATION_CONFIG="
+                "none: OpenAI's): %s",
+                self.defaults.items(),
+            )
         # generation requests received and not yet sent to the engine: each one sent
         # tells the engine how many more are coming (``GenRequest.more``), so that an idle
         # engine starts a burst in one step (README "Admission")
@@ -413,15 +432,32 @@ class OpenAIRoutes:
             raise BadRequest(
                 "Stream options can only be defined when `stream=True`.", "stream_options"
             )
+        sampling = self.defaults.merge(
+            {
+                "temperature": req.temperature,
+                "top_p": req.top_p,
+                "top_k": req.top_k,
+                "repetition_penalty": req.repetition_penalty,
+                "min_p": req.min_p,
+            }
+        )
+        allowed = None
+        if req.allowed_token_ids is not None:
+            if any(t >= self.vocab_size for t in req.allowed_token_ids):
+                raise BadRequest(
+                    "allowed_token_ids: token id out of the vocabulary", "allowed_token_ids"
+                )
+            allowed = list(dict.fromkeys(req.allowed_token_ids))
+        bad = self._bad_words(req.bad_words) if req.bad_words else None
         gens = [
             m.GenRequest(
                 request_id=uuid.uuid4().hex,
                 prompt_token_ids=ids,
                 max_tokens=budget,
                 n=n,
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=max(0, req.top_k or 0),
+                temperature=sampling["temperature"],
+                top_p=sampling["top_p"],
+                top_k=max(0, sampling["top_k"]),  # -1: off, as 0
                 seed=req.seed,
                 logprobs=logprobs,
                 top_logprobs=top,
@@ -430,7 +466,10 @@ class OpenAIRoutes:
                 min_tokens=req.min_tokens or 0,
                 presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
-                repetition_penalty=req.repetition_penalty or 1.0,
+                repetition_penalty=sampling["repetition_penalty"],
+                min_p=sampling["min_p"],
+                allowed_token_ids=allowed,
+                bad_words=bad,
                 max_staleness=req.max_staleness,
                 # not streamed, no stop strings: no token is read before the end
                 coalesce=not req.stream and not stops,
@@ -451,6 +490,29 @@ class OpenAIRoutes:
             skip_special=req.skip_special_tokens is not False,
         )
 
+    def _bad_words(self, words: list[str]) -> list[list[int]]:
+        """vLLM's ``bad_words`` as token sequences (``SamplingParams.update_from_tokenizer``):
+        each word, stripped on the left, is encoded as it is and with one leading space;
+        the second is kept when it is another word of the same length (a word at the
+        start of the text and one inside it are different tokens)."""
+        out: list[list[int]] = []
+        for i, word in enumerate(words):
+            if not word.strip():
+                raise BadRequest(f"bad_words[{i}] is empty", "bad_words")
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            for ids in (
+                (plain, spaced) if spaced[0] != plain[0] and len(spaced) == len(plain) else (plain,)
+            ):
+                if len(ids) > m.MAX_BAD_WORD_TOKENS or any(t >= self.vocab_size for t in ids):
+                    raise BadRequest(
+                        f"bad_words[{i}]: more than {m.MAX_BAD_WORD_TOKENS} tokens or a token "
+                        "out of the vocabulary",
+                        "bad_words",
+                    )
+                out.append(ids)
+        return out
+
     def _budget(self, ids: list[int], max_name: str, max_tokens: int | None, chat: bool) -> int:
         """``max_tokens`` for one prompt (its default when not given), within the context."""
         room = self.max_model_len - len(ids)
@@ -468,7 +530,10 @@ class OpenAIRoutes:
                     "prompt" if not chat else "messages",
                 )
             room = min(room, kv_room)  # a context longer than the cache: the cache's rest
-            return room if chat else min(16, room)
+            if not chat:
+                return min(16, room)  # OpenAI's and vLLM's default (the file's is not used)
+            # vLLM: generation_config.json's max_new_tokens, else the rest of the context
+            return min(room, self.defaults.max_tokens or room)
         if max_tokens > room:
             raise BadRequest(
                 f"prompt ({len(ids)} tokens) + {max_name} ({max_tokens}) exceeds the maximum "

@@ -18,6 +18,8 @@ from shared.messages import (
     FLOAT_MAX,
     INT64_MAX,
     INT64_MIN,
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORDS,
     MAX_BIAS,
     MAX_LOGIT_BIAS,
     MAX_PENALTY,
@@ -26,6 +28,7 @@ from shared.messages import (
     TOKEN_LIMIT,
 )
 
+MAX_BAD_WORD_LEN = 1024  # characters per bad word
 MAX_STOP = 64  # stop strings per request
 MAX_STOP_LEN = 1024  # characters per stop string
 MAX_MESSAGES = 4096  # chat messages per request
@@ -73,6 +76,20 @@ class Sampling(msgspec.Struct, kw_only=True):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=FLOAT_MAX)] | None = None
+    # vLLM's, applied on rank 0 (README "Limits"): min_p after temperature; only these
+    # ids may be sampled (the route checks them against the vocabulary)
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    allowed_token_ids: (
+        Annotated[list[TokenId], Meta(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)] | None
+    ) = None
+    # vLLM's: words never written (tokenized by the route, with and without a leading space)
+    bad_words: (
+        Annotated[
+            list[Annotated[str, Meta(max_length=MAX_BAD_WORD_LEN)]],
+            Meta(max_length=MAX_BAD_WORDS // 2),
+        ]
+        | None
+    ) = None
     user: Annotated[str, Meta(max_length=1024)] | None = None
     # rollbus: this request's staleness bound (README "Staleness"); the stricter of it and
     # ROLLBUS_MAX_STALENESS applies
@@ -124,11 +141,8 @@ def _off(value: Any) -> bool:
 # it is refused (400 naming the field), never silently ignored. Other unknown fields
 # (``user``, ``metadata``, ``priority``, ...) change nothing and are ignored.
 UNSUPPORTED: dict[str, Any] = {
-    "min_p": _off,
     "prompt_logprobs": lambda v: v is None,
     "use_beam_search": _off,
-    "allowed_token_ids": _off,
-    "bad_words": _off,
     "response_format": lambda v: _off(v) or (isinstance(v, dict) and v.get("type") == "text"),
     "guided_json": _off,
     "guided_regex": _off,

@@ -228,11 +228,16 @@ class Generation:
         s = self.engine.settings
         if gen.n > s.max_n:
             raise Refused(BAD_REQUEST, f"n is {gen.n}; the limit is {s.max_n}", "n")
-        for name in ("prompt_token_ids", "stop_token_ids"):
-            if any(t >= self.vocab_size for t in getattr(gen, name)):
+        for name in ("prompt_token_ids", "stop_token_ids", "allowed_token_ids"):
+            if any(t >= self.vocab_size for t in getattr(gen, name) or ()):
                 raise Refused(
                     BAD_REQUEST, f"{name}: token id out of the vocabulary ({self.vocab_size})", name
                 )
+        if any(t >= self.vocab_size for w in gen.bad_words or () for t in w):
+            raise Refused(
+                BAD_REQUEST, f"bad_words: token id out of the vocabulary ({self.vocab_size})",
+                "bad_words",
+            )  # fmt: skip
         if gen.min_tokens > gen.max_tokens:
             raise Refused(
                 BAD_REQUEST,

@@ -46,6 +46,33 @@ def penalties(gen: m.GenRequest) -> m.Penalties | None:
     )  # fmt: skip
 
 
+def limits(gen: m.GenRequest) -> m.Limits | None:
+    """The request's ``min_p`` / ``allowed_token_ids`` for its sample specs; None when it
+    has neither (one nil byte per spec)."""
+    if gen.min_p == 0 and gen.allowed_token_ids is None:
+        return None
+    return m.Limits(gen.min_p, gen.allowed_token_ids)
+
+
+@dataclass(frozen=True)
+class BadWords:
+    """A request's vLLM ``bad_words`` token sequences, split for its sample specs: the
+    single-token ones are banned at every position (the spec's ``ban``), the longer ones
+    go to rank 0 with the output's last ``reach`` tokens (``Limits.bad_words`` / ``tail``)."""
+
+    single: list[int]
+    multi: list[list[int]]
+    reach: int  # the longest multi-token word's length - 1 (0: none)
+
+
+def bad_words(gen: m.GenRequest) -> BadWords | None:
+    if not gen.bad_words:
+        return None
+    single = list(dict.fromkeys(w[0] for w in gen.bad_words if len(w) == 1))
+    multi = [w for w in gen.bad_words if len(w) > 1]
+    return BadWords(single, multi, max((len(w) - 1 for w in multi), default=0))
+
+
 class BlockAllocator:
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
@@ -85,6 +112,8 @@ class Request:
     forked: bool = False
     started: bool = False  # scheduled once: no longer counts against the waiting limit
     penalties: m.Penalties | None = None  # its sample specs' (see ``penalties``)
+    limits: m.Limits | None = None  # its sample specs' (see ``limits``)
+    bad: BadWords | None = None  # its bad_words (see ``bad_words``)
 
     @property
     def request_id(self) -> str:
@@ -197,7 +226,9 @@ class Scheduler:
         return None
 
     def add(self, gen: m.GenRequest, reply: str) -> Request:
-        req = Request(gen, reply, penalties=penalties(gen))
+        req = Request(
+            gen, reply, penalties=penalties(gen), limits=limits(gen), bad=bad_words(gen)
+        )
         prompt = list(gen.prompt_token_ids)
         for i in range(max(1, gen.n)):
             req.seqs.append(Seq(self._next_seq, req, i, list(prompt), len(prompt)))
@@ -255,13 +286,29 @@ class Scheduler:
                     if t.length - t.prompt_len < g.min_tokens
                     else None,
                     req.penalties,
+                    req.limits,
                 )
                 for t in targets
             ]
+            if req.bad is not None:
+                for spec, t in zip(sample, targets, strict=True):
+                    self._bad_words(spec, t, req.bad)
         history = seq.req.penalties is not None  # rank 0 records this sequence's tokens
         return m.StepRow(
             seq.seq_id, new, seq.num_computed, list(seq.blocks), sample, prev, history
         )
+
+    @staticmethod
+    def _bad_words(spec: m.SamplingSpec, seq: Seq, bad: BadWords) -> None:
+        """``spec`` (of ``seq``) with its request's bad words: the single-token ones join
+        its ban, the longer ones go with the output's last tokens known here (a token a
+        step in flight samples is added by rank 0, which has it)."""
+        if bad.single:
+            spec.ban = [*(spec.ban or ()), *bad.single]
+        if bad.multi:
+            g = seq.req.gen
+            tail = seq.tokens[max(seq.prompt_len, len(seq.tokens) - bad.reach) :]
+            spec.limits = m.Limits(g.min_p, g.allowed_token_ids, bad.multi, tail)
 
     def _fair_order(self, admitting: bool) -> list[Seq]:
         """Running sequences in the order they get rows: round-robin over requests,

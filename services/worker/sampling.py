@@ -5,7 +5,8 @@ the ban (``min_tokens``: -inf), then vLLM's penalties — ``repetition_penalty``
 id in the prompt and the output so far (a positive logit divided by it, a negative one
 multiplied), then ``frequency_penalty`` times the id's count in the output and
 ``presence_penalty`` once per id in the output subtracted — then temperature, then
-top-k, then top-p (nucleus), then a draw from the renormalised survivors.
+``min_p``, then top-k, then top-p (nucleus), then a draw from the renormalised survivors
+(vLLM's order; ``allowed_token_ids`` sets every other id to -inf with the ban).
 ``temperature == 0`` means greedy (argmax, lowest id on ties, as are top_k=1 and a tiny
 top_p). The penalties of all the rows that have one are computed at once (one gather of
 every (row, seen id) pair from the step's logits, the formulas over all of them), then
@@ -14,7 +15,8 @@ one at a time (cache-friendly, no step-sized copy), and a row without a penalty 
 nothing more.
 
 Reported logprobs — the sampled token's and the ``top_logprobs`` alternatives — come
-from one ``log_softmax`` of the logits after ``logit_bias``, the ban and the penalties:
+from one ``log_softmax`` of the logits after ``logit_bias``, the ban, the
+``allowed_token_ids`` mask and the penalties:
 the distribution actually sampled from at temperature 1, before temperature, top-k and
 top-p — without a bias or a penalty, vLLM's default (``logprobs_mode="raw_logprobs"``;
 with them, vLLM's raw logprobs would be of the unprocessed logits). So
@@ -64,6 +66,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     seen_ids: Sequence[int] | np.ndarray = ()
     output_counts: Sequence[float] | np.ndarray = ()
+    # vLLM's: only these ids may be sampled (() = all); after temperature, a token less
+    # probable than min_p times the most probable one is dropped (0 = off)
+    allowed_ids: Sequence[int] | np.ndarray = ()
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if not (self.temperature >= 0 and math.isfinite(self.temperature)):
@@ -95,6 +101,18 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if len(self.seen_ids) != len(self.output_counts):
             raise ValueError("penalties: seen_ids and output_counts differ in length")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if len(self.allowed_ids):
+            allowed = np.asarray(self.allowed_ids, dtype=np.int64)
+            if allowed.ndim != 1 or (allowed < 0).any():
+                raise ValueError("allowed_token_ids: must be token ids")
+            self.allowed_ids = allowed
+
+    @property
+    def prepared(self) -> bool:
+        """The row's logits change before the penalties (a bias, a ban, a mask)."""
+        return bool(len(self.bias_ids) or len(self.ban_ids) or len(self.allowed_ids))
 
     @property
     def penalized(self) -> bool:
@@ -181,6 +199,15 @@ def _prepare(row: np.ndarray, p: SamplingParams) -> None:
         if ban.ndim != 1 or (ban < 0).any() or (ban >= vocab).any():
             raise ValueError(f"ban: token id out of the logits ({vocab})")
         row[ban] = -np.inf
+    if len(p.allowed_ids):  # vLLM's allowed_token_ids: every other id -inf, in place
+        allowed = p.allowed_ids
+        if int(np.max(allowed)) >= vocab:
+            raise ValueError(f"allowed_token_ids: token id out of the logits ({vocab})")
+        keep = row[allowed]
+        if not np.isfinite(keep).any():
+            raise ValueError("no allowed token may be sampled here (all banned: min_tokens)")
+        row.fill(-np.inf)
+        row[allowed] = keep
 
 
 class _Penalised(NamedTuple):
@@ -221,7 +248,7 @@ def _penalties(
     v = np.ascontiguousarray(logits).reshape(-1)[rows * vocab + ids].astype(np.float64)
     prepared: dict[int, np.ndarray] = {}
     for j, (i, p) in enumerate(zip(which, ps, strict=True)):
-        if len(p.bias_ids) or len(p.ban_ids):
+        if p.prepared:
             x = logits[i].astype(np.float64)
             try:
                 _prepare(x, p)
@@ -276,6 +303,8 @@ def _sample_row(logits: np.ndarray, p: SamplingParams, gen: np.random.Generator)
         x = logits.astype(np.float64)
         with np.errstate(over="ignore"):
             logp = _log_softmax((x - x.max()) / p.temperature)
+    if p.min_p > 0:
+        logp = apply_min_p(logp, p.min_p)
     candidates = _truncate(logp, p.top_k, p.top_p)
     if candidates is None:
         probs, ids = np.exp(logp), None
@@ -286,6 +315,24 @@ def _sample_row(logits: np.ndarray, p: SamplingParams, gen: np.random.Generator)
     pick = min(int(np.searchsorted(cdf, gen.random() * cdf[-1], side="right")), len(cdf) - 1)
     token = pick if ids is None else int(ids[pick])
     return Sampled(token, float(raw[token]), top)
+
+
+def bad_word_bans(words: Sequence[Sequence[int]], tail: Sequence[int]) -> list[int]:
+    """vLLM's ``bad_words`` (``apply_bad_words``) of more than one token: the last id of
+    each word whose other ids are the end of the output (``tail``: its last tokens)."""
+    bans = []
+    for w in words:
+        k = len(w) - 1
+        if 0 < k <= len(tail) and list(tail[len(tail) - k :]) == list(w[:k]):
+            bans.append(w[-1])
+    return bans
+
+
+def apply_min_p(logp: np.ndarray, min_p: float) -> np.ndarray:
+    """vLLM's min_p over tempered log-probabilities: a token whose probability is below
+    ``min_p`` times the most probable one's gets -inf (a new array; the most probable
+    tokens always stay). vLLM applies it after temperature, before top-k / top-p."""
+    return np.where(logp >= logp.max() + math.log(min_p), logp, -np.inf)
 
 
 def _truncate(logp: np.ndarray, top_k: int, top_p: float) -> np.ndarray | None:

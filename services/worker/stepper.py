@@ -25,7 +25,7 @@ import functools
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -34,7 +34,13 @@ from nats.aio.msg import Msg
 
 from services.worker import model as mdl
 from services.worker.control import Rank
-from services.worker.sampling import SamplingParams, TokenHistory, make_generator, sample_each
+from services.worker.sampling import (
+    SamplingParams,
+    TokenHistory,
+    bad_word_bans,
+    make_generator,
+    sample_each,
+)
 from services.worker.stepcheck import StepLimits, check_step
 from shared import messages as m
 from shared.bus import RANK, REQUEST_ID, Bus
@@ -251,7 +257,7 @@ class Stepper:
         tokens = [0] * len(specs)  # what rank 0 sampled, per spec (-1: its sampling failed)
         try:
             if self.rank == 0 and specs:
-                reply, tokens = self._sample(req, logits, specs)
+                reply, tokens = self._sample(req, logits, specs, new)
         finally:
             if req.keep and specs:  # every rank, even when sampling raised: no rank waits alone
                 shared = st.model.share_tokens(tokens)
@@ -276,7 +282,11 @@ class Stepper:
         return [*row.token_ids, max(tok, 0)]
 
     def _sample(
-        self, req: m.StepRequest, logits: Any, specs: list[tuple[int, m.SamplingSpec]]
+        self,
+        req: m.StepRequest,
+        logits: Any,
+        specs: list[tuple[int, m.SamplingSpec]],
+        new: list[list[int]] | None = None,
     ) -> tuple[m.StepReply, list[int]]:
         """Rank 0: sample every spec; the reply, and the token per spec (-1: failed)."""
         host = logits.numpy()
@@ -293,12 +303,14 @@ class Stepper:
                 p = SamplingParams(
                     s.temperature, s.top_p, s.top_k, s.seed, s.logprobs, s.top_logprobs,
                     bias_ids=bias.ids if bias else (), bias_values=bias.values if bias else (),
-                    ban_ids=s.ban or (),
+                    ban_ids=self._bans(req.rows[row], s, new[row] if new else None),
                     presence_penalty=pen.presence if pen else 0.0,
                     frequency_penalty=pen.frequency if pen else 0.0,
                     repetition_penalty=pen.repetition if pen else 1.0,
                     seen_ids=seen,
                     output_counts=counts,
+                    allowed_ids=(s.limits.allowed or ()) if s.limits else (),
+                    min_p=s.limits.min_p if s.limits else 0.0,
                 )
             except NoHistory as e:
                 failed.append((s.seq_id, INTERNAL, str(e)))
@@ -332,6 +344,19 @@ class Stepper:
         by_seq = dict(zip(seq_ids, tokens, strict=True))
         reply = m.StepReply(req.step, seq_ids, tokens, logprobs, failed=failed, top=top)
         return reply, [by_seq.get(s.seq_id, -1) for _, s in specs]
+
+    @staticmethod
+    def _bans(row: m.StepRow, spec: m.SamplingSpec, new: list[int] | None) -> Sequence[int]:
+        """The ids ``spec`` may not sample: its ``ban`` (min_tokens, single-token bad
+        words) and the multi-token bad words the output's end completes (the engine's
+        tail, plus the token a step in flight sampled: the last of ``new`` on a ``prev``)."""
+        lim = spec.limits
+        if lim is None or not lim.bad_words:
+            return spec.ban or ()
+        tail = list(lim.tail or ())
+        if row.prev and new:
+            tail.append(new[-1])
+        return [*(spec.ban or ()), *bad_word_bans(lim.bad_words, tail)]
 
     def _penalty_view(
         self, row: m.StepRow, spec: m.SamplingSpec

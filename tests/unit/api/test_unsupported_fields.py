@@ -32,11 +32,8 @@ def routes(tmp_path_factory: pytest.TempPathFactory) -> OpenAIRoutes:
 
 
 BOTH = [
-    ({"min_p": 0.1}, "min_p"),
     ({"prompt_logprobs": 0}, "prompt_logprobs"),
     ({"use_beam_search": True}, "use_beam_search"),
-    ({"allowed_token_ids": [1, 2]}, "allowed_token_ids"),
-    ({"bad_words": ["x"]}, "bad_words"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"guided_json": {"type": "object"}}, "guided_json"),
     ({"guided_choice": ["a", "b"]}, "guided_choice"),

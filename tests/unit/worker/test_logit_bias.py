@@ -115,8 +115,9 @@ def test_sampling_spec_without_the_bias_field_still_decodes() -> None:
     new = m.SamplingSpec(5, logit_bias=m.LogitBias([3, 9], [100.0, -1.5]))
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(new), type=m.SamplingSpec)
     assert back.logit_bias == m.LogitBias([3, 9], [100.0, -1.5])
-    # no bias, no ban (min_tokens) and no penalties cost one nil byte each per spec
-    assert len(msgspec.msgpack.encode(m.SamplingSpec(5))) == len(old) + 3
+    # no bias, no ban (min_tokens), no penalties and no limits (min_p, allowed_token_ids)
+    # cost one nil byte each per spec
+    assert len(msgspec.msgpack.encode(m.SamplingSpec(5))) == len(old) + 4
 
 
 def test_the_rank_applies_the_step_rows_bias_and_fails_a_bad_one_alone() -> None:
