@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -34,8 +35,23 @@ def _never_paused(f: Faults, seconds: float = WATCH_S) -> None:
 
 
 def _stopped(f: Faults) -> None:
+    """SIGSTOP the server and wait until the kernel shows it stopped (``T``): a signal
+    is delivered asynchronously, and the call must not slip through before it lands."""
     assert f.nats.proc is not None
+    pid = f.nats.proc.pid
     f.nats.proc.send_signal(signal.SIGSTOP)
+    end = time.monotonic() + 10
+    while not all(_state(t) == "T" for t in Path(f"/proc/{pid}/task").iterdir()):
+        assert time.monotonic() < end, "nats-server not stopped"
+        time.sleep(0.005)
+
+
+def _state(task: Path) -> str:
+    """A thread's state letter from ``/proc/<pid>/task/<tid>/stat`` (after the name)."""
+    try:
+        return (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:  # the thread ended meanwhile
+        return "T"
 
 
 def _continued(f: Faults) -> None:
@@ -48,16 +64,22 @@ def test_timed_out_nats_pause_never_runs(faults: Faults) -> None:
     stopped: Timeout for the caller, then dropped by the engine once delivered."""
     f = faults
     before = c.log_count(f.stack, DROPPED)
+    expired = c.status(f.stack)["bus"]["expired"]
 
     async def call() -> None:
         bus = await Bus.connect(f.nats.url, "deadline-test")
         try:
             _stopped(f)
             try:
-                with pytest.raises(ControlError) as e:
-                    await bus.request(Subjects(f.stack.instance).ctl("pause"), b"{}", timeout=2.0)
-                assert e.value.code == 503, e.value.message
-                assert "within 2s" in e.value.message, e.value.message  # a plain timeout
+                try:
+                    rep = await bus.request(
+                        Subjects(f.stack.instance).ctl("pause"), b"{}", timeout=2.0
+                    )
+                except ControlError as e:
+                    assert e.code == 503, e.message
+                    assert "within 2s" in e.message, e.message  # a plain timeout
+                else:
+                    raise AssertionError(f"answered while the server is stopped: {rep}")
             finally:
                 _continued(f)
             await bus.flush()  # the server has now taken (and delivered) our pause
@@ -67,6 +89,7 @@ def test_timed_out_nats_pause_never_runs(faults: Faults) -> None:
     asyncio.run(call())
     _never_paused(f)  # what the caller was told stays true
     c.wait_log(f.stack, DROPPED, before, timeout=10)  # and the pause did reach the engine
+    assert c.status(f.stack)["bus"]["expired"] > expired
 
 
 def test_timed_out_http_pause_never_runs(faults: Faults) -> None:
@@ -74,6 +97,7 @@ def test_timed_out_http_pause_never_runs(faults: Faults) -> None:
     the API's timeout (CONTROL_TIMEOUT_S + 5 s); the engine is not paused afterwards."""
     f = faults
     before = c.log_count(f.stack, DROPPED)
+    expired = c.status(f.stack)["bus"]["expired"]
     _stopped(f)
     try:
         call = c.Call(f.stack, "/v1/pause")
@@ -83,3 +107,4 @@ def test_timed_out_http_pause_never_runs(faults: Faults) -> None:
         _continued(f)
     _never_paused(f)  # what the caller was told stays true
     c.wait_log(f.stack, DROPPED, before, timeout=10)  # and the pause did reach the engine
+    assert c.status(f.stack)["bus"]["expired"] > expired
