@@ -111,6 +111,8 @@ class _Client(Client):
             raise nats.errors.MaxPayloadError
         await super().publish(subject, payload, reply=reply, headers=headers)
 RANK = "Rollbus-Rank"
+# when the caller stops waiting: absolute unix epoch milliseconds (see deadline_header)
+DEADLINE = "Rollbus-Deadline"
 STATUS = "Status"
 
 Handler = Callable[[bytes, dict[str, str]], Awaitable[bytes | None]]
@@ -119,6 +121,32 @@ BatchItem = tuple[str, str, bytes]  # (reply token, request id, the reply's data
 _batch_decoder = msgspec.msgpack.Decoder(list[BatchItem])
 _batch_encoder = msgspec.msgpack.Encoder()
 JS_HEADERS = ("Nats-Stream", "Nats-Sequence")
+
+
+def deadline_header(timeout: float, now: float | None = None) -> str:
+    """The ``Rollbus-Deadline`` value of a request whose caller waits ``timeout`` seconds
+    from ``now`` (unix epoch seconds, default the wall clock): epoch milliseconds. Wall
+    clock, not monotonic: the serving process compares it with its own clock (same host,
+    or NTP-synced hosts; README Bus contract)."""
+    at = time.time() if now is None else now
+    return str(int((at + max(0.0, timeout)) * 1000))
+
+
+def past_deadline(headers: dict[str, str], now: float | None = None) -> str:
+    """Why a request carrying ``headers`` must not be acted on ("" when it may): its
+    caller's deadline has passed (it was already told it failed), or the deadline cannot
+    be read (a deadline we cannot honour is not served either). No header: served."""
+    raw = headers.get(DEADLINE)
+    if raw is None:
+        return ""
+    try:
+        at_ms = int(raw.strip())
+    except ValueError:
+        return f"unreadable {DEADLINE} {raw[:32]!r}"
+    late_ms = (time.time() if now is None else now) * 1000 - at_ms
+    if late_ms > 0:
+        return f"{late_ms / 1000:.3f}s past its caller's deadline"
+    return ""
 
 
 def not_a_request(msg: Msg) -> str:
@@ -319,6 +347,8 @@ class Bus:
         self._tasks: set[asyncio.Task[Any]] = set()
         self.dropped_replies = 0
         self.dropped_requests = 0  # messages on served subjects that are no request
+        # requests that arrived after their caller's deadline (Rollbus-Deadline): never run
+        self.expired_requests = 0
         self._rids: dict[str, str] = {}  # reply token -> the request id it was sent with
         self._subjects: dict[str, str] = {}  # reply token -> the subject it was sent on
         self.lost_connections = 0
@@ -541,14 +571,25 @@ class Bus:
                 self.callback_errors["replies"] = self.callback_errors.get("replies", 0) + 1
 
     async def _send(
-        self, subject: str, data: bytes, token: str, rid: str, extra: dict[str, str] | None
+        self,
+        subject: str,
+        data: bytes,
+        token: str,
+        rid: str,
+        extra: dict[str, str] | None,
+        timeout: float | None = None,
     ) -> None:
-        """Publish a request whose replies come to our inbox under ``token``."""
+        """Publish a request whose replies come to our inbox under ``token``; with
+        ``timeout`` (how long the caller waits) it carries ``Rollbus-Deadline``, so a
+        responder that gets it after the caller gave up (nats-py re-sends what it held
+        while reconnecting) does not act on it."""
         if self.fail_when_disconnected and not self.nc.is_connected:
             # reconnecting: a request would wait in nats-py's buffer for the server to
             # come back, maybe past its caller's timeout; fail it now, nothing sent
             raise NotConnected(subject)
         headers = {REQUEST_ID: rid, **(extra or {})}
+        if timeout is not None:
+            headers[DEADLINE] = deadline_header(timeout)
         self._rids[token] = headers[REQUEST_ID]
         self._subjects[token] = subject
         await self.nc.publish(subject, data, reply=f"{self._inbox_prefix}.{token}", headers=headers)
@@ -563,7 +604,9 @@ class Bus:
         request_id: str | None = None,
     ) -> Reply:
         """Publish and wait for one reply; ``Timeout`` or ``NoResponders`` on failure."""
-        sent = await self.send(subject, data, headers=headers, request_id=request_id)
+        sent = await self.send(
+            subject, data, headers=headers, request_id=request_id, timeout=timeout
+        )
         return await sent.reply(timeout)
 
     async def send(
@@ -573,16 +616,19 @@ class Bus:
         *,
         headers: dict[str, str] | None = None,
         request_id: str | None = None,
+        timeout: float | None = None,
     ) -> Sent:
         """Publish a request now and wait for its reply later (:meth:`Sent.reply`), so a
         caller can have several out at once; messages go out in the order sent. A
-        :class:`Sent` not waited for must be dropped (:meth:`Sent.drop`)."""
+        :class:`Sent` not waited for must be dropped (:meth:`Sent.drop`). ``timeout``:
+        how long the caller will wait from now, sent as ``Rollbus-Deadline`` (none: no
+        deadline, e.g. a step, which every rank must run alike)."""
         token = _token()
         fut: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
         self._pending[token] = fut  # registered before the publish
         sent = Sent(self, subject, token, fut)
         try:
-            await self._send(subject, data, token, request_id or token, headers)
+            await self._send(subject, data, token, request_id or token, headers, timeout)
         except BaseException:
             sent.drop()
             raise
@@ -609,7 +655,7 @@ class Bus:
         gather = _Gather(expected, on_reply)
         self._pending[token] = gather
         try:
-            await self._send(subject, data, token, request_id or token, headers)
+            await self._send(subject, data, token, request_id or token, headers, timeout)
             # the gather's own future, awaited directly (no shield, no wait_for: each
             # costs a loop turn and futures per scatter): at the timeout it is cancelled,
             # which only this call sees (it is dropped from _pending below)
@@ -654,7 +700,8 @@ class Bus:
         stream = _Stream(subject, max_unread, on_overflow)
         self._pending[token] = stream  # registered before the publish
         try:
-            await self._send(subject, data, token, request_id or token, headers)
+            # the first reply (a heartbeat) is due within idle_timeout: past it, gone
+            await self._send(subject, data, token, request_id or token, headers, idle_timeout)
             while True:
                 try:  # a reply already there (a step's replies come together): no timer
                     item = stream.queue.get_nowait()
@@ -687,6 +734,16 @@ class Bus:
         if why:
             self.dropped_requests += 1
             log.debug("dropped a message on %s: %s", subject, why)
+        return bool(why)
+
+    def _expired(self, msg: Msg, subject: str) -> bool:
+        """``msg`` came after its caller's deadline: dropped and counted, never run (its
+        caller was already answered that it failed; acting now would make that a lie)."""
+        why = past_deadline(msg.headers or {})
+        if why:
+            self.expired_requests += 1
+            # rare (a NATS stall or outage) and worth an operator's eye: a warning
+            log.warning("dropped a request on %s, not run: %s", subject, why)
         return bool(why)
 
     async def flush(self, timeout: float = 5.0) -> None:
@@ -734,16 +791,20 @@ class Bus:
         queue: str,
         reply_headers: dict[str, str] | None = None,
         concurrent: bool = False,
+        deadline: bool = False,
     ) -> None:
         """Answer requests on ``subject`` with ``handler(data, headers) -> reply bytes``.
 
         The reply echoes ``Rollbus-Request-Id`` and adds ``reply_headers`` (e.g. the
         rank). ``concurrent`` runs each request in its own task, so one slow call does
-        not hold back the next message of the same subject.
+        not hold back the next message of the same subject. ``deadline``: a request past
+        its ``Rollbus-Deadline`` is dropped unanswered before ``handler`` runs.
         """
 
         async def handle(req: Request) -> None:
             if self._foreign(req._msg, subject):
+                return
+            if deadline and self._expired(req._msg, subject):
                 return
             headers = dict(req.headers or {})
             out = await handler(req.data, headers)
@@ -776,11 +837,22 @@ class Bus:
         )
 
     async def subscribe(
-        self, subject: str, cb: Callable[[Msg], Awaitable[None]], queue: str = ""
+        self,
+        subject: str,
+        cb: Callable[[Msg], Awaitable[None]],
+        queue: str = "",
+        *,
+        deadline: bool = False,
     ) -> Any:
+        """``cb`` for every request or notice on ``subject``; ``deadline`` as in
+        :meth:`serve`."""
+
         async def only_requests(msg: Msg) -> None:
-            if not self._foreign(msg, subject):
-                await cb(msg)
+            if self._foreign(msg, subject):
+                return
+            if deadline and self._expired(msg, subject):
+                return
+            await cb(msg)
 
         return await self.nc.subscribe(
             subject, queue=queue, cb=guarded(subject, only_requests, self.callback_errors)

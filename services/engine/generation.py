@@ -161,7 +161,8 @@ class Generation:
 
     async def start(self, svc: Service) -> None:
         subj = self.engine.subjects.gen
-        await self.engine.bus.subscribe(subj, self.on_gen, queue="engine")
+        # a request its API stopped waiting for (Rollbus-Deadline) is not queued
+        await self.engine.bus.subscribe(subj, self.on_gen, queue="engine", deadline=True)
         await self.engine.bus.subscribe(subj + ".cancel", self.on_cancel)
 
     def background(self, sup: Supervisor) -> None:
@@ -749,10 +750,17 @@ class Generation:
             except TimeoutError:
                 self.admit = self.run = True  # the drain may have closed run: not paused
                 self.work.set()
+                running = len(self.sched.running)
+                # none running: the drain waited for a step in flight (a rank that does
+                # not answer), not for requests
+                what = (
+                    f"{running} requests still running"
+                    if running
+                    else "a step still in flight (a rank did not answer)"
+                )
                 raise ControlError(
                     UNAVAILABLE,
-                    f"pause(wait): {len(self.sched.running)} requests still running after "
-                    f"{timeout:g}s; not paused: the engine keeps running",
+                    f"pause(wait): {what} after {timeout:g}s; not paused: the engine keeps running",
                 ) from None
             return 0
         self.admit = self.run = False

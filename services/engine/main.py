@@ -237,6 +237,9 @@ class Engine:
                 lambda d, h, _m=method: self.dispatch(_m, d, h),
                 queue="engine",
                 concurrent=True,
+                # a call whose caller already gave up (its 503 said "failed") never runs
+                # later, e.g. re-sent by nats-py after a reconnect (README Bus contract)
+                deadline=True,
             )
         await self.scheduler.start(svc)
         await self.bus.flush()
