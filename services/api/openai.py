@@ -485,7 +485,8 @@ class OpenAIRoutes:
             chat,
             logprobs,
             as_token_ids=bool(req.return_tokens_as_token_ids),
-            continuous_usage=bool(opts and opts.continuous_usage_stats),
+            # as vLLM and FastDeploy: only with include_usage (alone it adds nothing)
+            continuous_usage=bool(opts and opts.include_usage and opts.continuous_usage_stats),
             keep_stop=bool(req.include_stop_str_in_output),
             skip_special=req.skip_special_tokens is not False,
         )

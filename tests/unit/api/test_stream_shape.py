@@ -1,8 +1,9 @@
 """The SSE events of a stream as OpenAI, vLLM and FastDeploy shape them (no server: the
 route's ``sse`` over a scripted call): a chat stream opens with one role-only chunk per
 choice (``delta: {"role": "assistant", "content": ""}``) before any token, and never
-names the role again; ``stream_options.continuous_usage_stats`` puts the usage so far on
-every chunk; ``stream_options`` without ``stream: true`` is a 400."""
+names the role again; ``stream_options.continuous_usage_stats`` (with ``include_usage``)
+puts the usage so far on every chunk; ``stream_options`` without ``stream: true`` is a
+400."""
 
 from __future__ import annotations
 
@@ -99,6 +100,18 @@ async def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(
     # without it: only the final chunk has a usage
     evs = await events(routes, {**CHAT, "stream_options": {"include_usage": True}}, deltas)
     assert ["usage" in e for e in evs] == [False] * (len(evs) - 1) + [True]
+
+
+async def test_continuous_usage_stats_needs_include_usage(routes: OpenAIRoutes) -> None:
+    # as vLLM and FastDeploy: include_continuous_usage = include_usage and
+    # continuous_usage_stats; alone it adds no usage to any chunk
+    deltas = [Delta(0, "A", [65], version="v0", finish_reason="length")]
+    for opts in (
+        {"continuous_usage_stats": True},
+        {"include_usage": False, "continuous_usage_stats": True},
+    ):
+        evs = await events(routes, {**CHAT, "stream_options": opts}, deltas)
+        assert evs and not any("usage" in e for e in evs)
 
 
 @pytest.mark.parametrize(
