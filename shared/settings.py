@@ -20,7 +20,8 @@ LOAD_STRATEGY_ALIASES = {"rsync": "object_store", "ipc_snapshot": "snapshot"}
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="ROLLBUS_", extra="ignore")
+    # allow_inf_nan=False: `inf` passes gt=0 and would reach int() / asyncio timeouts
+    model_config = SettingsConfigDict(env_prefix="ROLLBUS_", extra="ignore", allow_inf_nan=False)
 
     # bus
     nats_url: str = Field("", description="NATS server URL(s); empty = start an embedded server")

@@ -65,3 +65,18 @@ def test_rank_refresh_out_of_bounds_is_one_clear_line(
     assert "RANK_REFRESH_S" in msg and "\n" not in msg, msg
     monkeypatch.setenv("ROLLBUS_RANK_REFRESH_S", "0.05")
     assert Settings().rank_refresh_s == 0.05
+
+
+@pytest.mark.parametrize(
+    "var", ["CONTROL_TIMEOUT_S", "STALL_S", "RESTART_WINDOW_S", "BODY_TIMEOUT_S", "ADMIT_WAIT_MS"]
+)
+@pytest.mark.parametrize("value", ["inf", "-inf", "nan", "1e999"])
+def test_float_setting_not_finite_is_one_clear_line(
+    monkeypatch: pytest.MonkeyPatch, var: str, value: str
+) -> None:
+    """``inf`` passed ``gt=0`` and the launcher died on ``int(2 * inf)`` with a traceback."""
+    monkeypatch.setenv(f"ROLLBUS_{var}", value)
+    with pytest.raises(ValidationError) as e:
+        Settings()
+    line = describe_error(e.value)
+    assert "\n" not in line and f"ROLLBUS_{var}" in line
