@@ -134,7 +134,12 @@ class Settings(BaseSettings):
     auto_update_verify_checksum: bool = Field(
         True, description="auto-update verifies SHA-256 against the version's manifest"
     )
-    ckpt_bucket: str = "rollbus_ckpt"
+    # NATS's object-store bucket rule: the name is part of a stream name and of subjects
+    ckpt_bucket: str = Field(
+        "rollbus_ckpt",
+        pattern=r"^[A-Za-z0-9_-]+$",
+        description="object-store bucket of checkpoints (letters, digits, _ and -)",
+    )
     ipc_dir: Path = Field(
         Path("/dev/shm/rollbus"), description="shared-memory root of the ipc load strategy"
     )

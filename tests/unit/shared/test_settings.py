@@ -80,3 +80,22 @@ def test_float_setting_not_finite_is_one_clear_line(
         Settings()
     line = describe_error(e.value)
     assert "\n" not in line and f"ROLLBUS_{var}" in line
+
+
+@pytest.mark.parametrize("value", ["", "a.b", "a b", "ckpt>", "*", "ckpt/x", "ü"])
+def test_ckpt_bucket_not_a_nats_bucket_name_is_one_clear_line(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    """A bucket name becomes the stream ``OBJ_<bucket>`` and subjects ``$O.<bucket>.>``:
+    a dot, a space or a wildcard would only fail later, at the engine's bucket creation."""
+    monkeypatch.setenv("ROLLBUS_CKPT_BUCKET", value)
+    with pytest.raises(ValidationError) as e:
+        Settings()
+    line = describe_error(e.value)
+    assert "\n" not in line and "ROLLBUS_CKPT_BUCKET" in line
+
+
+@pytest.mark.parametrize("value", ["rollbus_ckpt", "ckpt-2", "A9"])
+def test_ckpt_bucket_valid_names_pass(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("ROLLBUS_CKPT_BUCKET", value)
+    assert Settings().ckpt_bucket == value
