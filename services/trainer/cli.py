@@ -75,7 +75,8 @@ def publish(args: argparse.Namespace, settings: Settings) -> int:
         return _fail("publish", f"{d} is not an HF model dir (needs config.json and *.safetensors)")
     from services.trainer.publisher import CheckpointPublisher, NotAModelDir, VersionConflict
 
-    tp = args.tp or settings.tp
+    # `--tp 0` is an error (below), not "unset": only an absent --tp means ROLLBUS_TP
+    tp = settings.tp if args.tp is None else args.tp
     url = nats_url_of(args, settings)
     pub = CheckpointPublisher(url, bucket=settings.ckpt_bucket, ipc_dir=settings.ipc_dir)
     bar = ProgressLine(f"{args.model}/{args.version}")
