@@ -45,6 +45,26 @@ def check_version_name(version: str) -> str:
     return version
 
 
+class BadModelName(ValueError):
+    """A model id that cannot be a subject token and a path component."""
+
+
+def check_model_name(model: str) -> str:
+    """``model`` when it can be a subject token and the ``<model>`` path component of
+    :func:`ipc_version_dir` (percent-quoting leaves ``.`` and ``..`` as they are), else
+    :class:`BadModelName`."""
+    if (
+        not isinstance(model, str)
+        or not model
+        or model in (".", "..")
+        or any(ord(c) < 32 or ord(c) == 127 for c in model)
+    ):
+        raise BadModelName(
+            f"bad model name {model!r} (non-empty, no control character, not '.' or '..')"
+        )
+    return model
+
+
 def check_version_arg(version: str) -> str:
     """:func:`check_version_name` for a control argument: the 400 names ``version``."""
     try:

@@ -67,7 +67,7 @@ from shared.creds import default_dir, role_url
 from shared.messages import ControlReply, VersionPublished, json_decode
 from shared.model_config import ModelConfig, read_hf_config
 from shared.subjects import Subjects, ckpt_object_name
-from shared.versions import check_version_name, ipc_version_dir
+from shared.versions import check_model_name, check_version_name, ipc_version_dir
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 DEFAULT_IPC_DIR = Path("/dev/shm/rollbus")
@@ -196,6 +196,8 @@ class CheckpointPublisher:
         return asyncio.run(self.aversions(model))
 
     def remove_ipc(self, model: str, version: str) -> None:
+        check_model_name(model)  # `..` would name a dir outside ipc_dir
+        check_version_name(version)
         shutil.rmtree(ipc_version_dir(self.ipc_dir, model, version), ignore_errors=True)
 
     # ------------------------------------------------------------------ async API
@@ -209,6 +211,7 @@ class CheckpointPublisher:
         config: Any = None,
     ) -> tuple[list[bytes], mf.Manifest]:
         """Map names, shard and serialize: (safetensors bytes per rank, manifest)."""
+        check_model_name(model)
         cfg, state = self._load(version, source, config)
         return serialize(cfg, state, tp, model, version)
 
@@ -257,6 +260,9 @@ class CheckpointPublisher:
         progress: Progress | None,
         t0: float,
     ) -> PublishResult:
+        # before the bus and any upload: a bad id is refused with nothing written
+        check_model_name(model)
+        check_version_name(version)
         bus: Bus | None = None
         try:
             if config is None and not isinstance(source, str | Path):
@@ -353,8 +359,10 @@ class CheckpointPublisher:
         try:
             if old is not None:  # compare content first: hash without uploading
                 await asyncio.gather(
-                    *(loop.run_in_executor(pool, _fill_scratch, lay, sha)
-                      for lay, sha in zip(layouts, shas, strict=True))
+                    *(
+                        loop.run_in_executor(pool, _fill_scratch, lay, sha)
+                        for lay, sha in zip(layouts, shas, strict=True)
+                    )
                 )
                 man = _manifest(model, version, tp, layouts, shas)
                 if _digests(old) != _digests(man):
@@ -384,8 +392,10 @@ class CheckpointPublisher:
 
                 # a contiguous tensor's bytes are sent from the tensor itself: only the
                 # header and transposed/strided tensors are copied into the ring
-                fill = loop.run_in_executor(pool, lambda: lay.fill(
-                    ring.buf, shas[i], on_filled, ring.room, skip_direct=True))
+                fill = loop.run_in_executor(
+                    pool,
+                    lambda: lay.fill(ring.buf, shas[i], on_filled, ring.room, skip_direct=True),
+                )
                 fill.add_done_callback(lambda _: wake.set())
 
                 async def ready(n: int) -> None:
@@ -410,8 +420,13 @@ class CheckpointPublisher:
                 ok = False
                 try:
                     await objstore.put_object(
-                        nc, self.bucket, ckpt_object_name(model, version, lay.file),
-                        ring.buf, cb, ready=ready, digest=digest,
+                        nc,
+                        self.bucket,
+                        ckpt_object_name(model, version, lay.file),
+                        ring.buf,
+                        cb,
+                        ready=ready,
+                        digest=digest,
                         gather=lay.gather(memoryview(ring.buf).cast("B")),
                     )
                     ok = True
@@ -609,8 +624,14 @@ def _lib() -> Any:
     if _libc is None:
         lib = ctypes.CDLL(None, use_errno=True)
         lib.mmap.restype = ctypes.c_void_p
-        lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                             ctypes.c_int, ctypes.c_long]
+        lib.mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+        ]
         lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         _libc = lib
     return _libc
@@ -628,7 +649,13 @@ class _Ring:
 
     PROT_NONE, PROT_RW = 0, 3
     MAP_SHARED, MAP_PRIVATE, MAP_FIXED, MAP_ANON, MAP_NORESERVE, MAP_POPULATE = (
-        0x01, 0x02, 0x10, 0x20, 0x4000, 0x8000)
+        0x01,
+        0x02,
+        0x10,
+        0x20,
+        0x4000,
+        0x8000,
+    )
 
     def __init__(self, size: int, ring: int) -> None:
         lib = _lib()
@@ -639,18 +666,29 @@ class _Ring:
         fd = os.memfd_create("rollbus-shard", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, ring)
-            base = lib.mmap(None, self.span, self.PROT_NONE,
-                            self.MAP_PRIVATE | self.MAP_ANON | self.MAP_NORESERVE, -1, 0)
+            base = lib.mmap(
+                None,
+                self.span,
+                self.PROT_NONE,
+                self.MAP_PRIVATE | self.MAP_ANON | self.MAP_NORESERVE,
+                -1,
+                0,
+            )
             if base in (None, ctypes.c_void_p(-1).value):
                 raise MemoryError(f"cannot reserve {self.span} bytes of address space")
             self.base = base
             for a in range(0, self.span, ring):
-                got = lib.mmap(base + a, ring, self.PROT_RW,
-                               self.MAP_SHARED | self.MAP_FIXED | self.MAP_POPULATE, fd, 0)
+                got = lib.mmap(
+                    base + a,
+                    ring,
+                    self.PROT_RW,
+                    self.MAP_SHARED | self.MAP_FIXED | self.MAP_POPULATE,
+                    fd,
+                    0,
+                )
                 if got != base + a:
                     lib.munmap(base, self.span)
-                    raise MemoryError(f"cannot map a {ring}-byte ring (errno "
-                                      f"{ctypes.get_errno()})")
+                    raise MemoryError(f"cannot map a {ring}-byte ring (errno {ctypes.get_errno()})")
         finally:
             os.close(fd)  # the mappings keep the memory
         self.mapped = True
@@ -690,9 +728,14 @@ class _Ring:
         if ok:
             lib.munmap(self.base, self.span)
         else:
-            lib.mmap(self.base, self.span, self.PROT_RW,
-                     self.MAP_PRIVATE | self.MAP_ANON | self.MAP_FIXED | self.MAP_NORESERVE,
-                     -1, 0)
+            lib.mmap(
+                self.base,
+                self.span,
+                self.PROT_RW,
+                self.MAP_PRIVATE | self.MAP_ANON | self.MAP_FIXED | self.MAP_NORESERVE,
+                -1,
+                0,
+            )
             weakref.finalize(self.buf, lib.munmap, self.base, self.span)
             del self.buf
 
@@ -727,8 +770,10 @@ class _RingCache:
     def take(self, size: int, ring: int) -> _Ring:
         with self.lock:
             for r in self.free:
-                if r.ring == min(ring, -(-max(1, size) // mmap.PAGESIZE) * mmap.PAGESIZE) \
-                        and size <= r.span:
+                if (
+                    r.ring == min(ring, -(-max(1, size) // mmap.PAGESIZE) * mmap.PAGESIZE)
+                    and size <= r.span
+                ):
                     self.free.remove(r)
                     r.reset(size)
                     return r

@@ -22,3 +22,23 @@ def test_publish_tp_below_one_is_one_clear_line(
     err = capsys.readouterr().err
     assert rc == 2 and f"tp must be >= 1, got {tp}" in err, err
     assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("model", ["", ".", "..", "a\nb"])
+def test_publish_bad_model_name_is_refused_before_anything(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], model: str
+) -> None:
+    """The model id is a path component of ``<ipc_dir>/<model>/<version>/`` (percent-quoted,
+    which leaves ``..`` alone): ``--model ..`` wrote the version beside the ipc dir, and
+    ``--model ''`` uploaded every shard before failing on the empty subject token. The URL
+    is unreachable: refusing the name must not need the bus."""
+    d = create_model_dir(tmp_path / "m")
+    ipc = tmp_path / "shm" / "ipc"
+    argv = ["publish", str(d), "--model", model, "--version", "v1", "--tp", "1", "--ipc"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ROLLBUS_IPC_DIR", str(ipc))
+        rc = main([*argv, "--nats-url", "nats://127.0.0.1:1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "bad model name" in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "shm").exists()
