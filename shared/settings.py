@@ -13,6 +13,8 @@ from typing import Literal
 from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.versions import check_model_name
+
 LoadStrategy = Literal["object_store", "snapshot", "ipc"]
 
 # FastDeploy's names for the same strategies.
@@ -185,6 +187,12 @@ class Settings(BaseSettings):
         if v == "ckpt":
             raise ValueError("'ckpt' is reserved (rollbus.ckpt.* carries checkpoint events)")
         return v
+
+    @field_validator("model_name")
+    @classmethod
+    def _model_id(cls, v: str) -> str:
+        # empty = the model dir's name; else the trainer's rule (shared/versions.py)
+        return check_model_name(v) if v else v
 
     @field_validator("nats_tls_key")
     @classmethod

@@ -99,3 +99,16 @@ def test_ckpt_bucket_not_a_nats_bucket_name_is_one_clear_line(
 def test_ckpt_bucket_valid_names_pass(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
     monkeypatch.setenv("ROLLBUS_CKPT_BUCKET", value)
     assert Settings().ckpt_bucket == value
+
+
+@pytest.mark.parametrize("value", [".", "..", "a\tb"])
+def test_model_name_not_a_model_id_is_one_clear_line(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    """The served model id is the ``<model>`` dir the ``ipc`` strategy reads a version
+    from: ``..`` would point the ranks outside IPC_DIR (the trainer refuses that id)."""
+    monkeypatch.setenv("ROLLBUS_MODEL_NAME", value)
+    with pytest.raises(ValidationError) as e:
+        Settings()
+    line = describe_error(e.value)
+    assert "\n" not in line and "ROLLBUS_MODEL_NAME" in line
