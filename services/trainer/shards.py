@@ -100,8 +100,9 @@ class ShardLayout:
                 if tiled:
                     for j in range(0, src.shape[1], TILE):
                         for i in range(a, min(rows, a + step), TILE):
-                            np.copyto(dst[i : i + TILE, j : j + TILE],
-                                      src[i : i + TILE, j : j + TILE])
+                            np.copyto(
+                                dst[i : i + TILE, j : j + TILE], src[i : i + TILE, j : j + TILE]
+                            )
                     n = dst[a : a + step].nbytes
                 elif src.ndim > 1:
                     np.copyto(dst[a : a + step], src[a : a + step])
@@ -192,8 +193,11 @@ def plan_shards(
         parts, off = [], 0
         for n in order:
             v = views[n]
-            meta[n] = {"dtype": kinds[n], "shape": list(v.shape),
-                       "data_offsets": [off, off + v.nbytes]}
+            meta[n] = {
+                "dtype": kinds[n],
+                "shape": list(v.shape),
+                "data_offsets": [off, off + v.nbytes],
+            }
             parts.append((n, v, off))
             off += v.nbytes
         header = st.encode_header(meta)
@@ -222,6 +226,10 @@ def _check(cfg: ModelConfig, state: dict[str, np.ndarray], tp: int) -> dict[str,
     for name, shape in shapes.items():
         if tuple(state[name].shape) != tuple(shape):
             raise ValueError(f"{name}: shape {tuple(state[name].shape)}, config says {shape}")
+        dt = np.asarray(state[name]).dtype
+        # ranks serve float weights only (bf16 arrives as raw uint16 marked BF16)
+        if dt.kind != "f" and st.dtype_name(dt) != "bfloat16":
+            raise ValueError(f"{name}: dtype {dt.name}, a weight must be floating point")
     return shapes
 
 
