@@ -57,7 +57,8 @@ class Settings(BaseSettings):
     model: str = Field("", description="model dir; empty = tiny model under data_dir")
     model_name: str = Field("", description="served model id; empty = the model dir's name")
     tp: int = Field(2, ge=1, le=64, description="tensor-parallel worker ranks")
-    seed: int = 0
+    # numpy's generator (the default model's weights) takes no negative seed
+    seed: int = Field(0, ge=0, description="seed of the default model's weights")
     kv_cache_blocks: int = Field(256, ge=1, description="KV blocks per rank")
     kv_block_size: int = Field(16, ge=1, le=1024, description="tokens per KV block")
     max_model_len: int = Field(0, ge=0, description="context length; 0 = from the model config")

@@ -112,3 +112,13 @@ def test_model_name_not_a_model_id_is_one_clear_line(
         Settings()
     line = describe_error(e.value)
     assert "\n" not in line and "ROLLBUS_MODEL_NAME" in line
+
+
+def test_negative_seed_is_one_clear_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default model's weights come from ``numpy``'s generator, which takes no negative
+    seed: ``ROLLBUS_SEED=-1`` was a traceback from ``rollbus serve`` after nats started."""
+    monkeypatch.setenv("ROLLBUS_SEED", "-1")
+    with pytest.raises(ValidationError) as e:
+        Settings()
+    line = describe_error(e.value)
+    assert "\n" not in line and "ROLLBUS_SEED" in line
