@@ -628,5 +628,9 @@ def check_device(settings: Settings) -> None:
 
 
 def serve(settings: Settings) -> int:
-    Path(settings.data_dir).mkdir(parents=True, exist_ok=True)
+    try:
+        Path(settings.data_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a bad setting: one line, exit 2 (README "Settings")
+        _say(f"ROLLBUS_DATA_DIR={settings.data_dir}: cannot create it ({e.strerror or e})")
+        return 2
     return Launcher(settings).run()
