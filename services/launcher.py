@@ -19,6 +19,7 @@ serves on the NATS is refused (exit 2).
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import random
@@ -263,7 +264,14 @@ class Launcher:
             )
         if s.device != "cpu":
             check_device(s)
-        if not natsd.port_is_free(s.api_host, s.api_port):
+        err = natsd.bind_error(s.api_host, s.api_port)
+        if err is not None and err.errno != errno.EADDRINUSE:
+            # not a busy port: an unresolvable or foreign host, a privileged port
+            raise LaunchError(
+                f"ROLLBUS_API_HOST={s.api_host}: cannot listen on port {s.api_port} there "
+                f"({err.strerror or err})"
+            )
+        if err is not None:
             raise LaunchError(
                 f"API port {s.api_host}:{s.api_port} is busy: set ROLLBUS_API_PORT to a free port"
             )

@@ -52,19 +52,28 @@ def die_with_parent() -> None:
         pass
 
 
-def port_is_free(host: str, port: int) -> bool:
-    """Whether a server could listen on ``host:port`` now.
+def bind_error(host: str, port: int) -> OSError | None:
+    """Why a server could not listen on ``host:port`` now (None: it could).
 
     Binds with ``SO_REUSEADDR`` as servers do (nats-server, uvicorn): sockets of a
     stopped server lingering in TIME_WAIT do not make the port busy; a listener does.
+    The family is the host's (``::1`` is IPv6); an unresolvable host is its gaierror.
     """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
+    try:
+        fam, kind, proto, _, addr = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        with socket.socket(fam, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(addr)
+    except OSError as e:
+        return e
+    return None
+
+
+def port_is_free(host: str, port: int) -> bool:
+    """Whether a server could listen on ``host:port`` now (see :func:`bind_error`)."""
+    return bind_error(host, port) is None
 
 
 # ------------------------------------------------------------------ roles and permissions
