@@ -53,7 +53,12 @@ def _write_private(path: Path, text: str) -> None:
 
 def ensure(creds_dir: Path) -> dict[str, tuple[str, str]]:
     """Every role's ``(user, password)``, generating the missing ones (first start)."""
-    _private_dir(creds_dir)
+    try:
+        _private_dir(creds_dir)
+    except OSError as e:  # a bad setting: say which one (README "Settings")
+        raise CredsError(
+            f"ROLLBUS_NATS_CREDS_DIR={creds_dir}: cannot create it ({e.strerror or e})"
+        ) from None
     for role in ROLES:
         path = creds_dir / role
         if not path.exists():

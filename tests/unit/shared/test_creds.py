@@ -137,3 +137,12 @@ async def test_rollbus_creds_of_several_servers_is_one_url_nats_py_connects_to(
     await nc.close()
     assert main([*argv, "--all"]) == 0
     assert capsys.readouterr().out.strip() == creds.with_creds(urls, *users["operator"])
+
+
+def test_creds_dir_not_creatable_names_the_setting(tmp_path: Path) -> None:
+    """Was ``rollbus: [Errno 2] No such file or directory: '/proc/x'`` from serve: no
+    word of which setting to fix."""
+    (tmp_path / "file").write_text("")
+    with pytest.raises(creds.CredsError) as e:
+        creds.ensure(tmp_path / "file" / "creds")
+    assert "ROLLBUS_NATS_CREDS_DIR" in str(e.value) and "file/creds" in str(e.value)
