@@ -275,7 +275,10 @@ class Launcher:
             raise LaunchError(
                 f"API port {s.api_host}:{s.api_port} is busy: set ROLLBUS_API_PORT to a free port"
             )
-        tls = creds.client_tls(s.nats_tls_ca, s.nats_tls_client_cert, s.nats_tls_client_key)
+        try:
+            tls = creds.client_tls(s.nats_tls_ca, s.nats_tls_client_cert, s.nats_tls_client_key)
+        except creds.CredsError as e:
+            raise LaunchError(str(e)) from None
         if s.embedded_nats and (owner := running_embedded(s.data_dir)) is not None:
             # another `rollbus serve` of this DATA_DIR runs the embedded server: join it
             # with the generated credentials, start only our engine, ranks and api

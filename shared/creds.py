@@ -180,9 +180,19 @@ def client_tls(ca: str = "", cert: str = "", key: str = "") -> ssl.SSLContext | 
     nothing is configured."""
     if not (ca or cert):
         return None
-    ctx = ssl.create_default_context(cafile=ca or None)
+    # a missing or bad file is a bad setting: name it (ssl.SSLError is an OSError)
+    try:
+        ctx = ssl.create_default_context(cafile=ca or None)
+    except OSError as e:
+        raise CredsError(f"ROLLBUS_NATS_TLS_CA={ca}: {e.strerror or e}") from None
     if cert:
-        ctx.load_cert_chain(cert, key or None)
+        try:
+            ctx.load_cert_chain(cert, key or None)
+        except OSError as e:
+            raise CredsError(
+                f"ROLLBUS_NATS_TLS_CLIENT_CERT={cert} / ROLLBUS_NATS_TLS_CLIENT_KEY={key}: "
+                f"{e.strerror or e}"
+            ) from None
     return ctx
 
 

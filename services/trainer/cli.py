@@ -85,6 +85,9 @@ def publish(args: argparse.Namespace, settings: Settings) -> int:
     except BusUnreachable as e:
         bar.close()
         return _fail("publish", e.message)
+    except creds.CredsError as e:  # a bad TLS setting, named
+        bar.close()
+        return _fail("publish", str(e))
     except (NotAModelDir, VersionConflict, ValueError, FileNotFoundError) as e:
         bar.close()
         return _fail("publish", str(e))
@@ -106,6 +109,8 @@ def versions(args: argparse.Namespace, settings: Settings) -> int:
         vs = pub.versions(args.model)
     except BusUnreachable as e:
         return _fail("versions", e.message)
+    except creds.CredsError as e:  # a bad TLS setting, named
+        return _fail("versions", str(e))
     if not vs:
         print(f"no published versions of {args.model}", file=sys.stderr)
         return 0

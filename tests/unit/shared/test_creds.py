@@ -146,3 +146,17 @@ def test_creds_dir_not_creatable_names_the_setting(tmp_path: Path) -> None:
     with pytest.raises(creds.CredsError) as e:
         creds.ensure(tmp_path / "file" / "creds")
     assert "ROLLBUS_NATS_CREDS_DIR" in str(e.value) and "file/creds" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "kw, var",
+    [
+        ({"ca": "/nonexistent/ca.pem"}, "ROLLBUS_NATS_TLS_CA"),
+        ({"cert": "/nonexistent/c.pem"}, "ROLLBUS_NATS_TLS_CLIENT_CERT"),
+    ],
+)
+def test_missing_tls_file_names_the_setting(kw: dict[str, str], var: str) -> None:
+    """Was a bare FileNotFoundError traceback from `rollbus serve` / `publish` / `versions`."""
+    with pytest.raises(creds.CredsError) as e:
+        creds.client_tls(**kw)
+    assert var in str(e.value) and "/nonexistent/" in str(e.value), str(e.value)
