@@ -34,15 +34,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     up.add_argument("--version", required=True)
     up.add_argument("--pause-mode", choices=["keep", "abort", "wait"], default="keep")
     up.add_argument(
-        "--verify", action="store_true", default=None,
+        "--verify",
+        action="store_true",
+        default=None,
         help="verify SHA-256 (default: wherever the version has a manifest)",
     )
     up.add_argument(
-        "--model", default=None,
+        "--model",
+        default=None,
         help="update the instances serving this model (default: the one model served)",
     )
     up.add_argument(
-        "--instances", default=None,
+        "--instances",
+        default=None,
         help="comma-separated instance names: exactly these (instead of --model)",
     )
     up.add_argument("--json", action="store_true", help="print the whole result as JSON")
@@ -64,7 +68,9 @@ async def _run(args: argparse.Namespace, settings: Settings) -> int:
     bus = await Bus.connect(nats_url_of(args, settings), "rollbus-fleet")
     try:
         coord = f.Coordinator(
-            bus, settings.control_timeout_s, name=f"cli:{bus.nc.client_id}",
+            bus,
+            settings.control_timeout_s,
+            name=f"cli:{bus.nc.client_id}",
             test_commit_delay_s=settings.test_fleet_commit_delay_s,
         )
         if args.fleet_cmd == "status":
@@ -80,16 +86,22 @@ async def _run(args: argparse.Namespace, settings: Settings) -> int:
         if args.instances is not None:
             instances = [n.strip() for n in args.instances.split(",") if n.strip()]
             if not instances or args.model is not None:
-                print("rollbus fleet update: --instances takes a comma-separated list of "
-                      "names and excludes --model", file=sys.stderr)
+                print(
+                    "rollbus fleet update: --instances takes a comma-separated list of "
+                    "names and excludes --model",
+                    file=sys.stderr,
+                )
                 return 2
         elif args.model is not None:
             model = args.model
         else:
             models = f.models_of(await coord.fleet())
             if len(models) > 1:
-                print(f"rollbus fleet update: several models are served ({', '.join(models)}):"
-                      " choose one with --model", file=sys.stderr)
+                print(
+                    f"rollbus fleet update: several models are served ({', '.join(models)}):"
+                    " choose one with --model",
+                    file=sys.stderr,
+                )
                 return 2
             model = models[0] if models else None
         res = await coord.update(args.version, args.pause_mode, args.verify, instances, model)
@@ -100,8 +112,7 @@ async def _run(args: argparse.Namespace, settings: Settings) -> int:
                 err = f"  ({o.error_code} {o.error_message})" if o.error_code != 200 else ""
                 print(f"{o.instance}: {o.outcome} {o.previous_version} -> {o.version}{err}")
             what = "switched" if res.error_code == 200 else f"NOT switched ({res.error_code})"
-            print(f"fleet {res.txn}: {res.decision}, {args.version!r} {what} "
-                  f"in {res.seconds:.2f}s")
+            print(f"fleet {res.txn}: {res.decision}, {args.version!r} {what} in {res.seconds:.2f}s")
             if res.error_code != 200:
                 print(f"rollbus fleet update: {res.error_message}", file=sys.stderr)
         return 0 if res.error_code == 200 else 1
@@ -114,4 +125,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         return asyncio.run(_run(args, settings))
     except BusUnreachable as e:
         print(f"rollbus fleet: {e.message}", file=sys.stderr)
+        return 2
+    except creds.CredsError as e:  # a bad TLS setting, named
+        print(f"rollbus fleet: {e}", file=sys.stderr)
         return 2

@@ -44,15 +44,19 @@ def test_publish_bad_model_name_is_refused_before_anything(
     assert not (tmp_path / "shm").exists()
 
 
-@pytest.mark.parametrize("cmd", ["versions", "publish"])
+@pytest.mark.parametrize("cmd", ["versions", "publish", "fleet"])
 def test_missing_tls_ca_is_one_clear_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], cmd: str
 ) -> None:
     d = create_model_dir(tmp_path / "m")
-    args = [str(d), "--version", "v1", "--tp", "1"] if cmd == "publish" else []
+    args = {
+        "publish": ["publish", str(d), "--version", "v1", "--tp", "1", "--model", "m"],
+        "versions": ["versions", "--model", "m"],
+        "fleet": ["fleet", "status"],
+    }[cmd]
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("ROLLBUS_NATS_TLS_CA", str(tmp_path / "no-ca.pem"))
-        rc = main([cmd, *args, "--model", "m", "--nats-url", "tls://127.0.0.1:1"])
+        rc = main([*args, "--nats-url", "tls://127.0.0.1:1"])
     err = capsys.readouterr().err
     assert rc == 2 and "ROLLBUS_NATS_TLS_CA" in err, err
     assert len(err.strip().splitlines()) == 1, err
