@@ -73,7 +73,12 @@ def publish(args: argparse.Namespace, settings: Settings) -> int:
         return _fail("publish", f"no such directory: {d}")
     if not (d / "config.json").is_file() or not any(d.glob("*.safetensors")):
         return _fail("publish", f"{d} is not an HF model dir (needs config.json and *.safetensors)")
-    from services.trainer.publisher import CheckpointPublisher, NotAModelDir, VersionConflict
+    from services.trainer.publisher import (
+        CheckpointPublisher,
+        NotAModelDir,
+        UnsafeIpcDir,
+        VersionConflict,
+    )
 
     # `--tp 0` is an error (below), not "unset": only an absent --tp means ROLLBUS_TP
     tp = settings.tp if args.tp is None else args.tp
@@ -88,9 +93,15 @@ def publish(args: argparse.Namespace, settings: Settings) -> int:
     except creds.CredsError as e:  # a bad TLS setting, named
         bar.close()
         return _fail("publish", str(e))
-    except (NotAModelDir, VersionConflict, ValueError, FileNotFoundError) as e:
+    except (NotAModelDir, VersionConflict, ValueError) as e:
         bar.close()
         return _fail("publish", str(e))
+    except OSError as e:  # the ipc dir refused or not creatable is a bad setting: name it
+        bar.close()
+        ipc_dir = isinstance(e, UnsafeIpcDir) or str(e.filename or "").startswith(
+            str(settings.ipc_dir)
+        )
+        return _fail("publish", f"ROLLBUS_IPC_DIR={settings.ipc_dir}: {e}" if ipc_dir else str(e))
     bar.close()
     what = "published" if res.uploaded else "already published"
     where = f"shared memory {settings.ipc_dir}" if res.ipc else f"bucket {settings.ckpt_bucket}"
