@@ -122,6 +122,8 @@ def versions(args: argparse.Namespace, settings: Settings) -> int:
         return _fail("versions", e.message)
     except creds.CredsError as e:  # a bad TLS setting, named
         return _fail("versions", str(e))
+    except ValueError as e:  # a bad model id
+        return _fail("versions", str(e))
     if not vs:
         print(f"no published versions of {args.model}", file=sys.stderr)
         return 0

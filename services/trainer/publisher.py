@@ -317,6 +317,7 @@ class CheckpointPublisher:
         return dict(reply.result["config"])
 
     async def aversions(self, model: str) -> list[VersionInfo]:
+        check_model_name(model)  # before the bus: an empty id is no subject token
         bus = await Bus.connect(self.nats_url, "rollbus-versions", timeout=self.connect_timeout)
         try:
             await objstore.ensure_ckpt_stream(bus.nc, model)

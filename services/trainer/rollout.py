@@ -56,9 +56,7 @@ async def _served(bus: Bus, subjects: Subjects, timeout: float) -> dict[str, Any
     return dict(reply.result)
 
 
-async def _fetch(
-    bus: Bus, subjects: Subjects, opened: ro.ReadOpen, timeout: float
-) -> bytearray:
+async def _fetch(bus: Bus, subjects: Subjects, opened: ro.ReadOpen, timeout: float) -> bytearray:
     buf = bytearray(opened.size)
     sem = asyncio.Semaphore(WINDOW)
     subject = subjects.weights_rank(opened.rank)
@@ -73,8 +71,8 @@ async def _fetch(
         want = min(opened.chunk_bytes, opened.size - off)
         if c.offset != off or len(c.data) != want:
             raise ControlError(
-                UNPROCESSABLE, f"rank {opened.rank}: chunk at {off} has {len(c.data)} bytes, "
-                f"expected {want}"
+                UNPROCESSABLE,
+                f"rank {opened.rank}: chunk at {off} has {len(c.data)} bytes, expected {want}",
             )
         buf[off : off + want] = c.data
 
@@ -111,8 +109,9 @@ def gather_shards(cfg: ModelConfig, shards: list[dict[str, np.ndarray]]) -> dict
     for r, shard in enumerate(shards):
         if set(shard) != set(full):
             extra, missing = sorted(set(shard) - set(full)), sorted(set(full) - set(shard))
-            raise ValueError(f"rank {r}: tensors differ from the config: +{extra[:3]} "
-                             f"-{missing[:3]}")
+            raise ValueError(
+                f"rank {r}: tensors differ from the config: +{extra[:3]} -{missing[:3]}"
+            )
     out: dict[str, np.ndarray] = {}
     for name, shape in full.items():
         axis = sharding.split_axis(name)

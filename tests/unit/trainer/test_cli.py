@@ -60,3 +60,14 @@ def test_missing_tls_ca_is_one_clear_line(
     err = capsys.readouterr().err
     assert rc == 2 and "ROLLBUS_NATS_TLS_CA" in err, err
     assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("model", ["", "\x00"])
+def test_versions_bad_model_name_is_one_clear_line(
+    capsys: pytest.CaptureFixture[str], model: str
+) -> None:
+    """``rollbus versions --model ''`` was a ValueError traceback (empty subject token)."""
+    rc = main(["versions", "--model", model, "--nats-url", "nats://127.0.0.1:1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "bad model name" in err, err
+    assert len(err.strip().splitlines()) == 1, err
