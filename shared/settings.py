@@ -46,7 +46,8 @@ class Settings(BaseSettings):
 
     # api
     api_host: str = "127.0.0.1"
-    api_port: int = Field(8000, ge=0, le=65535)
+    # 0 (a random port) is refused: the launcher probes this port for readiness
+    api_port: int = Field(8000, ge=1, le=65535)
     admin_token: str = Field("", description="bearer token for control routes (empty = open)")
     api_key: str = Field("", description="bearer token for generation routes (empty = open)")
     allowed_origins: str = Field(

@@ -46,7 +46,7 @@ def test_ipv6_host_is_not_busy() -> None:
 
 def test_bad_api_host_is_named_not_called_busy(tmp_path: Path) -> None:
     """An unresolvable host was reported as "API port ... is busy: set ROLLBUS_API_PORT"."""
-    s = Settings(api_host="no-such-host.invalid", api_port=0, data_dir=tmp_path)
+    s = Settings(api_host="no-such-host.invalid", api_port=8000, data_dir=tmp_path)
     with pytest.raises(LaunchError) as e:
         Launcher(s).prepare()
     msg = str(e.value)

@@ -122,3 +122,12 @@ def test_negative_seed_is_one_clear_line(monkeypatch: pytest.MonkeyPatch) -> Non
         Settings()
     line = describe_error(e.value)
     assert "\n" not in line and "ROLLBUS_SEED" in line
+
+
+def test_api_port_zero_is_one_clear_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher probes ``API_HOST:API_PORT/health`` for readiness: with port 0 the API
+    listened on a random port and the stack never said ready (no error either)."""
+    monkeypatch.setenv("ROLLBUS_API_PORT", "0")
+    with pytest.raises(ValidationError) as e:
+        Settings()
+    assert "ROLLBUS_API_PORT" in describe_error(e.value)
