@@ -190,6 +190,14 @@ class Settings(BaseSettings):
             raise ValueError("'ckpt' is reserved (rollbus.ckpt.* carries checkpoint events)")
         return v
 
+    @field_validator("api_host")
+    @classmethod
+    def _api_host(cls, v: str) -> str:
+        # an empty host binds every interface: secure by default means saying so explicitly
+        if not v.strip():
+            raise ValueError("empty: say 0.0.0.0 (or ::) to listen on every interface")
+        return v.strip()
+
     @field_validator("model_name")
     @classmethod
     def _model_id(cls, v: str) -> str:

@@ -131,3 +131,12 @@ def test_api_port_zero_is_one_clear_line(monkeypatch: pytest.MonkeyPatch) -> Non
     with pytest.raises(ValidationError) as e:
         Settings()
     assert "ROLLBUS_API_PORT" in describe_error(e.value)
+
+
+@pytest.mark.parametrize("host", ["", "  "])
+def test_an_empty_api_host_is_refused(monkeypatch: pytest.MonkeyPatch, host: str) -> None:
+    """An empty host binds every interface; only an explicit 0.0.0.0 / :: may do that."""
+    monkeypatch.setenv("ROLLBUS_API_HOST", host)
+    with pytest.raises(ValidationError) as e:
+        Settings()
+    assert "ROLLBUS_API_HOST" in describe_error(e.value)
