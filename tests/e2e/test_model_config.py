@@ -54,12 +54,9 @@ def _env(**kw: str) -> dict[str, str]:
     return env
 
 
-@pytest.mark.parametrize("extra,needle", BAD, ids=[b[1] for b in BAD])
-def test_serve_refuses_unsupported_config(
-    tmp_path: Path, extra: dict[str, Any], needle: str
-) -> None:
-    model = _model(tmp_path, extra)
-    proc = subprocess.run(
+def _serve(model: Path, tmp_path: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    """``rollbus serve`` of ``model`` at TP=2 on free ports, run to its exit."""
+    return subprocess.run(
         [sys.executable, "-m", "services.cli", "serve"],
         env=_env(
             ROLLBUS_TP="2",
@@ -70,8 +67,16 @@ def test_serve_refuses_unsupported_config(
         ),
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=timeout,
     )
+
+
+@pytest.mark.parametrize("extra,needle", BAD, ids=[b[1] for b in BAD])
+def test_serve_refuses_unsupported_config(
+    tmp_path: Path, extra: dict[str, Any], needle: str
+) -> None:
+    model = _model(tmp_path, extra)
+    proc = _serve(model, tmp_path, timeout=60)
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 2, proc.stderr
     assert len(lines) == 1 and needle in lines[0], lines
@@ -99,19 +104,7 @@ def test_serve_refuses_a_dir_without_safetensors(
     model = _model(tmp_path, {})
     for name, data in files.items():
         (model / name).write_bytes(data)
-    proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "serve"],
-        env=_env(
-            ROLLBUS_TP="2",
-            ROLLBUS_MODEL=str(model),
-            ROLLBUS_API_PORT=str(free_port()),
-            ROLLBUS_NATS_PORT=str(free_port()),
-            ROLLBUS_DATA_DIR=str(tmp_path / "data"),
-        ),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = _serve(model, tmp_path, timeout=120)
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert len(lines) == 1 and needle in lines[0], lines
