@@ -110,6 +110,8 @@ class _Client(Client):
         if headers and len(payload) + _header_bytes(headers) > self._max_payload:
             raise nats.errors.MaxPayloadError
         await super().publish(subject, payload, reply=reply, headers=headers)
+
+
 RANK = "Rollbus-Rank"
 # when the caller stops waiting: absolute unix epoch milliseconds (see deadline_header)
 DEADLINE = "Rollbus-Deadline"
@@ -531,8 +533,10 @@ class Bus:
             self.dropped_replies += 1
             log.debug("dropped a foreign reply on %s", rid)
             return
+        # a no-responders status arrives on our inbox: name the subject that was called
+        called = self._subjects.get(rid, msg.subject)
         if isinstance(waiter, _Stream):
-            waiter.put(NoResponders(msg.subject) if no_responders else Reply(msg.data, headers))
+            waiter.put(NoResponders(called) if no_responders else Reply(msg.data, headers))
         elif isinstance(waiter, _Gather):
             if no_responders:
                 return  # a scatter only ends on rank replies or its timeout
@@ -546,7 +550,7 @@ class Bus:
             waiter.add(rank, Reply(msg.data, headers))
         elif not waiter.done():
             if no_responders:
-                waiter.set_exception(NoResponders(msg.subject))
+                waiter.set_exception(NoResponders(called))
             else:
                 waiter.set_result(Reply(msg.data, headers))
 

@@ -134,11 +134,22 @@ async def test_scatter_returns_once_all_ranks_answer(bus: Bus, nats_url: str) ->
 
 
 async def test_no_responders_fails_fast(bus: Bus) -> None:
+    subj = subject()
     t0 = time.monotonic()
     with pytest.raises(NoResponders) as e:
-        await bus.request(subject(), b"x", timeout=5)
+        await bus.request(subj, b"x", timeout=5)
     assert e.value.code == 503
     assert time.monotonic() - t0 < 1
+    # the error names the subject called, not our reply inbox
+    assert subj in str(e.value) and "_INBOX" not in str(e.value)
+
+
+async def test_no_responders_on_a_stream_names_the_subject(bus: Bus) -> None:
+    subj = subject()
+    with pytest.raises(NoResponders) as e:
+        async for _ in bus.stream(subj, b"x", idle_timeout=5):
+            pass
+    assert subj in str(e.value) and "_INBOX" not in str(e.value)
 
 
 async def test_late_reply_is_dropped_and_counted(bus: Bus, nats_url: str) -> None:
