@@ -1069,6 +1069,18 @@ class VersionFeed:
             config=api.ConsumerConfig(ack_policy=api.AckPolicy.EXPLICIT, ack_wait=600.0),
         )
 
+    async def restart(self) -> None:
+        """Subscribe again, re-creating the durable (and the stream) if they are gone: a
+        deleted consumer (``nats consumer rm``, JetStream state lost) otherwise fails
+        every fetch for ever. A new durable starts at the stream's first event; those
+        not newer than the served version are ignored."""
+        old, self._psub = self._psub, None
+        if old is not None:
+            with contextlib.suppress(Exception):
+                await old.unsubscribe()
+        await ensure_ckpt_stream(self.nc, self.model)
+        await self.start()
+
     async def fetch(self, timeout: float) -> list[tuple[int, VersionPublished, Msg]]:
         """Every event waiting now (up to 256), oldest first; [] after ``timeout``."""
         try:
