@@ -302,6 +302,8 @@ class CheckpointPublisher:
                     if uploaded:
                         # last, over our claim only: a version without its manifest does
                         # not exist for the ranks
+                        if not await claim.mine():
+                            raise claim.lost()
                         await objstore.put_object(
                             nc, self.bucket, name, mf.encode(man), expect_seq=claim.seq
                         )
@@ -619,7 +621,11 @@ class _Claim:
                     self.nc, self.bucket, self.name, max_size=mf.MAX_MANIFEST_BYTES
                 )
                 return mf.decode(bytes(raw), self.name)
-            if isinstance(info.get("claim"), dict):  # another publisher is at work
+            claim = info.get("claim")
+            if isinstance(claim, dict) and claim.get("id") == self.id:
+                self.seq = seq  # our own write, whose answer was lost: we hold it
+                return None
+            if isinstance(claim, dict):  # another publisher is at work
                 if seq != seen:
                     seen, since = seq, loop.time()
                 if loop.time() - since < CLAIM_STALE_S:
@@ -631,7 +637,17 @@ class _Claim:
                 )
                 return None
             except objstore.ObjectConflict:
-                continue  # someone else moved first: look again
+                continue  # someone else moved first (or our write landed): look again
+
+    async def mine(self) -> bool:
+        """Whether the last claim is still ours (its sequence then taken): a write whose
+        answer was lost (a timeout) may have landed all the same."""
+        seq, info = await objstore.last_meta(self.nc, self.bucket, self.name)
+        claim = info.get("claim")
+        if isinstance(claim, dict) and claim.get("id") == self.id:
+            self.seq = seq
+            return True
+        return False
 
     async def refresh(self) -> None:
         """Keep the claim alive; :class:`VersionConflict` once it was taken over."""
@@ -643,12 +659,18 @@ class _Claim:
                         self.nc, self.bucket, self.name, self._marker(), self.seq
                     )
                 except objstore.ObjectConflict:
-                    raise VersionConflict(
-                        f"{self.name}: another publisher took this version over (this one "
-                        f"did not refresh its claim for {CLAIM_STALE_S:g}s)"
-                    ) from None
+                    if not await self.mine():
+                        raise self.lost() from None
                 except Exception as e:  # noqa: BLE001 - a bus hiccup: next period
                     log.warning("cannot refresh the claim on %s: %r", self.name, e)
+                    with contextlib.suppress(Exception):
+                        await self.mine()
+
+    def lost(self) -> VersionConflict:
+        return VersionConflict(
+            f"{self.name}: another publisher took this version over (this one did not "
+            f"refresh its claim for {CLAIM_STALE_S:g}s)"
+        )
 
     async def release(self) -> None:
         """A failed publish lets a waiting publisher take over at once."""

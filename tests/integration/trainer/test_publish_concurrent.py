@@ -97,3 +97,26 @@ async def test_a_claim_left_by_a_dead_publisher_is_taken_over(
     res = await CheckpointPublisher(nats_url).apublish(model, "v1", _state(3), tp=2, config=CFG)
     assert res.uploaded
     await _stored_is_whole(nats_url, model, "v1")
+
+
+async def test_a_claim_whose_answer_was_lost_is_still_ours(
+    nats_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a claim write that timed out may have landed: the publisher must know its own claim
+    # (else it waits for itself, then fails its own manifest's compare-and-set)
+    monkeypatch.setattr(publisher, "CLAIM_STALE_S", 600.0)
+    model = f"co-{uuid.uuid4().hex[:6]}"
+    name = ckpt_object_name(model, "v1", "manifest.json")
+    bus = await Bus.connect(nats_url, "own")
+    try:
+        await objstore.ensure_bucket(bus.nc, BUCKET)
+        first = publisher._Claim(bus.nc, BUCKET, name, "me")
+        assert await first.take() is None
+        again = publisher._Claim(bus.nc, BUCKET, name, "me")
+        again.id = first.id  # the same publisher, which did not hear the answer
+        assert await asyncio.wait_for(again.take(), 10) is None
+        assert again.seq == first.seq and await again.mine()
+        first.seq = 0  # its answer lost: a stale sequence
+        assert await first.mine() and first.seq == again.seq
+    finally:
+        await bus.close()
