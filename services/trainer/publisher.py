@@ -572,7 +572,7 @@ class CheckpointPublisher:
 
 # A version is claimed before its first byte is uploaded (see :class:`_Claim`)
 CLAIM_REFRESH_S = 5.0  # the holder rewrites its claim this often while it uploads
-CLAIM_STALE_S = 30.0  # a claim unchanged this long (as seen by a waiter) is taken over
+CLAIM_STALE_S = 15.0  # unchanged this long (3 refreshes missed, as a waiter sees it): taken over
 CLAIM_POLL_S = 0.25  # a waiter looks at the claim (or the manifest) this often
 
 
