@@ -60,7 +60,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.js import api
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import APIError, BadRequestError, NotFoundError
 
 from shared.messages import VersionPublished
 from shared.subjects import CKPT_STREAM, CKPT_WILDCARD, EVENTS_STREAM, ckpt_published
@@ -169,9 +169,7 @@ async def _ensure_bucket(nc: Client, bucket: str, replicas: int | None = None) -
         await js.object_store(bucket)
     except NotFoundError:
         try:
-            await js.create_object_store(
-                bucket, api.ObjectStoreConfig(bucket=bucket, replicas=n)
-            )
+            await js.create_object_store(bucket, api.ObjectStoreConfig(bucket=bucket, replicas=n))
             return
         except BadRequestError:  # created concurrently by another publisher
             await js.object_store(bucket)
@@ -198,10 +196,12 @@ async def _js_retry(what: str, fn: Callable[[], Awaitable[Any]], nc: Client, wai
             await asyncio.sleep(0.25)
 
 
-async def get_meta(nc: Client, bucket: str, name: str, wait: float = 10.0) -> ObjectMeta:
-    """The object's meta, or :class:`ObjectMissing` (:class:`ObjectReadError` when the
-    server does not answer within ``wait`` s, e.g. JetStream still recovering after a
-    restart or electing a new stream leader)."""
+async def last_meta(
+    nc: Client, bucket: str, name: str, wait: float = 10.0
+) -> tuple[int, dict[str, Any]]:
+    """``(stream sequence, decoded JSON)`` of the object's last meta message, ``(0, {})``
+    when there is none: what a compare-and-set write of the meta expects
+    (:func:`put_meta_if`). A deleted object's marker is returned as it is."""
     js = nc.jetstream()
     try:
         msg = await _js_retry(
@@ -211,17 +211,70 @@ async def get_meta(nc: Client, bucket: str, name: str, wait: float = 10.0) -> Ob
             wait,
         )
     except NotFoundError:
-        raise ObjectMissing(f"{bucket}/{name}") from None
-    info = json.loads(msg.data or b"{}")
+        return 0, {}
+    try:
+        info = json.loads(msg.data or b"{}")
+    except ValueError:
+        info = None
+    if not isinstance(info, dict):
+        raise ObjectCorrupt(f"{name}: its meta is not a JSON object")
+    return int(msg.seq or 0), info
+
+
+def _object_meta(name: str, info: dict[str, Any]) -> ObjectMeta | None:
+    """The object a meta message describes; None for a deleted (or no) object."""
     if not info or info.get("deleted") or not info.get("nuid"):
+        return None
+    try:
+        digest = str(info.get("digest") or "")
+        hexd = ""
+        if digest.upper().startswith(DIGEST_PREFIX):
+            raw = digest[len(DIGEST_PREFIX) :]
+            hexd = base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)).hex()
+        return ObjectMeta(
+            name, int(info.get("size") or 0), int(info.get("chunks") or 0), str(info["nuid"]), hexd
+        )
+    except (TypeError, ValueError):  # binascii.Error is a ValueError
+        raise ObjectCorrupt(f"{name}: its meta does not describe an object") from None
+
+
+async def get_meta(nc: Client, bucket: str, name: str, wait: float = 10.0) -> ObjectMeta:
+    """The object's meta, or :class:`ObjectMissing` (:class:`ObjectReadError` when the
+    server does not answer within ``wait`` s, e.g. JetStream still recovering after a
+    restart or electing a new stream leader)."""
+    meta = _object_meta(name, (await last_meta(nc, bucket, name, wait))[1])
+    if meta is None:
         raise ObjectMissing(f"{bucket}/{name}")
-    digest = str(info.get("digest") or "")
-    hexd = ""
-    if digest.upper().startswith(DIGEST_PREFIX):
-        raw = digest[len(DIGEST_PREFIX) :]
-        hexd = base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)).hex()
-    return ObjectMeta(name, int(info.get("size") or 0), int(info.get("chunks") or 0),
-                      info["nuid"], hexd)
+    return meta
+
+
+class ObjectConflict(Exception):
+    """A compare-and-set write of an object's meta lost: another writer wrote it first."""
+
+
+WRONG_LAST_SEQUENCE = 10071  # JetStream's error code for a failed expected-sequence check
+
+
+async def put_meta_if(
+    nc: Client, bucket: str, name: str, info: dict[str, Any], expect_seq: int
+) -> int:
+    """Write ``info`` as the meta message of ``name`` only if the last one is still the
+    one at stream sequence ``expect_seq`` (0: none); the new sequence, else
+    :class:`ObjectConflict`. Earlier meta messages of the name are rolled up."""
+    try:
+        ack = await nc.jetstream().publish(
+            _meta_subject(bucket, name),
+            json.dumps(info).encode(),
+            headers={
+                "Nats-Rollup": "sub",
+                "Nats-Expected-Last-Subject-Sequence": str(expect_seq),
+            },
+        )
+    except APIError as e:
+        if e.err_code == WRONG_LAST_SEQUENCE:
+            raise ObjectConflict(f"{bucket}/{name}: written meanwhile by another writer") from None
+        raise
+    return int(ack.seq)
 
 
 # --------------------------------------------------------------------------- writer
@@ -239,6 +292,8 @@ async def put_object(
     gather: Callable[[int, int], list[memoryview]] | None = None,
     ack_timeout: float = 30.0,
     fast: bool = True,
+    cas: bool = False,
+    expect_seq: int | None = None,
 ) -> ObjectMeta:
     """Write ``data`` as object ``name``; chunks first (pipelined), meta last.
 
@@ -254,21 +309,25 @@ async def put_object(
     ``a:b`` of the object as a list of buffers (some may be memory other than ``data``,
     which then only gives the size): a chunk is sent as those parts, in one ``sendmsg``
     on the fast path (joined only for nats-py's publish); it too needs ``digest``.
-    ``progress(n)`` is called with the bytes acknowledged so far.
+    ``progress(n)`` is called with the bytes acknowledged so far. ``cas``: the meta is
+    written only if no other writer wrote (or deleted) the object since this put began,
+    else :class:`ObjectConflict` (its chunks purged, the other writer's object kept);
+    ``expect_seq``: only if the name's last meta message is still the one at that stream
+    sequence (e.g. the writer's own claim, see :func:`put_meta_if`).
     """
     if (ready is not None or gather is not None) and digest is None:
-        raise ValueError("put_object: ready=/gather= need digest= (the bytes are not all "
-                         "in data, or not final yet)")
+        raise ValueError(
+            "put_object: ready=/gather= need digest= (the bytes are not all "
+            "in data, or not final yet)"
+        )
     js = nc.jetstream()
     view = memoryview(data).cast("B")
     size = len(view)
     chunk = max(1024, min(CHUNK_SIZE, nc.max_payload))
     nuid = nc._nuid.next().decode()  # a fresh chunk subject, as every NATS client does
     subj = _chunk_subject(bucket, nuid)
-    try:
-        old: ObjectMeta | None = await get_meta(nc, bucket, name)
-    except ObjectMissing:
-        old = None
+    seq0, info0 = await last_meta(nc, bucket, name)
+    old = _object_meta(name, info0)
 
     loop = asyncio.get_running_loop()
     pool: ThreadPoolExecutor | None = None
@@ -332,8 +391,10 @@ async def put_object(
                 await ready(end)
             parts = gather(off, end) if gather is not None else [view[off:end]]
             if gather is not None and sum(p.nbytes for p in parts) != end - off:
-                raise ValueError(f"put {bucket}/{name}: gather({off}, {end}) gave "
-                                 f"{sum(p.nbytes for p in parts)} bytes")
+                raise ValueError(
+                    f"put {bucket}/{name}: gather({off}, {end}) gave "
+                    f"{sum(p.nbytes for p in parts)} bytes"
+                )
             try:
                 if window.locked():  # only a full window waits (and only then with a timer)
                     await asyncio.wait_for(window.acquire(), ack_timeout)
@@ -349,7 +410,9 @@ async def put_object(
                 try:
                     await link.send(
                         b"PUB %s %s %d\r\n" % (subj.encode(), reply.encode(), end - off),
-                        *parts, b"\r\n")
+                        *parts,
+                        b"\r\n",
+                    )
                 except ObjectReadError as e:  # the link ended: say which put
                     raise ObjectReadError(f"put {bucket}/{name}: {e}") from None
                 continue
@@ -367,8 +430,7 @@ async def put_object(
             await asyncio.wait_for(asyncio.shield(all_acked), ack_timeout)
         except TimeoutError:
             raise ObjectReadError(
-                f"put {bucket}/{name}: {len(inflight)} chunks unacknowledged after "
-                f"{ack_timeout:g}s"
+                f"put {bucket}/{name}: {len(inflight)} chunks unacknowledged after {ack_timeout:g}s"
             ) from None
         hexd = await (digest() if digest is not None else hashed)  # type: ignore[misc]
         info = api.ObjectInfo(
@@ -381,11 +443,16 @@ async def put_object(
             digest=DIGEST_PREFIX + base64.urlsafe_b64encode(bytes.fromhex(hexd)).decode(),
             options=api.ObjectMetaOptions(max_chunk_size=chunk),
         )
-        await js.publish(
-            _meta_subject(bucket, name),
-            json.dumps(info.as_dict()).encode(),
-            headers={"Nats-Rollup": "sub"},
-        )
+        if cas or expect_seq is not None:
+            await put_meta_if(
+                nc, bucket, name, info.as_dict(), seq0 if expect_seq is None else expect_seq
+            )
+        else:
+            await js.publish(
+                _meta_subject(bucket, name),
+                json.dumps(info.as_dict()).encode(),
+                headers={"Nats-Rollup": "sub"},
+            )
     except BaseException:
         if not all_acked.done():
             all_acked.cancel()
@@ -397,8 +464,12 @@ async def put_object(
             # chunks sent and not yet acknowledged would be stored after the purge: wait
             # for their acks (briefly), else reset the link so its unsent bytes are dropped
             deadline = loop.time() + min(ack_timeout, PURGE_SETTLE)
-            while (inflight and not nc.is_closed and loop.time() < deadline
-                   and (link is None or link.error is None)):
+            while (
+                inflight
+                and not nc.is_closed
+                and loop.time() < deadline
+                and (link is None or link.error is None)
+            ):
                 await asyncio.sleep(0.02)
             unsettled = bool(inflight)
             if link is not None:
@@ -585,8 +656,10 @@ async def read_object(
     view = memoryview(buf)
     hasher = _Hasher(view) if expect_sha256 else None
     try:
-        if fast and meta.size >= FAST_READ_MIN and await _read_fast(
-            nc, bucket, meta, view, hasher, progress, stall_timeout
+        if (
+            fast
+            and meta.size >= FAST_READ_MIN
+            and await _read_fast(nc, bucket, meta, view, hasher, progress, stall_timeout)
         ):
             return await _verified(buf, meta, hasher, expect_sha256)
         return await _read_nats_py(
@@ -635,8 +708,16 @@ async def _read_fast(
             progress(n)
 
     await _fastwire.read_into(
-        frames, nc, meta.name, _stream(bucket), _chunk_subject(bucket, meta.nuid),
-        view[: meta.size], meta.chunks, READ_BATCH, stall_timeout, on_filled,
+        frames,
+        nc,
+        meta.name,
+        _stream(bucket),
+        _chunk_subject(bucket, meta.nuid),
+        view[: meta.size],
+        meta.chunks,
+        READ_BATCH,
+        stall_timeout,
+        on_filled,
     )
     return True
 
@@ -668,8 +749,15 @@ async def _read_nats_py(
     name = meta.name
     loop = asyncio.get_running_loop()
     done: asyncio.Future[None] = loop.create_future()
-    state = {"off": 0, "dseq": 0, "sseq": 0, "last": time.monotonic(),
-             "asked": 0, "ended": 0, "in_batch": 0}
+    state = {
+        "off": 0,
+        "dseq": 0,
+        "sseq": 0,
+        "last": time.monotonic(),
+        "asked": 0,
+        "ended": 0,
+        "in_batch": 0,
+    }
 
     def fail(exc: Exception) -> None:
         if not done.done():
@@ -696,12 +784,19 @@ async def _read_nats_py(
                 await ask(int(state["sseq"]) + 1)
             return
         if status == "404":  # the stream ran out of chunks before the object was whole
-            fail(ObjectCorrupt(f"{name}: chunks missing: got {state['dseq']} of "
-                               f"{meta.chunks} chunks before the stream ran out"))
+            fail(
+                ObjectCorrupt(
+                    f"{name}: chunks missing: got {state['dseq']} of "
+                    f"{meta.chunks} chunks before the stream ran out"
+                )
+            )
             return
         if status:
-            fail(ObjectReadError(f"{name}: chunk read refused: {status} "
-                                 f"{hdr.get('Description', '')}".strip()))
+            fail(
+                ObjectReadError(
+                    f"{name}: chunk read refused: {status} {hdr.get('Description', '')}".strip()
+                )
+            )
             return
         sseq, pending = int(hdr.get("Nats-Sequence", 0)), int(hdr.get("Nats-Num-Pending", -1))
         if hdr.get("Nats-Subject") != subject or sseq <= int(state["sseq"]):
@@ -721,8 +816,12 @@ async def _read_nats_py(
         if progress:
             progress(off + n)
         state["in_batch"] += 1
-        if (state["in_batch"] == READ_BATCH and state["asked"] == state["ended"] + 1
-                and pending != 0 and off + n < meta.size):
+        if (
+            state["in_batch"] == READ_BATCH
+            and state["asked"] == state["ended"] + 1
+            and pending != 0
+            and off + n < meta.size
+        ):
             await ask(sseq + 1)  # a batch's last chunk: the next batch starts after it
         if pending == 0 or off + n == meta.size:
             if off + n != meta.size:
@@ -827,8 +926,12 @@ async def ensure_events_stream(nc: Client, subject: str, replicas: int | None = 
             try:
                 await js.add_stream(
                     api.StreamConfig(
-                        name=EVENTS_STREAM, subjects=[subject], max_age=7 * 24 * 3600.0,
-                        max_msgs=1_000_000, num_replicas=n, allow_direct=True,
+                        name=EVENTS_STREAM,
+                        subjects=[subject],
+                        max_age=7 * 24 * 3600.0,
+                        max_msgs=1_000_000,
+                        num_replicas=n,
+                        allow_direct=True,
                     )
                 )
                 return
@@ -894,8 +997,7 @@ async def _direct_all(nc: Client, stream: str, subject: str, timeout: float = 5.
     try:
         while True:
             req = {"seq": seq, "next_by_subj": subject, "batch": 256}
-            await nc.publish(f"$JS.API.DIRECT.GET.{stream}", json.dumps(req).encode(),
-                             reply=inbox)
+            await nc.publish(f"$JS.API.DIRECT.GET.{stream}", json.dumps(req).encode(), reply=inbox)
             while True:
                 msg = await asyncio.wait_for(queue.get(), timeout)
                 hdr = msg.headers or {}
@@ -966,6 +1068,18 @@ class VersionFeed:
             stream=CKPT_STREAM,
             config=api.ConsumerConfig(ack_policy=api.AckPolicy.EXPLICIT, ack_wait=600.0),
         )
+
+    async def restart(self) -> None:
+        """Subscribe again, re-creating the durable (and the stream) if they are gone: a
+        deleted consumer (``nats consumer rm``, JetStream state lost) otherwise fails
+        every fetch for ever. A new durable starts at the stream's first event; those
+        not newer than the served version are ignored."""
+        old, self._psub = self._psub, None
+        if old is not None:
+            with contextlib.suppress(Exception):
+                await old.unsubscribe()
+        await ensure_ckpt_stream(self.nc, self.model)
+        await self.start()
 
     async def fetch(self, timeout: float) -> list[tuple[int, VersionPublished, Msg]]:
         """Every event waiting now (up to 256), oldest first; [] after ``timeout``."""

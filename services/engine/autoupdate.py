@@ -257,17 +257,33 @@ async def follow(engine: Engine) -> None:
         target = None
     held: list[Any] = []
     backoff, next_try = RETRY_S, 0.0
+    feed_errors = 0
     loop = asyncio.get_running_loop()
     while True:
         wait = min(1.0, max(0.05, next_try - loop.time())) if target else 1.0
         try:
             batch = await feed.fetch(timeout=wait)
+            feed_errors = 0
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # noqa: BLE001 - reconnecting: try again
-            log.debug("version feed: %r", e)
+        except Exception as e:  # noqa: BLE001 - reconnecting, or the durable is gone
+            feed_errors += 1
+            # said once per outage (a reconnect is noise); the durable is re-created: a
+            # deleted one (`nats consumer rm`, JetStream state lost) otherwise fails every
+            # fetch for ever and auto-update stops without a word
+            log.log(
+                logging.WARNING if feed_errors == 1 else logging.DEBUG,
+                "version feed: %r; subscribing again",
+                e,
+            )
             await asyncio.sleep(RETRY_S)
-            continue
+            try:
+                await feed.restart()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e2:  # noqa: BLE001 - next round
+                log.debug("version feed: cannot subscribe again yet: %r", e2)
+            continue  # `held` stays: acks go to the durable, not to the subscription
         for seq, ev, msg in batch:
             _learn(engine, seq, ev.version)
             held.append(msg)

@@ -22,7 +22,9 @@ Guarantees: the manifest is written only after every shard, and the event only a
 the manifest, so a half-uploaded version is never announced (and a rank asking for it
 gets 404). Re-publishing the same content is idempotent (nothing re-uploaded, no
 second event); publishing different content under an existing version is refused
-(:class:`VersionConflict`): versions are immutable.
+(:class:`VersionConflict`): versions are immutable, also between two publishers of one
+version at once (the first claims the version, see :class:`_Claim`; the other waits for
+its manifest and compares).
 
 ``ipc=True`` writes the shards to shared memory instead (``<ipc_dir>/<model>/<version>/``,
 default ``/dev/shm/rollbus``; for ranks on this host with ``ROLLBUS_LOAD_STRATEGY=ipc``),
@@ -39,6 +41,7 @@ import contextlib
 import ctypes
 import errno
 import hashlib
+import logging
 import mmap
 import os
 import shutil
@@ -70,6 +73,7 @@ from shared.subjects import Subjects, ckpt_object_name
 from shared.versions import check_model_name, check_version_name, ipc_version_dir
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
+log = logging.getLogger("rollbus.publisher")
 DEFAULT_IPC_DIR = Path("/dev/shm/rollbus")
 
 
@@ -282,13 +286,38 @@ class CheckpointPublisher:
                 uploaded = self._write_ipc(model, version, blobs, man, progress)
             else:
                 await objstore.ensure_bucket(nc, self.bucket)
-                if layouts is not None:
-                    man, uploaded = await self._upload_layouts(
-                        nc, model, version, tp, layouts, progress
-                    )
-                else:
-                    assert man is not None
-                    uploaded = await self._upload(nc, model, version, blobs, man, progress)
+                name = ckpt_object_name(model, version, "manifest.json")
+                claim = _Claim(nc, self.bucket, name, self.name)
+                old = await claim.take()  # the published manifest, or we hold the claim
+                try:
+                    if layouts is not None:
+                        man, uploaded = await claim.hold_while(
+                            self._upload_layouts(nc, model, version, tp, layouts, progress, old)
+                        )
+                    else:
+                        assert man is not None
+                        uploaded = await claim.hold_while(
+                            self._upload(nc, model, version, blobs, man, progress, old)
+                        )
+                    if uploaded:
+                        # last, over our claim only: a version without its manifest does
+                        # not exist for the ranks
+                        if not await claim.mine():
+                            raise claim.lost()
+                        await objstore.put_object(
+                            nc, self.bucket, name, mf.encode(man), expect_seq=claim.seq
+                        )
+                except objstore.ObjectConflict:
+                    if old is None:
+                        await asyncio.shield(claim.release())
+                    raise VersionConflict(
+                        f"{model}/{version}: another publisher took this version over "
+                        "while this one was uploading it"
+                    ) from None
+                except BaseException:
+                    if old is None:
+                        await asyncio.shield(claim.release())
+                    raise
             seq = await self._announce(nc, man)
         finally:
             if bus is not None:
@@ -331,14 +360,6 @@ class CheckpointPublisher:
 
     # ------------------------------------------------------------------ steps
 
-    async def _existing(self, nc: Any, model: str, version: str) -> mf.Manifest | None:
-        name = ckpt_object_name(model, version, "manifest.json")
-        try:
-            raw = await objstore.read_object(nc, self.bucket, name, max_size=mf.MAX_MANIFEST_BYTES)
-        except objstore.ObjectMissing:
-            return None
-        return mf.decode(bytes(raw), name)
-
     async def _upload_layouts(
         self,
         nc: Any,
@@ -347,14 +368,14 @@ class CheckpointPublisher:
         tp: int,
         layouts: list[ShardLayout],
         progress: Progress | None,
+        old: mf.Manifest | None,
     ) -> tuple[mf.Manifest, bool]:
         """Every rank's shard at once: each is written (one copy per byte, hashed as it
         is copied) on its own thread into a small ring of reused memory (:class:`_Ring`)
         while the part already written is being sent; the manifest (with those SHA-256)
-        goes last."""
+        goes last (the caller writes it). ``old``: the version's published manifest."""
         loop = asyncio.get_running_loop()
         total = sum(lay.size for lay in layouts)
-        old = await self._existing(nc, model, version)
         shas = [hashlib.sha256() for _ in layouts]
         pool = ThreadPoolExecutor(len(layouts), thread_name_prefix="shard-fill")
         try:
@@ -429,6 +450,7 @@ class CheckpointPublisher:
                         ready=ready,
                         digest=digest,
                         gather=lay.gather(memoryview(ring.buf).cast("B")),
+                        cas=True,
                     )
                     ok = True
                 finally:
@@ -453,12 +475,7 @@ class CheckpointPublisher:
                 raise
         finally:
             pool.shutdown(wait=False)
-        man = _manifest(model, version, tp, layouts, shas)
-        # last: a version without its manifest does not exist for the ranks
-        await objstore.put_object(
-            nc, self.bucket, ckpt_object_name(model, version, "manifest.json"), mf.encode(man)
-        )
-        return man, True
+        return _manifest(model, version, tp, layouts, shas), True
 
     async def _upload(
         self,
@@ -468,8 +485,8 @@ class CheckpointPublisher:
         blobs: list[bytes],
         man: mf.Manifest,
         progress: Progress | None,
+        old: mf.Manifest | None,
     ) -> bool:
-        old = await self._existing(nc, model, version)
         if old is not None:
             if _digests(old) != _digests(man):
                 raise VersionConflict(
@@ -485,13 +502,9 @@ class CheckpointPublisher:
             if progress:
                 cb = (lambda b: lambda n: progress(b + n, total))(base)  # noqa: B023
             await objstore.put_object(
-                nc, self.bucket, ckpt_object_name(model, version, spec.file), blob, cb
+                nc, self.bucket, ckpt_object_name(model, version, spec.file), blob, cb, cas=True
             )
             base += len(blob)
-        # last: a version without its manifest does not exist for the ranks
-        await objstore.put_object(
-            nc, self.bucket, ckpt_object_name(model, version, "manifest.json"), mf.encode(man)
-        )
         return True
 
     def _write_ipc(
@@ -555,6 +568,134 @@ class CheckpointPublisher:
             publisher=self.name,
         )
         return await objstore.publish_version(nc, ev)
+
+
+# A version is claimed before its first byte is uploaded (see :class:`_Claim`)
+CLAIM_REFRESH_S = 5.0  # the holder rewrites its claim this often while it uploads
+CLAIM_STALE_S = 15.0  # unchanged this long (3 refreshes missed, as a waiter sees it): taken over
+CLAIM_POLL_S = 0.25  # a waiter looks at the claim (or the manifest) this often
+
+
+class _Claim:
+    """One publisher at a time per version: a compare-and-set lease on the version's
+    ``manifest.json`` meta subject in the object store.
+
+    Two trainers publishing one version name at once would otherwise both upload
+    ``rank<r>-of-<tp>.safetensors`` over each other and each write its manifest: both
+    "succeed" and the stored version can pair one's manifest with the other's shards
+    (a SHA-256 mismatch on every rank, forever: versions are immutable). So the first
+    writes a claim (a *deleted* meta message carrying ``claim``: readers see no object,
+    a rank asking for the version still gets 404) with an expected last subject
+    sequence, refreshes it every :data:`CLAIM_REFRESH_S` while it uploads, and writes the
+    manifest over it with a compare-and-set on the claim's sequence. Any other publisher
+    waits until the manifest appears and compares content (identical: a no-op; else
+    :class:`VersionConflict`), or takes the claim over when it is released (a failed
+    publish) or unchanged for :data:`CLAIM_STALE_S` (a publisher that died). A holder
+    that lost its claim (stopped that long) ends at its next refresh and cannot write
+    the manifest; each shard's meta is written only if nobody wrote that shard since its
+    put began.
+    """
+
+    def __init__(self, nc: Any, bucket: str, name: str, owner: str) -> None:
+        self.nc, self.bucket, self.name, self.owner = nc, bucket, name, owner
+        self.id = os.urandom(8).hex()
+        self.seq = 0
+        self.lock = asyncio.Lock()  # a refresh and the manifest's write never overlap
+
+    def _marker(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "bucket": self.bucket,
+            "deleted": True,
+            "claim": {"owner": self.owner, "id": self.id, "time": time.time()},
+        }
+
+    async def take(self) -> mf.Manifest | None:
+        """Hold the claim (None), or the version's manifest once it is published."""
+        loop = asyncio.get_running_loop()
+        seen, since = -1, loop.time()
+        while True:
+            seq, info = await objstore.last_meta(self.nc, self.bucket, self.name)
+            if info.get("nuid") and not info.get("deleted"):
+                raw = await objstore.read_object(
+                    self.nc, self.bucket, self.name, max_size=mf.MAX_MANIFEST_BYTES
+                )
+                return mf.decode(bytes(raw), self.name)
+            claim = info.get("claim")
+            if isinstance(claim, dict) and claim.get("id") == self.id:
+                self.seq = seq  # our own write, whose answer was lost: we hold it
+                return None
+            if isinstance(claim, dict):  # another publisher is at work
+                if seq != seen:
+                    seen, since = seq, loop.time()
+                if loop.time() - since < CLAIM_STALE_S:
+                    await asyncio.sleep(CLAIM_POLL_S)
+                    continue
+            try:
+                self.seq = await objstore.put_meta_if(
+                    self.nc, self.bucket, self.name, self._marker(), seq
+                )
+                return None
+            except objstore.ObjectConflict:
+                continue  # someone else moved first (or our write landed): look again
+
+    async def mine(self) -> bool:
+        """Whether the last claim is still ours (its sequence then taken): a write whose
+        answer was lost (a timeout) may have landed all the same."""
+        seq, info = await objstore.last_meta(self.nc, self.bucket, self.name)
+        claim = info.get("claim")
+        if isinstance(claim, dict) and claim.get("id") == self.id:
+            self.seq = seq
+            return True
+        return False
+
+    async def refresh(self) -> None:
+        """Keep the claim alive; :class:`VersionConflict` once it was taken over."""
+        while True:
+            await asyncio.sleep(CLAIM_REFRESH_S)
+            async with self.lock:
+                try:
+                    self.seq = await objstore.put_meta_if(
+                        self.nc, self.bucket, self.name, self._marker(), self.seq
+                    )
+                except objstore.ObjectConflict:
+                    if not await self.mine():
+                        raise self.lost() from None
+                except Exception as e:  # noqa: BLE001 - a bus hiccup: next period
+                    log.warning("cannot refresh the claim on %s: %r", self.name, e)
+                    with contextlib.suppress(Exception):
+                        await self.mine()
+
+    def lost(self) -> VersionConflict:
+        return VersionConflict(
+            f"{self.name}: another publisher took this version over (this one did not "
+            f"refresh its claim for {CLAIM_STALE_S:g}s)"
+        )
+
+    async def release(self) -> None:
+        """A failed publish lets a waiting publisher take over at once."""
+        with contextlib.suppress(Exception):
+            await objstore.put_meta_if(
+                self.nc,
+                self.bucket,
+                self.name,
+                {"name": self.name, "bucket": self.bucket, "deleted": True},
+                self.seq,
+            )
+
+    async def hold_while(self, coro: Any) -> Any:
+        """Run ``coro`` (the upload) while refreshing the claim; a lost claim ends it."""
+        work = asyncio.ensure_future(coro)
+        keep = asyncio.ensure_future(self.refresh())
+        try:
+            await asyncio.wait({work, keep}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                keep.result()  # raises VersionConflict (the claim was taken over)
+            return work.result()
+        finally:
+            for t in (work, keep):
+                t.cancel()
+            await asyncio.gather(work, keep, return_exceptions=True)
 
 
 class UnsafeIpcDir(PermissionError):

@@ -15,10 +15,12 @@ from typing import Any
 
 import msgspec
 import pytest
+from nats.js.errors import NotFoundError
 
+from services.engine.autoupdate import durable_name
 from shared import objstore
 from shared.messages import VersionPublished
-from shared.subjects import ckpt_published
+from shared.subjects import CKPT_STREAM, ckpt_published
 from shared.versions import ipc_version_dir
 from tests.e2e.stack import Stack, start_stack
 from tests.e2e.test_checkpoints import _raw, events, model_of, post, publish, wait_for
@@ -164,3 +166,24 @@ def test_operator_rollback_survives_an_engine_restart(ustack: Stack) -> None:
     time.sleep(3)  # a catch-up would have started by now
     assert serving(ustack, "o1") and digests(ustack) == earlier
     assert not [e for e in auto_events(ustack, "o2") if e["action"] == "updated"][1:]
+
+
+def test_a_deleted_durable_is_made_again_and_updates_go_on(ustack: Stack) -> None:
+    """Its durable consumer deleted (`nats consumer rm`, JetStream state lost): every
+    fetch failed for ever and auto-update stopped without a word; it subscribes again."""
+    durable = durable_name(ustack.instance, model_of(ustack))
+
+    async def rm(nc: Any) -> bool:
+        js = nc.jetstream()
+        for _ in range(100):  # made by the engine's auto_update task once it runs
+            try:
+                await js.consumer_info(CKPT_STREAM, durable)
+                break
+            except NotFoundError:
+                await asyncio.sleep(0.1)
+        return bool(await js.delete_consumer(CKPT_STREAM, durable))
+
+    assert asyncio.run(_raw(ustack.nats_url, rm))
+    want = publish(ustack, "g1", seed=95, ipc=True)
+    wait_for(lambda: serving(ustack, "g1"))
+    assert digests(ustack) == want

@@ -1,0 +1,122 @@
+"""Two trainers publishing one version name at once: versions stay immutable. Exactly
+one publish uploads; the other waits for its manifest and is a no-op (same content) or
+:class:`VersionConflict` (other content); the stored shards always match the stored
+manifest. A claim left by a publisher that died is taken over. Real publishers, real
+nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import uuid
+from typing import Any
+
+import pytest
+
+from services.tiny_model import TINY_CONFIG
+from services.trainer import names, publisher
+from services.trainer.publisher import CheckpointPublisher, VersionConflict
+from shared import manifest as mf
+from shared import objstore, sharding
+from shared.bus import Bus
+from shared.model_config import ModelConfig
+from shared.subjects import ckpt_object_name
+
+CFG = {
+    **TINY_CONFIG,
+    "vocab_size": 1024,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+}
+BUCKET = "rollbus_ckpt"
+
+
+def _state(seed: int) -> dict[str, Any]:
+    cfg = ModelConfig.from_hf(CFG)
+    return names.to_training(sharding.init_weights(cfg, seed), cfg)
+
+
+async def _stored_is_whole(nats_url: str, model: str, version: str) -> mf.Manifest:
+    """The stored manifest, after checking every shard's bytes against it."""
+    bus = await Bus.connect(nats_url, "check")
+    try:
+        raw = await objstore.read_object(
+            bus.nc, BUCKET, ckpt_object_name(model, version, "manifest.json")
+        )
+        man = mf.decode(bytes(raw))
+        for s in man.shards:
+            data = await objstore.read_object(
+                bus.nc, BUCKET, ckpt_object_name(model, version, s.file)
+            )
+            assert hashlib.sha256(data).hexdigest() == s.sha256, f"rank {s.rank}'s shard"
+        return man
+    finally:
+        await bus.close()
+
+
+@pytest.mark.parametrize("same", [False, True], ids=["other-content", "same-content"])
+async def test_concurrent_publishes_of_one_version_leave_one_whole_version(
+    nats_url: str, same: bool
+) -> None:
+    model = f"cc-{uuid.uuid4().hex[:6]}"
+    states = [_state(1), _state(1 if same else 2)]
+    pubs = [CheckpointPublisher(nats_url), CheckpointPublisher(nats_url)]
+    got = await asyncio.gather(
+        *(p.apublish(model, "v1", s, tp=2, config=CFG) for p, s in zip(pubs, states, strict=True)),
+        return_exceptions=True,
+    )
+    ok = [r for r in got if isinstance(r, publisher.PublishResult)]
+    conflicts = [r for r in got if isinstance(r, VersionConflict)]
+    assert len(ok) + len(conflicts) == 2, got
+    # one upload; the other publisher either found the same content or was refused
+    assert sum(r.uploaded for r in ok) == 1, got
+    assert len(conflicts) == (0 if same else 1), got
+    man = await _stored_is_whole(nats_url, model, "v1")
+    winner = next(r for r in ok if r.uploaded)
+    assert man.total_bytes == winner.bytes
+    assert len({r.seq for r in ok}) == 1  # one announcement
+
+
+async def test_a_claim_left_by_a_dead_publisher_is_taken_over(
+    nats_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = f"cd-{uuid.uuid4().hex[:6]}"
+    monkeypatch.setattr(publisher, "CLAIM_STALE_S", 1.0)
+    bus = await Bus.connect(nats_url, "dead")
+    try:
+        await objstore.ensure_bucket(bus.nc, BUCKET)
+        dead = publisher._Claim(
+            bus.nc, BUCKET, ckpt_object_name(model, "v1", "manifest.json"), "dead"
+        )
+        assert await dead.take() is None  # held, and never refreshed nor released
+    finally:
+        await bus.close()
+    res = await CheckpointPublisher(nats_url).apublish(model, "v1", _state(3), tp=2, config=CFG)
+    assert res.uploaded
+    await _stored_is_whole(nats_url, model, "v1")
+
+
+async def test_a_claim_whose_answer_was_lost_is_still_ours(
+    nats_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a claim write that timed out may have landed: the publisher must know its own claim
+    # (else it waits for itself, then fails its own manifest's compare-and-set)
+    monkeypatch.setattr(publisher, "CLAIM_STALE_S", 600.0)
+    model = f"co-{uuid.uuid4().hex[:6]}"
+    name = ckpt_object_name(model, "v1", "manifest.json")
+    bus = await Bus.connect(nats_url, "own")
+    try:
+        await objstore.ensure_bucket(bus.nc, BUCKET)
+        first = publisher._Claim(bus.nc, BUCKET, name, "me")
+        assert await first.take() is None
+        again = publisher._Claim(bus.nc, BUCKET, name, "me")
+        again.id = first.id  # the same publisher, which did not hear the answer
+        assert await asyncio.wait_for(again.take(), 10) is None
+        assert again.seq == first.seq and await again.mine()
+        first.seq = 0  # its answer lost: a stale sequence
+        assert await first.mine() and first.seq == again.seq
+    finally:
+        await bus.close()
