@@ -8,7 +8,6 @@ restarted too (the API tells the launcher of its first 200)."""
 from __future__ import annotations
 
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -21,14 +20,6 @@ from tests.e2e.stack import Stack, free_port, start_stack
 from tests.faults import common as c
 
 pytestmark = pytest.mark.faults
-
-
-def _child(launcher: int, pattern: str) -> int:
-    out = subprocess.run(
-        ["pgrep", "-P", str(launcher), "-f", pattern], capture_output=True, text=True
-    ).stdout.split()
-    assert len(out) == 1, (pattern, out)
-    return int(out[0])
 
 
 def test_killed_right_after_the_first_200_is_restarted(tmp_path: Path) -> None:
@@ -62,7 +53,7 @@ def test_killed_right_after_the_first_200_is_restarted(tmp_path: Path) -> None:
             if code == 200:
                 break
             time.sleep(0.05)
-        c.signal_quietly(_child(proc.pid, "nats-server"), signal.SIGKILL)
+        c.signal_quietly(c.child_pid(proc.pid, "nats-server"), signal.SIGKILL)
         time.sleep(0.5)
         c.signal_quietly(proc.pid, signal.SIGCONT)
         deadline = time.monotonic() + 120
@@ -89,10 +80,10 @@ def test_launcher_restarts_children_then_stops_over_budget(tmp_path: Path) -> No
         c.wait_log(stack, "rollbus: ready:", 0)  # the launcher saw it ready: restarts apply
         pid = stack.proc.pid
         for what, pattern in (("nats-server", "nats-server"), ("api", "services.api")):
-            old = _child(pid, pattern)
+            old = c.child_pid(pid, pattern)
             c.signal_quietly(old, signal.SIGKILL)
             c.wait_recovered(stack)
-            assert _child(pid, pattern) != old
+            assert c.child_pid(pid, pattern) != old
             assert f"{what} exited with code -9; restarting it" in stack.log.read_text()
         c.assert_consistent(stack, "v0")
         # the engine's state bucket works under the embedded server's role permissions
