@@ -75,6 +75,14 @@ class Metrics:
             ["route", "finish_reason"],
             registry=r,
         )
+        # a request answered with an error: its HTTP status, or the code of a stream's
+        # error event (a step failure, an engine lost mid-stream); 499 = the client left
+        self.gen_errors = Counter(
+            "rollbus_generation_errors",
+            "Generation requests answered with an error, by route and status code",
+            ["route", "code"],
+            registry=r,
+        )
         self.gen_tokens = Counter(
             "rollbus_generation_tokens",
             "Tokens generated",
