@@ -32,12 +32,17 @@ PROBE_S = 2.0  # how often every live request's reply subject is probed
 PROBE_TIMEOUT_S = 1.0  # a no-responders status comes within a round trip; else: read
 
 
-def probe_targets(requests: Iterable[Request]) -> dict[str, list[str]]:
-    """reply subject -> the request ids answering to it (one probe per subject)."""
-    targets: dict[str, list[str]] = {}
+def probe_targets(requests: Iterable[Request]) -> list[tuple[str, list[str]]]:
+    """(reply subject to probe, the request ids that end with it; the first is the
+    request that subject belongs to). One probe per reply
+    subject, and one per inbox prefix for ``batch`` requests (the API's): their chunks
+    go to ``<prefix>.batch``, which only a wildcard subscription on the prefix receives,
+    so one reply subject under it answers for all of them."""
+    groups: dict[str, tuple[str, list[str]]] = {}
     for req in requests:
-        targets.setdefault(req.reply, []).append(req.request_id)
-    return targets
+        key = req.reply.rpartition(".")[0] + ".*" if req.gen.batch else req.reply
+        groups.setdefault(key, (req.reply, []))[1].append(req.request_id)
+    return list(groups.values())
 
 
 async def unread(
@@ -60,8 +65,8 @@ async def unread(
             pass  # a reader is there (it never answers a heartbeat)
         return False
 
-    found = await asyncio.gather(*(gone(r, ids) for r, ids in targets.items()))
-    return [rid for (_, ids), g in zip(targets.items(), found, strict=True) if g for rid in ids]
+    found = await asyncio.gather(*(gone(r, ids) for r, ids in targets))
+    return [rid for (_, ids), g in zip(targets, found, strict=True) if g for rid in ids]
 
 
 async def probe_loop(
