@@ -706,6 +706,13 @@ class Generation:
             f"{len(self.sched.requests)} requests wait"
         )
 
+    async def shutdown(self) -> None:
+        """The engine is stopping (SIGTERM), its tasks already cancelled: every live
+        request hears it now (503) instead of at its API's idle timeout (CONTROL_TIMEOUT_S
+        after the last heartbeat). No lock: no step will be sent any more."""
+        if self.sched.requests:
+            await self._fail_all(ControlError(UNAVAILABLE, "the engine is shutting down"))
+
     async def _fail_all(self, err: ControlError) -> None:
         """End every live request with ``err`` (the caller holds the step lock)."""
         ended = self.sched.abort(None, "error")
