@@ -713,10 +713,11 @@ class OpenAIRoutes:
             self.deps.metrics.gen_errors.labels(_route(job.chat), str(INTERNAL_ERROR)).inc()
             yield f"data: {json.dumps(self._internal(e, rid, 'sse_writer'))}\n\n".encode()
         finally:
+            # counted here: a client that left mid-stream was sent these tokens too
+            self.deps.metrics.gen_tokens.inc(out_tokens)
             await call.close()
         if job.include_usage:
             yield event(None, {"usage": usage()})
-        self.deps.metrics.gen_tokens.inc(out_tokens)
         yield b"data: [DONE]\n\n"
 
     def _sse_choice(

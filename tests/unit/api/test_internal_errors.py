@@ -123,6 +123,34 @@ async def test_errors_are_counted_by_route_and_code(routes: OpenAIRoutes) -> Non
     assert errors(routes, 400) == before + 1
 
 
+class Endless:
+    """A call that streams a token per delta until closed."""
+
+    closed = False
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        while True:
+            yield Delta(0, "a", [1], version="v0")
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+async def test_tokens_sent_to_a_client_that_left_are_counted(routes: OpenAIRoutes) -> None:
+    """``rollbus_generation_tokens_total`` counts what was served: a stream whose client
+    disconnects (its body generator closed) after 3 tokens counts them."""
+    job = routes.parse({"prompt": "x", "max_tokens": 20, "stream": True}, chat=False)
+    before = routes.deps.metrics.registry.get_sample_value("rollbus_generation_tokens_total")
+    call = Endless()
+    gen = routes.sse(job, call)  # type: ignore[arg-type]
+    for _ in range(3):
+        await gen.__anext__()
+    await gen.aclose()  # what the server does when the client goes away
+    assert call.closed
+    after = routes.deps.metrics.registry.get_sample_value("rollbus_generation_tokens_total")
+    assert after == (before or 0.0) + 3
+
+
 def test_a_malformed_chunk_is_refused_when_decoded() -> None:
     from services.api.generate import decode_chunk
 
