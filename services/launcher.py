@@ -19,6 +19,7 @@ serves on the NATS is refused (exit 2).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import json
 import os
@@ -26,6 +27,7 @@ import random
 import signal
 import socket
 import ssl
+import stat
 import subprocess
 import sys
 import time
@@ -37,6 +39,7 @@ from pathlib import Path
 
 from services import _signals, natsd
 from services.tiny_model import ensure_tiny_model
+from services.worker.shmreduce import default_root, segment_dir
 from shared import creds
 from shared.bus import Bus
 from shared.errors import BusUnreachable, NoResponders, Timeout
@@ -255,6 +258,7 @@ class Launcher:
         self.rank_retries = 0
         self.budget = RestartBudget(settings.restart_limit, settings.restart_window_s)
         self.restarts = 0
+        self.rank_endpoints = ""  # the running rank set's (keys its shared-memory files)
 
     def prepare(self) -> Settings:
         s = self.settings
@@ -386,6 +390,7 @@ class Launcher:
             if (p := rendezvous_port()) not in ports:
                 ports.append(p)
         endpoints = ",".join(f"127.0.0.1:{p}" for p in ports)
+        self.rank_endpoints = endpoints
         for r in range(self.settings.tp):
             self.spawn(
                 f"{RANK} {r}", ["services.worker", "--rank", str(r), "--endpoints", endpoints]
@@ -398,8 +403,27 @@ class Launcher:
             if c.proc.poll() is None:
                 c.proc.kill()
             c.proc.wait()
+        self._remove_segments()
         self.children = [c for c in self.children if c not in ranks]
         self._spawn_ranks()
+
+    def _remove_segments(self) -> None:
+        """The shared-memory all-reduce files of the rank set that just exited. Ranks
+        unlink them once every rank has mapped them; a rank killed before that (a start
+        cut short) leaves its file, under a name no later rank set uses (new ports)."""
+        if not self.rank_endpoints:
+            return
+        d = segment_dir(default_root(), self.rank_endpoints)
+        try:
+            st = os.lstat(d)
+        except OSError:
+            return
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            return  # not the private directory the ranks make: not ours to touch
+        for f in d.glob("rank*"):
+            f.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            d.rmdir()
 
     def _health(self) -> bool:
         url = f"http://{self.settings.api_host}:{self.settings.api_port}/health"
@@ -549,6 +573,8 @@ class Launcher:
                     c.proc.kill()
                     c.proc.wait()
                 stopped.append(c.name)
+            if prefix == RANK:
+                self._remove_segments()
         if self.nats is not None:
             self.nats.stop(max(0.5, deadline - time.monotonic()))
             stopped.append("nats-server")

@@ -75,6 +75,14 @@ class Metrics:
             ["route", "finish_reason"],
             registry=r,
         )
+        # a request answered with an error: its HTTP status, or the code of a stream's
+        # error event (a step failure, an engine lost mid-stream); 499 = the client left
+        self.gen_errors = Counter(
+            "rollbus_generation_errors",
+            "Generation requests answered with an error, by route and status code",
+            ["route", "code"],
+            registry=r,
+        )
         self.gen_tokens = Counter(
             "rollbus_generation_tokens",
             "Tokens generated",
@@ -103,7 +111,8 @@ class Metrics:
             ["process", "callback"],
             registry=r,
         )
-        self._seen: dict[tuple[int, str, str], float] = {}
+        # (counter, process, name) -> (pid of the process that counted, its total)
+        self._seen: dict[tuple[int, str, str], tuple[int, float]] = {}
         self._control_children: dict[tuple[str, int], Any] = {}
 
     def control(self, method: str, code: int) -> None:
@@ -113,13 +122,16 @@ class Metrics:
             self._control_children[(method, code)] = child
         child.inc()
 
-    def _count(self, counter: Counter, process: str, name: str, total: float) -> None:
-        """Move ``counter`` to a total counted elsewhere (a restarted process starts over)."""
+    def _count(self, counter: Counter, process: str, name: str, total: float, pid: int = 0) -> None:
+        """Move ``counter`` to a total counted elsewhere. A restarted process (another
+        ``pid``; without one: a total that went down) counts from 0 again: all its total
+        is new, so the counter never goes back nor loses what the new process counted
+        before the first scrape that saw it."""
         key = (id(counter), process, name)
-        last = self._seen.get(key, 0.0)
-        self._seen[key] = total
-        delta = total - last if total >= last else total
-        counter.labels(process, name).inc(delta)
+        last_pid, last = self._seen.get(key, (pid, 0.0))
+        self._seen[key] = (pid, total)
+        restarted = (pid and last_pid and pid != last_pid) or total < last
+        counter.labels(process, name).inc(total if restarted else total - last)
 
     def refresh(
         self,
@@ -131,17 +143,22 @@ class Metrics:
         for name, n in (callback_errors or {}).items():
             self._count(self.callback_errors, "api", name, n)
         if not health:
+            # the engine did not answer (stopped, restarting, NATS away): /health is 503
+            # for that reason, so it counts as one; nothing is known alive
             self.ranks_alive.set(0)
+            self.health_problems.set(1)
             return
+        pid = int(health.get("pid") or 0)
         for name, n in (health.get("tasks") or {}).get("failures", {}).items():
-            self._count(self.task_failures, "engine", name, n)
+            self._count(self.task_failures, "engine", name, n, pid)
         for name, n in (health.get("callback_errors") or {}).items():
-            self._count(self.callback_errors, "engine", name, n)
+            self._count(self.callback_errors, "engine", name, n, pid)
         for rank, h in (health.get("ranks_health") or {}).items():
+            rpid = int(h.get("pid") or 0)
             for name, n in (h.get("task_failures") or {}).items():
-                self._count(self.task_failures, f"rank{rank}", name, n)
+                self._count(self.task_failures, f"rank{rank}", name, n, rpid)
             for name, n in (h.get("callback_errors") or {}).items():
-                self._count(self.callback_errors, f"rank{rank}", name, n)
+                self._count(self.callback_errors, f"rank{rank}", name, n, rpid)
         self.version_mismatch.set(len(health.get("version_mismatch") or []))
         self.health_problems.set(len(health.get("problems") or []))
         self.is_paused.set(0 if health.get("state") == "running" else 1)

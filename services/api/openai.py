@@ -56,6 +56,11 @@ INTERNAL_ERROR = 500
 REQUEST_ID_HEADER = "x-request-id"
 
 
+def _route(chat: bool) -> str:
+    """The ``route`` label of the generation metrics."""
+    return "chat" if chat else "completions"
+
+
 def error_response(
     message: str, code: int = 400, param: str | None = None, headers: dict[str, str] | None = None
 ) -> JSONResponse:
@@ -699,17 +704,20 @@ class OpenAIRoutes:
                     self.deps.metrics.gen_requests.labels(route, d.finish_reason).inc()
                 yield event(*self._sse_choice(job, d, offsets))
         except ControlError as e:
+            self.deps.metrics.gen_errors.labels(_route(job.chat), str(e.code)).inc()
             param = (e.result or {}).get("param")
             kind = "invalid_request_error" if e.code == 400 else "server_error"
             err = {"error": {"message": e.message, "type": kind, "param": param, "code": e.code}}
             yield f"data: {json.dumps(err)}\n\n".encode()
         except Exception as e:  # noqa: BLE001 - a bug: logged, counted, the stream told
+            self.deps.metrics.gen_errors.labels(_route(job.chat), str(INTERNAL_ERROR)).inc()
             yield f"data: {json.dumps(self._internal(e, rid, 'sse_writer'))}\n\n".encode()
         finally:
+            # counted here: a client that left mid-stream was sent these tokens too
+            self.deps.metrics.gen_tokens.inc(out_tokens)
             await call.close()
         if job.include_usage:
             yield event(None, {"usage": usage()})
-        self.deps.metrics.gen_tokens.inc(out_tokens)
         yield b"data: [DONE]\n\n"
 
     def _sse_choice(
@@ -741,6 +749,8 @@ class OpenAIRoutes:
     async def handle(self, request: Request, chat: bool) -> Response:
         client_id = request.headers.get(REQUEST_ID_HEADER)
         resp = await self._handle(request, chat)
+        if resp.status_code >= 400:  # a stream's error event is counted by ``sse``
+            self.deps.metrics.gen_errors.labels(_route(chat), str(resp.status_code)).inc()
         if client_id is not None:
             resp.headers[REQUEST_ID_HEADER] = client_id  # echoed, never used on the bus
         return resp

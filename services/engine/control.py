@@ -345,8 +345,13 @@ def health(eng: Engine, _: object = None) -> dict[str, Any]:
         "version_mismatch": sorted(eng.version_mismatch),
         "tasks": eng.supervisor.report(),
         "callback_errors": dict(eng.bus.callback_errors),
+        # pids: /metrics tells a restarted process's counts (from 0) from a live one's
+        "pid": os.getpid(),
         "ranks_health": {
-            str(r): {k: p.get(k, {}) for k in ("callback_errors", "task_failures")}
+            str(r): {
+                **{k: p.get(k, {}) for k in ("callback_errors", "task_failures")},
+                "pid": p.get("pid", 0),
+            }
             for r, p in eng.rank_pings.items()
         },
         "ready": eng.ready,

@@ -44,7 +44,7 @@ import msgspec
 from nats.aio.msg import Msg
 from nats.micro.service import Service
 
-from services.engine import autoupdate, staleness
+from services.engine import autoupdate, orphans, staleness
 from services.engine.scheduler import Output, Plan, Scheduler, Seq
 from shared import messages as m
 from shared.bus import REQUEST_ID, BatchItem, Reply, Sent, batch_subject, pack_batches
@@ -169,6 +169,7 @@ class Generation:
         self.supervisor = sup
         sup.start("step_loop", self.loop, self.on_loop_error)
         sup.start("heartbeats", self.heartbeats)
+        sup.start("reply_probe", self.probe_replies)
 
     async def on_gen(self, msg: Msg) -> None:
         """Queue a request, acknowledged by a first heartbeat, or refuse it with one error
@@ -279,6 +280,21 @@ class Generation:
             return
         self._cancels.append(rid)
         self.work.set()
+
+    async def probe_replies(self) -> None:
+        """Cancel requests whose reply inbox is gone (their API died): ``orphans``."""
+
+        def heartbeat(reply: str, rid: str) -> bytes:
+            chunk = m.GenChunk(rid, heartbeat=True)
+            return m.json_encode(chunk) if reply in self._json_replies else m.pack(chunk)
+
+        def cancel(rid: str) -> None:
+            self._cancels.append(rid)
+            self.work.set()
+
+        await orphans.probe_loop(
+            self.engine.bus, lambda: self.sched.requests.values(), heartbeat, cancel
+        )
 
     async def _send(self, reply: str, chunk: m.GenChunk) -> None:
         data = m.json_encode(chunk) if reply in self._json_replies else m.pack(chunk)
@@ -689,6 +705,13 @@ class Generation:
             f"step loop stalled: no progress for {age:.0f}s{where} while "
             f"{len(self.sched.requests)} requests wait"
         )
+
+    async def shutdown(self) -> None:
+        """The engine is stopping (SIGTERM), its tasks already cancelled: every live
+        request hears it now (503) instead of at its API's idle timeout (CONTROL_TIMEOUT_S
+        after the last heartbeat). No lock: no step will be sent any more."""
+        if self.sched.requests:
+            await self._fail_all(ControlError(UNAVAILABLE, "the engine is shutting down"))
 
     async def _fail_all(self, err: ControlError) -> None:
         """End every live request with ``err`` (the caller holds the step lock)."""

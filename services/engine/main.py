@@ -484,6 +484,7 @@ async def amain(settings: Settings) -> int:
         sup.start("auto_update", lambda: autoupdate.follow(engine))
     await stop.wait()
     await sup.stop()
+    await engine.scheduler.shutdown()  # live requests end now, not at their idle timeout
     await membership.leave(engine)
     await bus.close()
     return 0

@@ -373,6 +373,12 @@ def test_metrics(stack: Stack) -> None:
                  if ln.startswith("rollbus_time_to_first_token_seconds_count"))
     assert float(count.split()[-1]) >= 1
     assert 'rollbus_generation_requests_total{finish_reason="length",route="completions"}' in text
+    # what a Prometheus scraper reads: every family parses, names and types valid
+    from prometheus_client.parser import text_string_to_metric_families
+
+    fams = {f.name: f.type for f in text_string_to_metric_families(text)}
+    assert fams["rollbus_generation_errors"] == "counter"
+    assert fams["rollbus_generation_requests"] == "counter"
 
 
 def test_admin_token_and_dynamic_load_off(stack: Stack, tmp_path: Path) -> None:

@@ -70,6 +70,15 @@ def wait_exited(pid: int, timeout: float = 10) -> None:
         os.close(fd)
 
 
+def child_pid(launcher: int, pattern: str) -> int:
+    """The pid of the one child of ``launcher`` whose command line matches ``pattern``."""
+    out = subprocess.run(
+        ["pgrep", "-P", str(launcher), "-f", pattern], capture_output=True, text=True
+    ).stdout.split()
+    assert len(out) == 1, (pattern, out)
+    return int(out[0])
+
+
 def status(stack: Stack, fresh: bool = False) -> dict[str, Any]:
     """``fresh``: every rank asked now, not the engine's view (up to ~1 s behind a kill)."""
     r = get(stack, "/v1/status?fresh=true" if fresh else "/v1/status")

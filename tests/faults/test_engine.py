@@ -129,6 +129,26 @@ def test_engine_killed_mid_stream_every_request_is_answered(faults: Faults) -> N
     c.assert_consistent(f.stack, "v0")
 
 
+def test_engine_sigterm_ends_its_streams_at_once(faults: Faults) -> None:
+    """An engine stopped with SIGTERM (an operator's ``kill``) tells its live requests
+    before it exits — 503 `the engine is shutting down` — instead of leaving them to the
+    API's idle timeout (CONTROL_TIMEOUT_S of silence); the launcher starts it again."""
+    f = faults
+    stream = c.Stream(f.stack)
+    assert stream.started.wait(c.GEN_BOUND)
+    old = _engine_pid(f)
+    c.signal_quietly(old, signal.SIGTERM)
+    t0 = time.monotonic()
+    s = stream.result()
+    assert s.outcome == "error", (s.outcome, s.error, s.tokens)
+    assert "the engine is shutting down" in str(s.error), s.error
+    assert s.error["code"] == 503, s.error
+    assert s.ended_at - t0 < c.CT, s.ended_at - t0  # not the API's idle timeout
+    _wait_new_engine(f, old)
+    assert "engine exited with code 0; restarting it" in f.stack.log.read_text()
+    c.assert_consistent(f.stack, "v0")
+
+
 def test_a_new_stack_starts_fresh_not_from_the_stored_state(
     tmp_path_factory: pytest.TempPathFactory, nats_url: str
 ) -> None:

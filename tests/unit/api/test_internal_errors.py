@@ -18,6 +18,7 @@ from services.api.deps import Deps
 from services.api.generate import Delta
 from services.api.openai import OpenAIRoutes
 from shared import messages as m
+from shared.errors import ControlError
 from shared.settings import Settings
 from tests.unit.api.asgi import json_post
 
@@ -28,6 +29,13 @@ def routes(tmp_path_factory: pytest.TempPathFactory) -> OpenAIRoutes:
 
     model = create_model_dir(Path(tmp_path_factory.mktemp("m")) / "tiny", seed=0)
     return OpenAIRoutes(Deps(Settings(model=str(model), max_n=8, max_model_len=64)))
+
+
+def errors(routes: OpenAIRoutes, code: int, route: str = "completions") -> float:
+    value = routes.deps.metrics.registry.get_sample_value(
+        "rollbus_generation_errors_total", {"route": route, "code": str(code)}
+    )
+    return value or 0.0
 
 
 def failures(routes: OpenAIRoutes, task: str) -> float:
@@ -55,9 +63,10 @@ async def test_a_bug_in_a_stream_ends_it_with_an_error_event(
 ) -> None:
     job = routes.parse({"prompt": "x", "max_tokens": 4, "stream": True}, chat=False)
     call = Broken()
-    before = failures(routes, "sse_writer")
+    before, errors_before = failures(routes, "sse_writer"), errors(routes, 500)
     with caplog.at_level(logging.ERROR):
         events = [e async for e in routes.sse(job, call)]  # type: ignore[arg-type]
+    assert errors(routes, 500) == errors_before + 1  # in /metrics as an answered error
     assert call.closed  # its engine request is cancelled
     last = [json.loads(e[6:]) for e in events[:-1]][-1]
     assert last["error"]["code"] == 500 and "boom in a delta" in last["error"]["message"]
@@ -75,15 +84,71 @@ async def test_a_bug_in_a_request_answers_500_in_openai_shape(
         raise RuntimeError("boom in parse")
 
     monkeypatch.setattr(routes, "parse", parse)
-    before = failures(routes, "generation")
+    before, errors_before = failures(routes, "generation"), errors(routes, 500)
     with caplog.at_level(logging.ERROR):
         resp = await routes.handle(json_post("/v1/completions", b'{"prompt": "x"}'), chat=False)
     assert resp.status_code == 500
+    assert errors(routes, 500) == errors_before + 1
     err = json.loads(bytes(resp.body))["error"]
     assert err["type"] == "server_error" and "boom in parse" in err["message"]
     assert set(err) == {"message", "type", "param", "code"}
     assert failures(routes, "generation") == before + 1
     assert any(r.exc_info for r in caplog.records if r.levelno == logging.ERROR)
+
+
+class Failed:
+    """A call whose step fails after one token (a rank killed: 503 from the engine)."""
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        yield Delta(0, "a", [1], version="v0")
+        raise ControlError(503, "step 7 failed: ranks [1] gone")
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_errors_are_counted_by_route_and_code(routes: OpenAIRoutes) -> None:
+    """A stream's error event and a non-streamed error answer both count in
+    ``rollbus_generation_errors_total`` (they end no choice: the requests counter, by
+    finish reason, never sees them)."""
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "stream": True}
+    job = routes.parse(body, chat=True)
+    before = errors(routes, 503, "chat")
+    events = [e async for e in routes.sse(job, Failed())]  # type: ignore[arg-type]
+    assert b"step 7 failed" in events[-2]
+    assert errors(routes, 503, "chat") == before + 1
+    before = errors(routes, 400)
+    resp = await routes.handle(json_post("/v1/completions", b'{"prompt": 1.5}'), chat=False)
+    assert resp.status_code == 400
+    assert errors(routes, 400) == before + 1
+
+
+class Endless:
+    """A call that streams a token per delta until closed."""
+
+    closed = False
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        while True:
+            yield Delta(0, "a", [1], version="v0")
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+async def test_tokens_sent_to_a_client_that_left_are_counted(routes: OpenAIRoutes) -> None:
+    """``rollbus_generation_tokens_total`` counts what was served: a stream whose client
+    disconnects (its body generator closed) after 3 tokens counts them."""
+    job = routes.parse({"prompt": "x", "max_tokens": 20, "stream": True}, chat=False)
+    before = routes.deps.metrics.registry.get_sample_value("rollbus_generation_tokens_total")
+    call = Endless()
+    gen = routes.sse(job, call)  # type: ignore[arg-type]
+    for _ in range(3):
+        await gen.__anext__()
+    await gen.aclose()  # what the server does when the client goes away
+    assert call.closed
+    after = routes.deps.metrics.registry.get_sample_value("rollbus_generation_tokens_total")
+    assert after == (before or 0.0) + 3
 
 
 def test_a_malformed_chunk_is_refused_when_decoded() -> None:

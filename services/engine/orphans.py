@@ -1,0 +1,95 @@
+"""Requests nobody reads any more: their reply inbox has no subscriber.
+
+A client that leaves cancels its request through its API (``gen.cancel``). An API process
+that dies (SIGKILL, OOM) cannot: without this its requests ran on to ``max_tokens`` —
+holding batch rows and KV blocks, preempting the next clients' requests — although no
+token could reach anyone. Same for a raw NATS client that stopped listening (``nats req``
+takes the first chunk and leaves).
+
+Every :data:`PROBE_S` the engine sends one heartbeat chunk (what the reader gets anyway)
+as a NATS *request* to each live request's reply subject. NATS answers a request that no
+subscription matches with a no-responders status at once: that request is gone and is
+cancelled as its client's cancel would. A subscriber that is there never replies to a
+heartbeat, so the wait ends at :data:`PROBE_TIMEOUT_S` and means "still read". A lost
+NATS connection of the API also removes its subscription — its requests were failed by
+that API already (README "Recovery"), so cancelling them too is right.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Iterable
+
+from services.engine.scheduler import Request
+from shared.bus import Bus
+from shared.errors import NoResponders, NotConnected, Timeout
+
+log = logging.getLogger("rollbus.engine.orphans")
+
+PROBE_S = 2.0  # how often every live request's reply subject is probed
+PROBE_TIMEOUT_S = 1.0  # a no-responders status comes within a round trip; else: read
+
+
+def probe_targets(requests: Iterable[Request]) -> list[tuple[str, list[str]]]:
+    """(reply subject to probe, the request ids that end with it; the first is the
+    request that subject belongs to). One probe per reply
+    subject, and one per inbox prefix for ``batch`` requests (the API's): their chunks
+    go to ``<prefix>.batch``, which only a wildcard subscription on the prefix receives,
+    so one reply subject under it answers for all of them."""
+    groups: dict[str, tuple[str, list[str]]] = {}
+    for req in requests:
+        key = req.reply.rpartition(".")[0] + ".*" if req.gen.batch else req.reply
+        groups.setdefault(key, (req.reply, []))[1].append(req.request_id)
+    return list(groups.values())
+
+
+async def unread(
+    bus: Bus,
+    requests: Iterable[Request],
+    encode: Callable[[str, str], bytes],
+    timeout: float = PROBE_TIMEOUT_S,
+) -> list[str]:
+    """The ids of ``requests`` whose reply subject no subscription matches now.
+    ``encode(reply, request_id)``: the heartbeat chunk sent as the probe."""
+    targets = probe_targets(requests)
+
+    async def gone(reply: str, rids: list[str]) -> bool:
+        sent = await bus.send(reply, encode(reply, rids[0]), request_id=rids[0])
+        try:
+            await sent.reply(timeout)
+        except NoResponders:
+            return True
+        except Timeout:
+            pass  # a reader is there (it never answers a heartbeat)
+        return False
+
+    found = await asyncio.gather(*(gone(r, ids) for r, ids in targets))
+    return [rid for (_, ids), g in zip(targets, found, strict=True) if g for rid in ids]
+
+
+async def probe_loop(
+    bus: Bus,
+    requests: Callable[[], Iterable[Request]],
+    encode: Callable[[str, str], bytes],
+    cancel: Callable[[str], None],
+) -> None:
+    """Forever: cancel every request whose reply subject has no subscriber (the module
+    doc). Run under the engine's supervisor (task ``reply_probe``)."""
+    while True:
+        await asyncio.sleep(PROBE_S)
+        live = list(requests())
+        if not live:
+            continue
+        with contextlib.suppress(NotConnected):  # NATS away: the next round
+            gone = await unread(bus, live, encode)
+            if gone:
+                log.warning(
+                    "cancelled %d request(s) nobody reads (reply inbox gone: its API or "
+                    "client left): %s",
+                    len(gone),
+                    ", ".join(gone[:5]) + (" …" if len(gone) > 5 else ""),
+                )
+            for rid in gone:
+                cancel(rid)
