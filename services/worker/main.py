@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import os
 import platform
@@ -34,7 +35,7 @@ from services.worker.stepper import Stepper, Watermark
 from services.worker.weights import WeightStore
 from shared import messages as m
 from shared import readout as ro
-from shared.bus import RANK, Bus
+from shared.bus import RANK, Bus, past_deadline
 from shared.device import DeviceError
 from shared.errors import INTERNAL, UNAVAILABLE, ControlError
 from shared.model_config import ModelConfig, load_config
@@ -77,6 +78,14 @@ ON_RECEIPT: dict[str, Callable[[control.Rank, Any], None]] = {
 }
 # a commit runs only after a bus barrier (see WorkerServer.barrier)
 BARRIER = {"commit"}
+# calls that take a rank away from the state the engine last confirmed: not run once
+# their Rollbus-Deadline passed (the engine gave up on them, told its caller, undid them
+# on the other ranks). Checked when their turn on the paddle thread comes (they may have
+# queued behind other work), wakeup's after its collective part (control.wakeup). The
+# others run late too: sleep, abort, rollback, finalize take a rank toward that state;
+# comm_check and selfbench are collective (a peer that ran them in time waits for this
+# rank); steps carry no deadline.
+EXPIRES = {"stage", "commit", "wakeup"}
 
 
 class TransientStartError(RuntimeError):
@@ -154,9 +163,12 @@ class WorkerServer:
                     await asyncio.sleep(delay)
                 if method in BARRIER:
                     await self.barrier()
+                run = fn
+                if method in EXPIRES:
+                    run = functools.partial(fn, late=functools.partial(past_deadline, headers))
                 loop = asyncio.get_running_loop()
                 result = await loop.run_in_executor(
-                    self.pool, self.watermark.run, method, fn, self.state, args
+                    self.pool, self.watermark.run, method, run, self.state, args
                 )
                 return self.reply(result)
             except ControlError as e:
