@@ -51,6 +51,9 @@ log = logging.getLogger("rollbus.worker")
 METHODS: dict[str, tuple[Callable[[control.Rank, Any], dict[str, Any]], type | None]] = {
     "ping": (control.ping, None),
     "status": (control.status, None),
+    # status on the paddle thread: answered once every call that came before it has run
+    # (the engine's reconcile waits for this before it looks at a rank's state)
+    "drain": (control.status, None),
     "stage": (control.stage, m.StageArgs),
     "commit": (control.commit, m.CommitArgs),
     "abort": (control.abort, None),
