@@ -143,3 +143,25 @@ def test_late_commit_is_refused(stack: Stack) -> None:
     assert st["state"] == "paused" and st["weight_version"] == "v0", st
     assert c.ctl(stack, "/v1/resume").status_code == 200
     c.assert_consistent(stack, "v0")
+
+
+def test_sleep_a_cut_off_rank_never_got_is_applied_once_it_answers(stack: Stack) -> None:
+    """Rank 1 stopped and cut off before the sleep is sent: it never gets it (the
+    server dropped its connection). The engine records sleeping, answers 503, and brings
+    rank 1 to that state once it answers again. Without that, rank 1 kept its weights,
+    KV cache and comm group while ``status`` said sleeping with no problem, and (comm
+    groups unlike) the next wakeup hung in rank 0's barrier."""
+    pid = c.rank_pid(stack, 1)
+    t0 = time.monotonic()
+    c.signal_quietly(pid, signal.SIGSTOP)
+    try:
+        _cut_off(t0)
+        r = c.ctl(stack, "/v1/sleep")
+        assert r.status_code == 503 and "sleep: ranks [1] did not answer" in r.text, r.text
+    finally:
+        c.signal_quietly(pid, signal.SIGCONT)
+    _ranks_settle(stack, {"version": "v0", **ASLEEP})
+    assert c.status(stack)["state"] == "sleeping"
+    r = c.ctl(stack, "/v1/wakeup", timeout=c.CONTROL_BOUND)
+    assert r.status_code == 200, r.text
+    c.assert_consistent(stack, "v0")
