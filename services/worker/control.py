@@ -74,6 +74,9 @@ class Rank:
     strategy: str
     model: mdl.TPModel | None = None
     started: float = field(default_factory=time.time)
+    # monotonic time the compute thread entered the comm group's rebuild (collective: a
+    # peer that never comes blocks it for good; the step watchdog ends such a process)
+    collective_since: float | None = None
 
     def status(self) -> dict[str, Any]:
         return {
@@ -175,7 +178,12 @@ def wakeup(r: Rank, args: WakeupWorkerArgs, late: Late = in_time) -> dict[str, A
     for this rank inside it; every rank runs the same collectives in the same order."""
     before = rss_bytes()
     t0 = time.perf_counter()
-    r.comm.build()
+    if not r.comm.alive:
+        r.collective_since = time.monotonic()
+    try:
+        r.comm.build()
+    finally:
+        r.collective_since = None
     not_late(r, "wakeup", late)
     if "kv_cache" in args.tags and not r.kv.allocated:
         r.kv.allocate()

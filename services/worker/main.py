@@ -21,6 +21,7 @@ import os
 import platform
 import signal
 import sys
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -289,7 +290,9 @@ async def amain(settings: Settings, rank: int) -> int:
     await server.start()
     log.info("rank %d ready: version %s", rank, state.weights.version)
     bound = hang_bound(settings)
-    server.supervisor.start("step_watchdog", lambda: step_watchdog(server.watermark, rank, bound))
+    server.supervisor.start(
+        "step_watchdog", lambda: step_watchdog(server.watermark, rank, bound, state)
+    )
     await stop.wait()
     await server.supervisor.stop()
     await bus.close()
@@ -320,14 +323,25 @@ def hang_bound(settings: Settings) -> float:
     return max(4 * settings.stall_s, 4 * settings.control_timeout_s)
 
 
-async def step_watchdog(mark: Watermark, rank: int, bound: float) -> None:
-    """Leave the process when the compute thread is stuck in one step past ``bound``:
-    a peer never got the step (or is stopped). Such a thread cannot be interrupted."""
+async def step_watchdog(
+    mark: Watermark, rank: int, bound: float, state: control.Rank | None = None
+) -> None:
+    """Leave the process when the compute thread is stuck in one step, or in the comm
+    group's rebuild (a wakeup's barrier, ``state.collective_since``), past ``bound``: a
+    peer never got the step or the wakeup (e.g. cut off by the server while stopped), or
+    is stopped. Such a thread cannot be interrupted; the launcher restarts the ranks."""
     while True:
         await asyncio.sleep(min(1.0, bound / 4))
+        where = ""
         if mark.job.startswith("step") and mark.busy_s() > bound:
+            where = f"{mark.job} blocked for {mark.busy_s():.0f}s"
+        since = state.collective_since if state is not None else None
+        if since is not None and time.monotonic() - since > bound:
+            blocked = time.monotonic() - since
+            where = f"{mark.job or 'a call'} blocked in the comm group's rebuild for {blocked:.0f}s"
+        if where:
             print(
-                f"rollbus-worker rank {rank}: {mark.job} blocked for {mark.busy_s():.0f}s "
+                f"rollbus-worker rank {rank}: {where} "
                 "(a peer rank never got it, or is stopped); exiting",
                 file=sys.stderr,
                 flush=True,
