@@ -165,3 +165,31 @@ def test_sleep_a_cut_off_rank_never_got_is_applied_once_it_answers(stack: Stack)
     r = c.ctl(stack, "/v1/wakeup", timeout=c.CONTROL_BOUND)
     assert r.status_code == 200, r.text
     c.assert_consistent(stack, "v0")
+
+
+def test_wakeup_a_cut_off_rank_never_got_does_not_hold_its_peer_for_good(stack: Stack) -> None:
+    """Sleeping (comm group destroyed); rank 1 stopped and cut off before the wakeup is
+    sent: it never gets it, and rank 0 waits for it in the comm group's barrier, which
+    nothing can interrupt (gloo's own timeout is 30 min). Past max(4 x STALL_S, 4 x
+    CONTROL_TIMEOUT_S) rank 0 leaves (code 4, a line naming the rebuild), the launcher
+    restarts the ranks and the engine brings them to its state: asleep."""
+    left = "blocked in the comm group's rebuild"
+    before = c.log_count(stack, left)
+    assert c.ctl(stack, "/v1/sleep").status_code == 200
+    pid = c.rank_pid(stack, 1)
+    t0 = time.monotonic()
+    c.signal_quietly(pid, signal.SIGSTOP)
+    try:
+        _cut_off(t0)
+        r = c.ctl(stack, "/v1/wakeup")
+        assert r.status_code == 503 and "did not answer" in r.text, r.text
+    finally:
+        c.signal_quietly(pid, signal.SIGCONT)
+    c.wait_log(stack, left, before, timeout=4 * c.CT + 30)
+    st = c.wait_recovered(stack)
+    assert pid not in [r["pid"] for r in st["ranks"]], st  # restarted
+    _ranks_settle(stack, {"version": "v0", **ASLEEP})
+    assert c.status(stack)["state"] == "sleeping"
+    r = c.ctl(stack, "/v1/wakeup", timeout=c.CONTROL_BOUND)
+    assert r.status_code == 200, r.text
+    c.assert_consistent(stack, "v0")
