@@ -377,6 +377,18 @@ class Engine:
                 alive, error = False, "ranks restarted: not yet brought to the engine's state"
             elif not await self.bring_ranks(None, "restarted"):
                 alive, error = False, "ranks restarted: not brought to the engine's state"
+        elif alive and self.ranks.unsettled and self.state.state is not State.UPDATING:
+            # a call that changes the ranks found one silent (stopped, cut off): once all
+            # answer again, they are brought back to the engine's state — what that rank
+            # did late, or the undo it missed, is overridden (README Recovery)
+            why = f"after a failed call ({self.ranks.unsettled})"
+            seen = self.ranks.unsettled_n
+            if self.lock.locked():  # an operation holds the lock: next round
+                alive, error = False, f"ranks not yet brought to the engine's state {why}"
+            elif await self.bring_ranks(None, why):
+                self.ranks.settled(seen)
+            else:
+                alive, error = False, f"ranks not brought to the engine's state {why}"
         self.rank_pings = {r: rep.result for r, rep in replies.items()}
         self.ranks_alive, self.ranks_error = alive, error
         await self._check_versions()

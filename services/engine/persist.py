@@ -225,6 +225,9 @@ async def reconcile(eng: Engine, update: Update | None = None) -> dict[str, Any]
     if update is not None and update.update_id:
         reps = await eng.ranks.call("rollback", m.UpdateIdArgs(update.update_id))
         done["rolled_back"] = sorted(r for r, rep in reps.items() if rep.result.get("rolled_back"))
+    # every call a rank still holds (late ones a stopped rank got before it stopped) has
+    # run before its state is looked at: nothing it does afterwards undoes what follows
+    await eng.ranks.call("drain", timeout=s.control_timeout_s)
     ranks = await eng.ranks.statuses(timeout=min(5.0, s.control_timeout_s))
     dead = [r["rank"] for r in ranks if not r.get("alive")]
     if dead:

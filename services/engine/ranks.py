@@ -19,6 +19,13 @@ from shared.subjects import Subjects
 log = logging.getLogger("rollbus.engine")
 
 
+# worker.ctl calls that change a rank: when one of them finds a rank silent, that rank may
+# still apply it later, or miss what the engine sent to undo it (its NATS connection
+# dropped while it was stopped: the server drops what it had for it), so the engine
+# brings every rank back to its own state once they all answer again (``unsettled``)
+CHANGES = frozenset({"stage", "commit", "abort", "rollback", "finalize", "sleep", "wakeup"})
+
+
 class RankError(ControlError):
     """Some ranks failed or did not answer; ``replies`` holds the ones that did."""
 
@@ -115,6 +122,10 @@ class Ranks:
     ) -> None:
         self.bus, self.subjects, self.tp, self.timeout = bus, subjects, tp, timeout
         self.view = RankView(tp, refresh_s)
+        # the last call of CHANGES some rank did not answer ("" = none since the ranks
+        # were last brought to the engine's state), and how many such calls so far
+        self.unsettled = ""
+        self.unsettled_n = 0
 
     async def call(
         self,
@@ -131,7 +142,16 @@ class Ranks:
         """
         t = timeout or self.timeout
         raw, missing, lost = await self._scatter(method, args, t, request_id)
+        if missing and method in CHANGES:
+            self.unsettled = f"{method}: ranks {missing} did not answer"
+            self.unsettled_n += 1
         return self._check(method, t, raw, missing, lost)
+
+    def settled(self, seen: int) -> None:
+        """The ranks were brought to the engine's state after call ``seen`` of
+        ``unsettled_n``: clear ``unsettled`` unless another call failed meanwhile."""
+        if self.unsettled_n == seen:
+            self.unsettled = ""
 
     async def _scatter(
         self,

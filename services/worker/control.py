@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +20,7 @@ from services.worker import model as mdl
 from services.worker.comm import CommGroup
 from services.worker.weights import WeightStore, digest
 from shared import procs
-from shared.errors import CONFLICT, ControlError
+from shared.errors import CONFLICT, UNAVAILABLE, ControlError
 from shared.messages import (
     CommitArgs,
     SelfBenchArgs,
@@ -28,6 +30,8 @@ from shared.messages import (
     WakeupWorkerArgs,
 )
 from shared.model_config import ModelConfig
+
+log = logging.getLogger("rollbus.worker")
 
 
 def release_memory() -> None:
@@ -70,6 +74,9 @@ class Rank:
     strategy: str
     model: mdl.TPModel | None = None
     started: float = field(default_factory=time.time)
+    # monotonic time the compute thread entered the comm group's rebuild (collective: a
+    # peer that never comes blocks it for good; the step watchdog ends such a process)
+    collective_since: float | None = None
 
     def status(self) -> dict[str, Any]:
         return {
@@ -87,6 +94,22 @@ class Rank:
         }
 
 
+Late = Callable[[], str]  # why the call's caller gave up on it by now ("" while it waits)
+
+
+def in_time() -> str:
+    return ""
+
+
+def not_late(r: Rank, method: str, late: Late) -> None:
+    """Refuse to go on with ``method`` once its caller (the engine) gave up on it: a rank
+    that was stopped, or whose connection dropped, runs it after the engine told its own
+    caller it failed and undid it on the other ranks (README Bus contract)."""
+    if why := late():
+        log.warning("rank %d: %s not run: %s", r.rank, method, why)
+        raise ControlError(UNAVAILABLE, f"rank {r.rank}: {method} not run: {why}")
+
+
 def ping(r: Rank, _: object = None) -> dict[str, Any]:
     return {"rank": r.rank, "version": r.weights.version, "pid": os.getpid()}
 
@@ -95,16 +118,20 @@ def status(r: Rank, _: object = None) -> dict[str, Any]:
     return r.status()
 
 
-def stage(r: Rank, args: StageArgs) -> dict[str, Any]:
+def stage(r: Rank, args: StageArgs, late: Late = in_time) -> dict[str, Any]:
     """Weights asleep: the version is validated and freed again (``loaded: false``); its
     commit only records it as current, and wakeup loads it."""
+    not_late(r, "stage", late)
     out = r.weights.stage(args.version, args.verify_checksum, args.update_id)
     if r.weights.current is None:
         release_memory()
     return {"rank": r.rank, **out}
 
 
-def commit(r: Rank, args: CommitArgs) -> dict[str, Any]:
+def commit(r: Rank, args: CommitArgs, late: Late = in_time) -> dict[str, Any]:
+    # checked here, on the paddle thread, after the bus barrier: the last moment before
+    # the swap (a late commit whose rollback never arrived must not switch this rank)
+    not_late(r, "commit", late)
     r.weights.commit(args.version, args.update_id)
     return {"rank": r.rank, "version": r.weights.version}
 
@@ -142,11 +169,22 @@ def sleep(r: Rank, args: SleepWorkerArgs) -> dict[str, Any]:
     return {"rank": r.rank, "freed_bytes": freed, "rss_before": before, "rss_after": rss_bytes()}
 
 
-def wakeup(r: Rank, args: WakeupWorkerArgs) -> dict[str, Any]:
-    """Rebuild what sleep freed: comm group, KV cache, then the *current* version."""
+def wakeup(r: Rank, args: WakeupWorkerArgs, late: Late = in_time) -> dict[str, Any]:
+    """Rebuild what sleep freed: comm group, KV cache, then the *current* version.
+
+    Once its caller gave up (``late``) the KV cache and weights are not brought back (the
+    engine stays asleep): memory the operator freed stays free. The comm group is rebuilt
+    even then: building it is collective, and a peer that got this wakeup in time waits
+    for this rank inside it; every rank runs the same collectives in the same order."""
     before = rss_bytes()
     t0 = time.perf_counter()
-    r.comm.build()
+    if not r.comm.alive:
+        r.collective_since = time.monotonic()
+    try:
+        r.comm.build()
+    finally:
+        r.collective_since = None
+    not_late(r, "wakeup", late)
     if "kv_cache" in args.tags and not r.kv.allocated:
         r.kv.allocate()
     if "weight" in args.tags and r.weights.current is None:

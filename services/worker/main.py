@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import os
 import platform
 import signal
 import sys
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -34,7 +36,7 @@ from services.worker.stepper import Stepper, Watermark
 from services.worker.weights import WeightStore
 from shared import messages as m
 from shared import readout as ro
-from shared.bus import RANK, Bus
+from shared.bus import RANK, Bus, past_deadline
 from shared.device import DeviceError
 from shared.errors import INTERNAL, UNAVAILABLE, ControlError
 from shared.model_config import ModelConfig, load_config
@@ -50,6 +52,9 @@ log = logging.getLogger("rollbus.worker")
 METHODS: dict[str, tuple[Callable[[control.Rank, Any], dict[str, Any]], type | None]] = {
     "ping": (control.ping, None),
     "status": (control.status, None),
+    # status on the paddle thread: answered once every call that came before it has run
+    # (the engine's reconcile waits for this before it looks at a rank's state)
+    "drain": (control.status, None),
     "stage": (control.stage, m.StageArgs),
     "commit": (control.commit, m.CommitArgs),
     "abort": (control.abort, None),
@@ -77,6 +82,14 @@ ON_RECEIPT: dict[str, Callable[[control.Rank, Any], None]] = {
 }
 # a commit runs only after a bus barrier (see WorkerServer.barrier)
 BARRIER = {"commit"}
+# calls that take a rank away from the state the engine last confirmed: not run once
+# their Rollbus-Deadline passed (the engine gave up on them, told its caller, undid them
+# on the other ranks). Checked when their turn on the paddle thread comes (they may have
+# queued behind other work), wakeup's after its collective part (control.wakeup). The
+# others run late too: sleep, abort, rollback, finalize take a rank toward that state;
+# comm_check and selfbench are collective (a peer that ran them in time waits for this
+# rank); steps carry no deadline.
+EXPIRES = {"stage", "commit", "wakeup"}
 
 
 class TransientStartError(RuntimeError):
@@ -154,9 +167,12 @@ class WorkerServer:
                     await asyncio.sleep(delay)
                 if method in BARRIER:
                     await self.barrier()
+                run = fn
+                if method in EXPIRES:
+                    run = functools.partial(fn, late=functools.partial(past_deadline, headers))
                 loop = asyncio.get_running_loop()
                 result = await loop.run_in_executor(
-                    self.pool, self.watermark.run, method, fn, self.state, args
+                    self.pool, self.watermark.run, method, run, self.state, args
                 )
                 return self.reply(result)
             except ControlError as e:
@@ -274,7 +290,9 @@ async def amain(settings: Settings, rank: int) -> int:
     await server.start()
     log.info("rank %d ready: version %s", rank, state.weights.version)
     bound = hang_bound(settings)
-    server.supervisor.start("step_watchdog", lambda: step_watchdog(server.watermark, rank, bound))
+    server.supervisor.start(
+        "step_watchdog", lambda: step_watchdog(server.watermark, rank, bound, state)
+    )
     await stop.wait()
     await server.supervisor.stop()
     await bus.close()
@@ -305,14 +323,25 @@ def hang_bound(settings: Settings) -> float:
     return max(4 * settings.stall_s, 4 * settings.control_timeout_s)
 
 
-async def step_watchdog(mark: Watermark, rank: int, bound: float) -> None:
-    """Leave the process when the compute thread is stuck in one step past ``bound``:
-    a peer never got the step (or is stopped). Such a thread cannot be interrupted."""
+async def step_watchdog(
+    mark: Watermark, rank: int, bound: float, state: control.Rank | None = None
+) -> None:
+    """Leave the process when the compute thread is stuck in one step, or in the comm
+    group's rebuild (a wakeup's barrier, ``state.collective_since``), past ``bound``: a
+    peer never got the step or the wakeup (e.g. cut off by the server while stopped), or
+    is stopped. Such a thread cannot be interrupted; the launcher restarts the ranks."""
     while True:
         await asyncio.sleep(min(1.0, bound / 4))
+        where = ""
         if mark.job.startswith("step") and mark.busy_s() > bound:
+            where = f"{mark.job} blocked for {mark.busy_s():.0f}s"
+        since = state.collective_since if state is not None else None
+        if since is not None and time.monotonic() - since > bound:
+            blocked = time.monotonic() - since
+            where = f"{mark.job or 'a call'} blocked in the comm group's rebuild for {blocked:.0f}s"
+        if where:
             print(
-                f"rollbus-worker rank {rank}: {mark.job} blocked for {mark.busy_s():.0f}s "
+                f"rollbus-worker rank {rank}: {where} "
                 "(a peer rank never got it, or is stopped); exiting",
                 file=sys.stderr,
                 flush=True,

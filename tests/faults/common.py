@@ -300,8 +300,12 @@ def sig_name(sig: int) -> str:
 class NatsProc:
     """A nats-server on a fixed port and store, killed and started again by tests."""
 
-    def __init__(self, store: Path, log: Path) -> None:
+    def __init__(self, store: Path, log: Path, conf: str = "") -> None:
+        """``conf``: server configuration text (e.g. a short ``ping_interval``)."""
         self.store, self.log, self.port = store, log, free_port()
+        self.conf = log.with_suffix(".conf") if conf else None
+        if self.conf is not None:
+            self.conf.write_text(conf)
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
 
@@ -312,6 +316,8 @@ class NatsProc:
     def start(self, wait_s: float = 20.0) -> None:
         cmd = [natsd.find_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js"]
         cmd += ["-sd", str(self.store)]
+        if self.conf is not None:
+            cmd += ["-c", str(self.conf)]
         self.proc = subprocess.Popen(cmd, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:

@@ -117,7 +117,8 @@ def test_reconcile_rolls_back_by_id_then_brings_restarted_ranks_to_the_version()
     eng = engine(ranks, state=State.PAUSED, weight_version="v1")
     done = asyncio.run(persist.reconcile(eng, persist.Update("u1", "v2", "v1")))
     methods = [c[0] for c in ranks.calls]
-    assert methods[:2] == ["rollback", "stage"] and "commit" in methods
+    # late calls a rank holds run before its state is looked at (drain)
+    assert methods[:3] == ["rollback", "drain", "stage"] and "commit" in methods
     assert ranks.calls[0][1] == m.UpdateIdArgs("u1")
     assert ranks.versions == ["v1", "v1"] and done["from"] == {0: "v0", 1: "v0"}
     assert [b[0] for b in ranks.broadcasts] == ["finalize"]
@@ -128,12 +129,12 @@ def test_reconcile_reapplies_sleep_and_wakes_ranks_for_an_awake_engine() -> None
     ranks = Ranks(["v1", "v1"])
     eng = engine(ranks, state=State.SLEEPING, weight_version="v1", asleep={"kv_cache"})
     asyncio.run(persist.reconcile(eng))
-    assert [c[0] for c in ranks.calls if c[0] != "ping"] == ["sleep"]
-    assert ranks.calls[0][1] == m.SleepWorkerArgs(["kv_cache"], False)
+    assert [c[0] for c in ranks.calls if c[0] != "ping"] == ["drain", "sleep"]
+    assert ranks.calls[1][1] == m.SleepWorkerArgs(["kv_cache"], False)
     asleep = Ranks(["v1", "v1"], loaded=False)
     eng = engine(asleep, weight_version="v1")  # running, but the ranks are asleep
     asyncio.run(persist.reconcile(eng))
-    assert [c[0] for c in asleep.calls if c[0] != "ping"] == ["wakeup"]
+    assert [c[0] for c in asleep.calls if c[0] != "ping"] == ["drain", "wakeup"]
 
 
 def test_ranks_changed() -> None:

@@ -1,0 +1,195 @@
+"""A rank call the engine gave up on is never applied later behind its back.
+
+A rank is SIGSTOPped while the engine scatters a call to every rank; the engine times
+out, tells its caller (503) and undoes the call on the others. The rank stays stopped
+long enough for the nats-server to cut it off (this module's server pings every 1 s and
+closes a client after 3 missed pings; the default, 2 min, makes that ~4-6 min): what
+the engine sent it meanwhile — the undo — is lost, while the call itself, already in the
+rank's socket, arrives once it is SIGCONTed. The rank must not run it (its
+``Rollbus-Deadline`` has passed), and the engine brings every rank back to its state once
+all answer. The stack runs with ``SHUTDOWN_COMM_GROUP_IF_WORKER_IDLE``, so a wakeup
+rebuilds the comm group: a collective, which every rank must run alike."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from services.tiny_model import write_version
+from tests.e2e.stack import Stack, start_stack
+from tests.faults import common as c
+from tests.faults.common import NatsProc
+
+pytestmark = pytest.mark.faults
+
+PING = 'ping_interval: "1s"\nping_max: 3\n'
+CUT_S = 10.0  # stopped this long, a rank is surely cut off (3 missed pings 1 s apart)
+ASLEEP = {"weights_loaded": False, "kv_allocated": False, "comm_group": False}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = Path(tmp_path_factory.mktemp("late_rank_calls"))
+    nats = NatsProc(tmp / "nats", tmp / "nats.log", conf=PING)
+    try:
+        s = start_stack(
+            tmp,
+            nats.url,
+            tp=2,
+            env={
+                "ROLLBUS_LOAD_STRATEGY": "object_store",
+                "ROLLBUS_CONTROL_TIMEOUT_S": str(c.CT),
+                "ROLLBUS_STALL_S": "3",
+                "ROLLBUS_KV_CACHE_BLOCKS": "96",
+                "ROLLBUS_SHUTDOWN_COMM_GROUP_IF_WORKER_IDLE": "true",
+                "ROLLBUS_TEST_COMMIT_DELAY_S": str(c.DELAY),
+            },
+        )
+    except Exception:
+        nats.stop()
+        raise
+    write_version(s.model_dir, "v1", seed=1)
+    try:
+        yield s
+    finally:
+        for pid in c.rank_pids(s, quiet=True):
+            c.signal_quietly(pid, signal.SIGCONT)
+        s.stop()
+        nats.stop()
+
+
+def _cut_off(since: float) -> None:
+    """Keep the rank stopped until the server has surely closed its connection."""
+    time.sleep(max(0.0, since + CUT_S - time.monotonic()))
+
+
+def _ranks_settle(stack: Stack, want: dict[str, object], hold: float = 3.0) -> None:
+    """Every rank alive and showing ``want``, then still so for ``hold`` seconds (a late
+    call the rank ran afterwards would show)."""
+
+    def shows(r: dict[str, object]) -> bool:
+        return all(r.get(k) == v for k, v in want.items())
+
+    deadline = time.monotonic() + 60
+    while True:
+        st = c.status(stack, fresh=True)
+        if all(r.get("alive") and shows(r) for r in st["ranks"]):
+            break
+        assert time.monotonic() < deadline, f"ranks never showed {want}: {st}\n{stack.log_tail()}"
+        time.sleep(0.2)
+    end = time.monotonic() + hold
+    while time.monotonic() < end:
+        st = c.status(stack, fresh=True)
+        assert all(shows(r) for r in st["ranks"]), (want, st)
+        time.sleep(0.2)
+
+
+def test_late_wakeup_is_not_run_and_the_ranks_stay_alike(stack: Stack) -> None:
+    """Sleeping (comm group destroyed); rank 1 stopped and cut off during a wakeup. Rank 0
+    waits for it in the comm group's barrier; the engine times out and sends both the
+    sleep that undoes the wakeup — lost for rank 1. SIGCONT: both leave the barrier past
+    the deadline and skip the weights and KV cache; rank 1 still has the comm group rank
+    0 then destroyed, until the engine brings it back to its state. Without that, the
+    next wakeup hung in rank 0's barrier; without the deadline, rank 1 woke up alone."""
+    refused = "rank 1: wakeup not run"
+    before = c.log_count(stack, refused)
+    assert c.ctl(stack, "/v1/sleep").status_code == 200
+    pid = c.rank_pid(stack, 1)
+    t0 = time.monotonic()
+    c.signal_quietly(pid, signal.SIGSTOP)
+    try:
+        r = c.ctl(stack, "/v1/wakeup")
+        assert r.status_code == 503 and "did not answer" in r.text, r.text
+        _cut_off(t0)
+    finally:
+        c.signal_quietly(pid, signal.SIGCONT)
+    c.wait_log(stack, refused, before)
+    _ranks_settle(stack, {"version": "v0", **ASLEEP})
+    st = c.status(stack)
+    assert st["state"] == "sleeping" and st["asleep"] == ["kv_cache", "weight"], st
+    r = c.ctl(stack, "/v1/wakeup", timeout=c.CONTROL_BOUND)
+    assert r.status_code == 200, r.text
+    c.assert_consistent(stack, "v0")
+
+
+def test_late_commit_is_refused(stack: Stack) -> None:
+    """Rank 1 stopped in its commit window and cut off: the engine rolls rank 0 back;
+    the rollback never reaches rank 1, whose commit then comes past its deadline and is
+    refused. Without that it switched to v1 alone (every step then failed)."""
+    refused = "rank 1: commit not run"
+    before = c.log_count(stack, refused)
+    assert c.ctl(stack, "/v1/pause").status_code == 200
+    window = "rank 1: test delay before commit"
+    opened = c.log_count(stack, window)
+    pid = c.rank_pid(stack, 1)
+    call = c.Call(stack, "/v1/update_weights", json={"version": "v1"})
+    c.wait_log(stack, window, opened)
+    t0 = time.monotonic()
+    c.signal_quietly(pid, signal.SIGSTOP)
+    try:
+        r = call.result(c.CONTROL_BOUND)
+        assert r.status_code == 503, r.text
+        assert "commit: ranks [1] did not answer" in r.text and "rolled back to 'v0'" in r.text
+        _cut_off(t0)
+    finally:
+        c.signal_quietly(pid, signal.SIGCONT)
+    c.wait_log(stack, refused, before)
+    _ranks_settle(stack, {"version": "v0"}, hold=c.DELAY + 2)
+    st = c.status(stack)
+    assert st["state"] == "paused" and st["weight_version"] == "v0", st
+    assert c.ctl(stack, "/v1/resume").status_code == 200
+    c.assert_consistent(stack, "v0")
+
+
+def test_sleep_a_cut_off_rank_never_got_is_applied_once_it_answers(stack: Stack) -> None:
+    """Rank 1 stopped and cut off before the sleep is sent: it never gets it (the
+    server dropped its connection). The engine records sleeping, answers 503, and brings
+    rank 1 to that state once it answers again. Without that, rank 1 kept its weights,
+    KV cache and comm group while ``status`` said sleeping with no problem, and (comm
+    groups unlike) the next wakeup hung in rank 0's barrier."""
+    pid = c.rank_pid(stack, 1)
+    t0 = time.monotonic()
+    c.signal_quietly(pid, signal.SIGSTOP)
+    try:
+        _cut_off(t0)
+        r = c.ctl(stack, "/v1/sleep")
+        assert r.status_code == 503 and "sleep: ranks [1] did not answer" in r.text, r.text
+    finally:
+        c.signal_quietly(pid, signal.SIGCONT)
+    _ranks_settle(stack, {"version": "v0", **ASLEEP})
+    assert c.status(stack)["state"] == "sleeping"
+    r = c.ctl(stack, "/v1/wakeup", timeout=c.CONTROL_BOUND)
+    assert r.status_code == 200, r.text
+    c.assert_consistent(stack, "v0")
+
+
+def test_wakeup_a_cut_off_rank_never_got_does_not_hold_its_peer_for_good(stack: Stack) -> None:
+    """Sleeping (comm group destroyed); rank 1 stopped and cut off before the wakeup is
+    sent: it never gets it, and rank 0 waits for it in the comm group's barrier, which
+    nothing can interrupt (gloo's own timeout is 30 min). Past max(4 x STALL_S, 4 x
+    CONTROL_TIMEOUT_S) rank 0 leaves (code 4, a line naming the rebuild), the launcher
+    restarts the ranks and the engine brings them to its state: asleep."""
+    left = "blocked in the comm group's rebuild"
+    before = c.log_count(stack, left)
+    assert c.ctl(stack, "/v1/sleep").status_code == 200
+    pid = c.rank_pid(stack, 1)
+    t0 = time.monotonic()
+    c.signal_quietly(pid, signal.SIGSTOP)
+    try:
+        _cut_off(t0)
+        r = c.ctl(stack, "/v1/wakeup")
+        assert r.status_code == 503 and "did not answer" in r.text, r.text
+    finally:
+        c.signal_quietly(pid, signal.SIGCONT)
+    c.wait_log(stack, left, before, timeout=4 * c.CT + 30)
+    st = c.wait_recovered(stack)
+    assert pid not in [r["pid"] for r in st["ranks"]], st  # restarted
+    _ranks_settle(stack, {"version": "v0", **ASLEEP})
+    assert c.status(stack)["state"] == "sleeping"
+    r = c.ctl(stack, "/v1/wakeup", timeout=c.CONTROL_BOUND)
+    assert r.status_code == 200, r.text
+    c.assert_consistent(stack, "v0")
