@@ -8,7 +8,15 @@ work as HTTP: the prompts' prefill step plus the decode steps), and ``batch`` co
 time, the CPU seconds (user + sys, ``/proc/<pid>/stat``) of every process (api, engine,
 each rank, nats-server, this client) and the engine's step timing (``/v1/status``
 ``step_time``: time in steps, rank 0's own compute, time between back-to-back steps;
-steps and rows, so the first step's admission shows)."""
+steps and rows, so the first step's admission shows).
+
+``--paths nats,http,raw`` runs each HTTP run's batch over other paths too, in the same
+interleaving: ``nats`` the engine driven straight over the bus (the bench's "engine over
+NATS" client), ``raw`` the same HTTP requests written by a minimal asyncio HTTP/1.1 client
+(to tell httpx's own cost from the API's), ``stream`` SSE. Every run also prints a
+timeline taken by a wildcard subscriber on the server: seconds from the client's start to
+the first and last ``gen`` request on the bus and to the first ``worker.step``, the last
+step sent, and the client's end; ``out_of_step_s`` = wall − the engine's ``in_step_s``."""
 
 from __future__ import annotations
 
@@ -66,6 +74,35 @@ def named(root: int, nats_pid: int) -> dict[str, int]:
     return procs
 
 
+class Tap:
+    """Times of the messages on the server (a wildcard subscriber): where a run's wall time
+    goes before the first step and after the last."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[float, str]] = []
+
+    async def start(self, bus: Bus) -> None:
+        async def on(msg: Any) -> None:
+            self.events.append((time.perf_counter(), msg.subject))
+
+        await bus.nc.subscribe(">", cb=on)
+
+    def timeline(self, s: Subjects, t0: float, t1: float) -> dict[str, float | None]:
+        def at(ts: list[float], i: int) -> float | None:
+            return round(ts[i] - t0, 4) if ts else None
+
+        ev = [(t, sub) for t, sub in self.events if t0 <= t <= t1]
+        gens = [t for t, sub in ev if sub == s.gen]
+        steps = [t for t, sub in ev if sub == s.worker_step]
+        return {
+            "first_gen_s": at(gens, 0),
+            "last_gen_s": at(gens, -1),
+            "first_step_s": at(steps, 0),
+            "last_step_sent_s": at(steps, -1),
+            "end_s": round(t1 - t0, 4),
+        }
+
+
 LAST: dict[str, float] = {}  # the last selfbench's step_ms and prefill_ms (rank 0)
 
 
@@ -73,8 +110,9 @@ async def selfbench(bus: Bus, s: Subjects, batch: int, tp: int, prefill: bool) -
     args = m.SelfBenchArgs(batch=batch, steps=g.STEPS, prompt_len=g.PROMPT_LEN)
     if prefill:
         args.prefill = True
-    reps = await bus.scatter(s.worker_ctl("selfbench"), m.json_encode(args), expected=tp,
-                             timeout=600)
+    reps = await bus.scatter(
+        s.worker_ctl("selfbench"), m.json_encode(args), expected=tp, timeout=600
+    )
     rep = m.json_decode(reps[0].data, type=m.WorkerReply)
     assert rep.error_code == 200, rep.error_message
     LAST.update({k: round(rep.result[k], 1) for k in ("step_ms", "prefill_ms")})
@@ -87,36 +125,76 @@ def status(base: str) -> dict[str, Any]:
     return dict(r.json())
 
 
-async def http_run(base: str, procs: dict[str, int], batch: int) -> dict[str, Any]:
+async def http_run(
+    base: str,
+    procs: dict[str, int],
+    batch: int,
+    path: str = "http",
+    bus: Bus | None = None,
+    s: Subjects | None = None,
+    tap: Tap | None = None,
+) -> dict[str, Any]:
     before = {k: cpu_s(p) for k, p in procs.items()}
     st0 = status(base)
     t0 = time.perf_counter()
-    tps = await g.via_http(base, batch, stream=False)
-    wall = time.perf_counter() - t0
+    if path == "nats":
+        assert bus is not None and s is not None
+        tps = await g.via_bus(bus, s, batch)
+    elif path == "raw":
+        tps = await g.via_raw_http(base, batch)
+    else:
+        tps = await g.via_http(base, batch, stream=path == "stream")
+    t1 = time.perf_counter()
+    wall = t1 - t0
+    await asyncio.sleep(0.05)  # the tap's last messages
     st1 = status(base)
     cpu = {k: round(cpu_s(p) - before[k], 2) for k, p in procs.items()}
     a, b = st0.get("step_time", {}), st1.get("step_time", {})
     steps = {k: round(b[k] - a[k], 3) for k in b}
     steps["steps"] = st1["steps"] - st0["steps"] - 0  # status calls step nothing
-    return {"tokens_per_s": round(tps, 1), "wall_s": round(wall, 2), "cpu_s": cpu,
-            "step": steps}
+    out = {
+        "tokens_per_s": round(tps, 1),
+        "wall_s": round(wall, 2),
+        "cpu_s": cpu,
+        "step": steps,
+        "out_of_step_s": round(wall - steps.get("in_step_s", 0.0), 3),
+    }
+    if tap is not None and s is not None:
+        out["timeline"] = tap.timeline(s, t0, t1)
+    return out
 
 
 async def main_async(args: argparse.Namespace, tmp: Path) -> None:
     model_dir = Path(args.model_dir)
     if not (model_dir / "config.json").exists():
-        subprocess.run([sys.executable, "-m", "tests.bench.hf_generate", "build",
-                        str(model_dir), json.dumps(g.MODEL)], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tests.bench.hf_generate",
+                "build",
+                str(model_dir),
+                json.dumps(g.MODEL),
+            ],
+            check=True,
+        )
     variants: dict[str, dict[str, str]] = json.loads(args.variants)
     server = natsd.start(tmp / "nats", port=0)
     stacks = {}
     bus = await Bus.connect(server.url, "gen-where")
+    tap = Tap()
+    paths = args.paths.split(",")
     try:
+        await tap.start(bus)
         for name, env in variants.items():
             stacks[name] = start_stack(
-                tmp / name, server.url, tp=args.tp, model_dir=model_dir, model_name="bench",
-                env={"ROLLBUS_KV_CACHE_BLOCKS": "1024", "ROLLBUS_CONTROL_TIMEOUT_S": "120",
-                     **env})
+                tmp / name,
+                server.url,
+                tp=args.tp,
+                model_dir=model_dir,
+                model_name="bench",
+                env={"ROLLBUS_KV_CACHE_BLOCKS": "1024", "ROLLBUS_CONTROL_TIMEOUT_S": "120", **env},
+            )
         time.sleep(2)
         procs = {n: named(st.proc.pid, server.proc.pid) for n, st in stacks.items()}
         print("processes:", procs, flush=True)
@@ -129,17 +207,35 @@ async def main_async(args: argparse.Namespace, tmp: Path) -> None:
                 load = os.getloadavg()[0]
                 sb = await selfbench(bus, s, args.batch, args.tp, prefill=False)
                 sb_ms = dict(LAST)
-                sbp = await selfbench(bus, s, args.batch, args.tp, prefill=True) \
-                    if args.prefill else float("nan")
-                h = await http_run(stack.base_url, procs[name], args.batch)
+                sbp = (
+                    await selfbench(bus, s, args.batch, args.tp, prefill=True)
+                    if args.prefill
+                    else float("nan")
+                )
                 res.setdefault(f"{name} selfbench", []).append(sb)
                 res.setdefault(f"{name} selfbench+prefill", []).append(sbp)
-                res.setdefault(f"{name} http", []).append(h["tokens_per_s"])
-                res.setdefault(f"{name} ratio", []).append(h["tokens_per_s"] / sb)
-                print(json.dumps({"run": i, "variant": name, "load1": round(load, 2),
-                                  "selfbench": round(sb, 1), "selfbench_ms": sb_ms,
-                                  "selfbench_prefill": round(sbp, 1),
-                                  **h, "ratio": round(h["tokens_per_s"] / sb, 3)}), flush=True)
+                for path in paths:
+                    h = await http_run(stack.base_url, procs[name], args.batch, path, bus, s, tap)
+                    tap.events.clear()
+                    res.setdefault(f"{name} {path}", []).append(h["tokens_per_s"])
+                    res.setdefault(f"{name} {path} ratio", []).append(h["tokens_per_s"] / sb)
+                    res.setdefault(f"{name} {path} out_of_step_s", []).append(h["out_of_step_s"])
+                    print(
+                        json.dumps(
+                            {
+                                "run": i,
+                                "variant": name,
+                                "path": path,
+                                "load1": round(load, 2),
+                                "selfbench": round(sb, 1),
+                                "selfbench_ms": sb_ms,
+                                "selfbench_prefill": round(sbp, 1),
+                                **h,
+                                "ratio": round(h["tokens_per_s"] / sb, 3),
+                            }
+                        ),
+                        flush=True,
+                    )
         for k, v in res.items():
             print(f"{k}: median {statistics.median(v):.3f} (min {min(v):.3f} max {max(v):.3f})")
         if args.show_log:
@@ -160,8 +256,18 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--prefill", action="store_true", help="also selfbench with prefill")
-    ap.add_argument("--variants", default='{"default": {}}',
-                    help='JSON {name: {ENV: value}}: one stack each, runs interleaved')
+    ap.add_argument(
+        "--paths",
+        default="http",
+        help="comma-separated, per run in this order: http (httpx, the bench's "
+        "client), raw (a minimal HTTP/1.1 client), stream (SSE), nats (the engine "
+        "over the bus, no API)",
+    )
+    ap.add_argument(
+        "--variants",
+        default='{"default": {}}',
+        help="JSON {name: {ENV: value}}: one stack each, runs interleaved",
+    )
     ap.add_argument("--show-log", default="", help="print the stack's log lines with this")
     ap.add_argument("--model-dir", default="/tmp/rollbus-gen-where/bench")
     args = ap.parse_args()

@@ -29,8 +29,12 @@ from tests.e2e.stack import Stack
 log = logging.getLogger("bench")
 
 MODEL = {  # the 8-layer hidden-1024 fp32 model (≈ 390 MiB)
-    "vocab_size": 4096, "hidden_size": 1024, "intermediate_size": 2816,
-    "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 8,
+    "vocab_size": 4096,
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
 }
 TPS = (2, 1)  # both stacks in the same run: 2 ranks x 1 thread, 1 rank x 2 threads
 PROMPT_LEN = 16
@@ -72,12 +76,19 @@ async def via_bus(bus: Bus, s: Subjects, batch: int) -> float:
 
 
 def _body(i: int, stream: bool) -> dict[str, Any]:
-    return {"model": "bench", "prompt": [256] + [(7 * i + j) % 250 for j in range(PROMPT_LEN - 1)],
-            "max_tokens": STEPS, "temperature": 0, "ignore_eos": True, "stream": stream}
+    return {
+        "model": "bench",
+        "prompt": [256] + [(7 * i + j) % 250 for j in range(PROMPT_LEN - 1)],
+        "max_tokens": STEPS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
 
 
 async def via_http(base: str, batch: int, stream: bool) -> float:
     async with httpx.AsyncClient(base_url=base, timeout=600) as c:
+
         async def one(i: int) -> int:
             if not stream:
                 r = await c.post("/v1/completions", json=_body(i, False))
@@ -92,6 +103,29 @@ async def via_http(base: str, batch: int, stream: bool) -> float:
         t0 = time.perf_counter()
         total = sum(await asyncio.gather(*(one(i) for i in range(batch))))
         return total / (time.perf_counter() - t0)
+
+
+async def via_raw_http(base: str, batch: int) -> float:
+    """The non-streamed requests of :func:`via_http` written by a minimal HTTP/1.1 client
+    (one connection each, ``Connection: close``, the JSON body read whole): the same
+    requests and answers without httpx's own per-request work, which on 2 cores delays
+    the batch's start (README "Generation speed on a CPU", session 10)."""
+    host, port = base.split("//")[1].rsplit(":", 1)
+
+    async def one(i: int) -> int:
+        r, w = await asyncio.open_connection(host, int(port))
+        body = json.dumps(_body(i, False)).encode()
+        w.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+            b"\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body
+        )
+        data = await r.read()
+        w.close()
+        return int(json.loads(data.partition(b"\r\n\r\n")[2])["usage"]["completion_tokens"])
+
+    t0 = time.perf_counter()
+    total = sum(await asyncio.gather(*(one(i) for i in range(batch))))
+    return total / (time.perf_counter() - t0)
 
 
 async def time_to_abort(base: str, rounds: int) -> list[float]:
@@ -127,9 +161,20 @@ class HFBaseline:
     def __init__(self, model_dir: Path, batch: int, log_path: Path) -> None:
         self.log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.bench.hf_generate", "serve", str(model_dir),
-             str(batch), str(PROMPT_LEN), str(STEPS)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+            [
+                sys.executable,
+                "-m",
+                "tests.bench.hf_generate",
+                "serve",
+                str(model_dir),
+                str(batch),
+                str(PROMPT_LEN),
+                str(STEPS),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
         )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline().strip()
@@ -151,28 +196,48 @@ class HFBaseline:
         self.log.close()
 
 
-def run(tmp: Path, nats_url: str, runs: int = 5, quick: bool = False,
-        model: dict[str, Any] | None = None) -> list[Table]:
+def run(
+    tmp: Path,
+    nats_url: str,
+    runs: int = 5,
+    quick: bool = False,
+    model: dict[str, Any] | None = None,
+) -> list[Table]:
     global STEPS
     STEPS = 8 if quick else 64
     model_dir = tmp / "gen" / "models" / "bench"
     model_dir.parent.mkdir(parents=True, exist_ok=True)
     built = subprocess.run(
-        [sys.executable, "-m", "tests.bench.hf_generate", "build", str(model_dir),
-         json.dumps(model or MODEL)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "tests.bench.hf_generate",
+            "build",
+            str(model_dir),
+            json.dumps(model or MODEL),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     if built.returncode:  # e.g. no torch / transformers: `just compat` installs them
-        raise RuntimeError(f"building the bench model with transformers failed:\n"
-                           f"{built.stderr[-2000:]}")
+        raise RuntimeError(
+            f"building the bench model with transformers failed:\n{built.stderr[-2000:]}"
+        )
     stacks: dict[int, Stack] = {}
     hf: HFBaseline | None = None
     try:
         for tp in TPS:
             stacks[tp] = start_stack_retry(
-                tmp / f"gen-tp{tp}", nats_url, tp=tp, model_dir=model_dir, model_name="bench",
-                env={"ROLLBUS_KV_CACHE_BLOCKS": "1024" if tp == 2 else "256",
-                     "ROLLBUS_CONTROL_TIMEOUT_S": "120"},
+                tmp / f"gen-tp{tp}",
+                nats_url,
+                tp=tp,
+                model_dir=model_dir,
+                model_name="bench",
+                env={
+                    "ROLLBUS_KV_CACHE_BLOCKS": "1024" if tp == 2 else "256",
+                    "ROLLBUS_CONTROL_TIMEOUT_S": "120",
+                },
             )
         hf = HFBaseline(model_dir, 16, tmp / "gen" / "hf.log")
         cfg = json.loads((model_dir / "config.json").read_text())
@@ -195,12 +260,17 @@ def _inproc_prefill(tp: int) -> str:
     return f"in-process tp={tp}, prefill + decode (same work as HTTP)"
 
 
+def _raw_client(tp: int) -> str:
+    return f"HTTP, minimal client (no httpx) tp={tp}"
+
+
 def _same_work(tp: int) -> str:
     return f"HTTP tp={tp}, against in-process prefill + decode (same work)"
 
 
-async def _run(stacks: dict[int, Stack], hf: HFBaseline, cfg: dict[str, Any],
-               runs: int) -> list[Table]:
+async def _run(
+    stacks: dict[int, Stack], hf: HFBaseline, cfg: dict[str, Any], runs: int
+) -> list[Table]:
     buses = {tp: await Bus.connect(st.nats_url, f"bench-gen-tp{tp}") for tp, st in stacks.items()}
     subj = {tp: Subjects(st.instance) for tp, st in stacks.items()}
     size = (
@@ -228,16 +298,23 @@ async def _run(stacks: dict[int, Stack], hf: HFBaseline, cfg: dict[str, Any],
                     rows.setdefault(_inproc(tp), []).append(await baseline(bus, s, batch, tp))
                     if batch == 16:
                         rows.setdefault(_inproc_prefill(tp), []).append(
-                            await baseline(bus, s, batch, tp, prefill=True))
+                            await baseline(bus, s, batch, tp, prefill=True)
+                        )
                     rows.setdefault(f"engine over NATS tp={tp}", []).append(
-                        await via_bus(bus, s, batch))
+                        await via_bus(bus, s, batch)
+                    )
                     http = await via_http(st.base_url, batch, stream=False)
                     rows.setdefault(f"HTTP tp={tp}", []).append(http)
                     if batch == 16:
                         rows.setdefault(f"HTTP tp={tp}, against transformers", []).append(http)
                         rows.setdefault(_same_work(tp), []).append(http)
                     rows.setdefault(f"HTTP stream tp={tp}", []).append(
-                        await via_http(st.base_url, batch, stream=True))
+                        await via_http(st.base_url, batch, stream=True)
+                    )
+                    if batch == 16:  # the same requests without httpx's work: no target
+                        rows.setdefault(_raw_client(tp), []).append(
+                            await via_raw_http(st.base_url, batch)
+                        )
             for name, vals in rows.items():
                 base: str | None
                 target: tuple[str, float] | None = None
@@ -267,7 +344,9 @@ async def _run(stacks: dict[int, Stack], hf: HFBaseline, cfg: dict[str, Any],
                     "with prefill: the prompts' prefill step (the first token) and the "
                     "decode steps, as HTTP does them, shown against decode only (no target); "
                     "HTTP is checked against both in-process rows (>= 0.9x each). "
-                    "HTTP: 16 concurrent `/v1/completions` requests, prefill included."
+                    "HTTP: 16 concurrent `/v1/completions` requests (httpx), prefill included; "
+                    "minimal client: the same requests written by a bare asyncio HTTP/1.1 "
+                    "client, to show httpx's own share (no target)."
                 )
             out.append(t)
             log.info("generation batch %d done", batch)
@@ -275,8 +354,9 @@ async def _run(stacks: dict[int, Stack], hf: HFBaseline, cfg: dict[str, Any],
     finally:
         for bus in buses.values():
             await bus.close()
-    t = Table("abort", "Time to abort (tp=2): `POST /v1/pause` → last of 16 running streams "
-              "ended", "ms")
+    t = Table(
+        "abort", "Time to abort (tp=2): `POST /v1/pause` → last of 16 running streams ended", "ms"
+    )
     t.add(f"one value per round ({len(abort)} rounds)", values=abort)
     out.append(t)
     return out
