@@ -1,0 +1,91 @@
+"""A nats-server fault while auto-update's ranks pull an announced version: the cut
+transfer is retried until the version is served (never taken for a bad version). Two
+tp=2 stacks with ~100 MiB shards (one per fault): ~100 s, so it runs with the fault
+suite (`just faults`), not in `just test`.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from services.trainer.publisher import CheckpointPublisher
+from shared import sharding
+from shared.model_config import ModelConfig
+from tests.e2e.stack import Stack, model_config, start_stack
+from tests.e2e.test_checkpoints import events
+from tests.e2e.test_pull_failures import BIG, Server
+
+
+@pytest.fixture
+def auto(tmp_path: Path) -> Iterator[tuple[Server, Stack]]:
+    server = Server(tmp_path / "nats")
+    stack = start_stack(
+        tmp_path,
+        server.url,
+        tp=2,
+        model_config=BIG,
+        model_name="pullauto",
+        env={
+            "ROLLBUS_LOAD_STRATEGY": "object_store",
+            "ROLLBUS_AUTO_UPDATE": "true",
+            "ROLLBUS_CONTROL_TIMEOUT_S": "10",
+            "ROLLBUS_KV_CACHE_BLOCKS": "8",
+        },
+    )
+    try:
+        yield server, stack
+    finally:
+        stack.stop()
+        server.stop()
+
+
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+def test_nats_fault_mid_auto_update_pull_is_retried_until_served(
+    auto: tuple[Server, Stack], fault: str
+) -> None:
+    """A nats-server fault while the ranks pull an announced version: ``kill`` (SIGKILL,
+    then started again on the same store: every connection is cut, the engine's too) or
+    ``stop`` (SIGSTOP for longer than the reader's 5 s stall timeout, then SIGCONT: only
+    the transfer gives up, and the ranks' answers reach the engine). The cut transfer is
+    a retryable failure (503), never a bad version (422: acked and never tried again, the
+    service would stay behind without a word); auto-update retries and serves it."""
+    server, stack = auto
+    cfg = model_config(stack.model_dir)
+    state = sharding.init_weights(ModelConfig.from_hf(cfg), 5)
+    CheckpointPublisher(server.url).publish("pullauto", "a1", state, tp=2, config=cfg)
+    deadline = time.monotonic() + 30
+    while stack.status()["state"] != "updating":  # auto-update took it: the ranks pull
+        assert time.monotonic() < deadline, stack.status()
+        time.sleep(0.02)
+    assert server.proc is not None
+    if fault == "kill":
+        server.stop(signal.SIGKILL)
+        server.start()
+    else:
+        server.proc.send_signal(signal.SIGSTOP)
+        time.sleep(7)  # past the 5 s stall timeout, under the 10 s control timeout
+        server.proc.send_signal(signal.SIGCONT)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            st = stack.status()
+            if st["weight_version"] == "a1":
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "auto-update never applied a1 after the fault"
+        time.sleep(0.5)
+    assert {x["version"] for x in st["ranks"]} == {"a1"}
+    recs = [e["data"] for e in events(stack, "auto_update") if e["data"]["version"] == "a1"]
+    assert recs[-1]["action"] == "updated" and len(recs) >= 2, recs  # the fault cut one
+    for rec in recs[:-1]:  # the cut pull: failed, kept for a retry
+        assert rec["action"] == "failed" and rec["retry"] is True, recs
+        assert rec["error_code"] == 503, recs
+    if fault == "stop":  # the ranks' own verdict on the transfer reached auto-update
+        assert "pull" in recs[0]["error_message"], recs
