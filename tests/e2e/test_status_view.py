@@ -178,7 +178,6 @@ def test_stopped_rank_shows_not_alive_with_a_reason_then_alive_again(stack: Stac
             time.sleep(0.1)
 
 
-
 async def _statuses_during_updates(stack: Stack, versions: list[str]) -> list[dict[str, Any]]:
     """Every ``status`` (over NATS, back to back) while ``update_weights`` ran to each of
     ``versions`` in turn, paused."""
@@ -211,13 +210,16 @@ async def _statuses_during_updates(stack: Stack, versions: list[str]) -> list[di
 def test_status_never_shows_a_false_version_mismatch_during_an_update(stack: Stack) -> None:
     write_version(stack.model_dir, "rv1", seed=5)
     seen = asyncio.run(_statuses_during_updates(stack, ["rv1", "v0", "rv1", "v0"]))
+    # a rank shown not alive keeps the version it last reported: no claim, no lie (under
+    # CI load a CPU-starved rank can miss the refresh ending an update: "did not answer
+    # status within 1 s")
     lies = [
         (st["state"], st["weight_version"], [r.get("version") for r in st["ranks"]])
         for st in seen
         if st["version_mismatch"]
         or (
             st["state"] != "updating"
-            and any(r.get("version") != st["weight_version"] for r in st["ranks"])
+            and any(r["alive"] and r.get("version") != st["weight_version"] for r in st["ranks"])
         )
     ]
     assert not lies, f"{len(lies)} of {len(seen)} statuses: {lies[:5]}"
@@ -266,8 +268,7 @@ def test_restarted_ranks_are_not_ready_before_the_engine_brought_them(
                 for st in seen
                 if st["ranks_ready"]
                 and any(
-                    r.get("version") != st["weight_version"]
-                    or (asleep and r.get("weights_loaded"))
+                    r.get("version") != st["weight_version"] or (asleep and r.get("weights_loaded"))
                     for r in st["ranks"]
                 )
             ]

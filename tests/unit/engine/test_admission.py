@@ -15,14 +15,8 @@ from shared import messages as m
 from shared.settings import Settings
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from services.tiny_model import create_model_dir
-
-    return create_model_dir(Path(tmp_path_factory.mktemp("m")) / "tiny", seed=0)
-
-
 def generation(model_dir: Path, **kw: object) -> Generation:
+    """An engine's generation side, no bus: what admission and step rows need."""
     s = Settings(model=str(model_dir), max_n=4, max_waiting=2, max_model_len=64, **kw)
     return Generation(SimpleNamespace(settings=s))  # type: ignore[arg-type]
 

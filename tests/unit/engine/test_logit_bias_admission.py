@@ -5,27 +5,14 @@ good one into every sample spec of the request's step rows."""
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import msgspec
 import pytest
 
-from services.engine.generation import Generation, Refused
+from services.engine.generation import Refused
 from services.engine.scheduler import Scheduler
 from shared import messages as m
-from shared.settings import Settings
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from services.tiny_model import create_model_dir
-
-    return create_model_dir(Path(tmp_path_factory.mktemp("m")) / "tiny", seed=0)
-
-
-def generation(model_dir: Path) -> Generation:
-    s = Settings(model=str(model_dir), max_n=4, max_waiting=2, max_model_len=64)
-    return Generation(SimpleNamespace(settings=s))  # type: ignore[arg-type]
+from tests.unit.engine.test_admission import generation
 
 
 def msg(bias: object) -> bytes:
