@@ -602,11 +602,25 @@ class _Claim:
         self.seq = 0
         self.lock = asyncio.Lock()  # a refresh and the manifest's write never overlap
 
-    def _marker(self) -> dict[str, Any]:
+    def _deleted(self) -> dict[str, Any]:
+        """A deleted object's meta as NATS object stores write it: a reader that parses
+        every meta (nats-py's ``ObjectStore.list``, ``get_info``, ``put``) needs ``nuid``
+        (none: its ``list`` hangs, the others raise ``BadObjectMetaError``, for as long as
+        the marker is the name's last meta — for good after a failed publish)."""
+        nuid = self.nc._nuid.next().decode()  # no chunk was ever written under it
         return {
             "name": self.name,
             "bucket": self.bucket,
+            "nuid": nuid,
+            "size": 0,
+            "chunks": 0,
+            "digest": "",
             "deleted": True,
+        }
+
+    def _marker(self) -> dict[str, Any]:
+        return {
+            **self._deleted(),
             "claim": {"owner": self.owner, "id": self.id, "time": time.time()},
         }
 
@@ -679,7 +693,7 @@ class _Claim:
                 self.nc,
                 self.bucket,
                 self.name,
-                {"name": self.name, "bucket": self.bucket, "deleted": True},
+                self._deleted(),
                 self.seq,
             )
 

@@ -120,3 +120,29 @@ async def test_a_claim_whose_answer_was_lost_is_still_ours(
         assert await first.mine() and first.seq == again.seq
     finally:
         await bus.close()
+
+
+async def test_claim_and_release_markers_are_deleted_objects_to_nats_py(nats_url: str) -> None:
+    # a claim left by a dead publisher, or released by a failed one, stays the name's last
+    # meta: another NATS object-store client must still read the bucket (nats-py's `list`
+    # hung, its get_info / put raised BadObjectMetaError: the markers had no nuid)
+    model = f"cm-{uuid.uuid4().hex[:6]}"
+    bus = await Bus.connect(nats_url, "marker")
+    try:
+        await objstore.ensure_bucket(bus.nc, BUCKET)
+        store = await bus.nc.jetstream().object_store(BUCKET)
+        for version in ("v1", "v2"):
+            name = ckpt_object_name(model, version, "manifest.json")
+            claim = publisher._Claim(bus.nc, BUCKET, name, "marker")
+            assert await claim.take() is None
+            if version == "v2":
+                await claim.release()
+                assert "claim" not in (await objstore.last_meta(bus.nc, BUCKET, name))[1]
+            info = await asyncio.wait_for(store.get_info(name, show_deleted=True), 10)
+            assert info.deleted
+            with pytest.raises(objstore.ObjectMissing):  # rollbus readers: no object
+                await objstore.get_meta(bus.nc, BUCKET, name)
+        names = [i.name for i in await asyncio.wait_for(store.list(ignore_deletes=False), 10)]
+        assert ckpt_object_name(model, "v1", "manifest.json") in names
+    finally:
+        await bus.close()
