@@ -707,8 +707,12 @@ class _Claim:
                 keep.result()  # raises VersionConflict (the claim was taken over)
             return work.result()
         finally:
-            for t in (work, keep):
-                t.cancel()
+            # never stopped mid-write: its cancel could be lost (asyncio.wait_for inside
+            # nats-py's request swallows one that comes with the answer, Python < 3.12: it
+            # refreshed for ever, the publish hung), and a write cut off may land unseen
+            async with self.lock:
+                for t in (work, keep):
+                    t.cancel()
             await asyncio.gather(work, keep, return_exceptions=True)
 
 

@@ -146,3 +146,32 @@ async def test_claim_and_release_markers_are_deleted_objects_to_nats_py(nats_url
         assert ckpt_object_name(model, "v1", "manifest.json") in names
     finally:
         await bus.close()
+
+
+async def test_the_upload_ends_while_a_refresh_is_being_written(
+    nats_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the refresh is stopped when the upload ends, maybe in the middle of its claim write:
+    # that stop must not be lost (nats-py's request waits in asyncio.wait_for, which on
+    # Python < 3.12 swallows a cancel that comes as the answer does: the refresh then ran
+    # on for ever and the publish never ended), and the manifest's compare-and-set must
+    # expect the claim as last written (not a spurious VersionConflict)
+    monkeypatch.setattr(publisher, "CLAIM_REFRESH_S", 0.001)  # always writing
+    model = f"cr-{uuid.uuid4().hex[:6]}"
+    bus = await Bus.connect(nats_url, "refresh")
+
+    async def upload(i: int) -> bool:
+        await asyncio.sleep(0.002 * (i % 7))
+        return True
+
+    try:
+        await objstore.ensure_bucket(bus.nc, BUCKET)
+        for i in range(40):
+            name = ckpt_object_name(model, f"v{i}", "manifest.json")
+            claim = publisher._Claim(bus.nc, BUCKET, name, "me")
+            assert await claim.take() is None
+            assert await asyncio.wait_for(claim.hold_while(upload(i)), 30)
+            assert await claim.mine()
+            await objstore.put_object(bus.nc, BUCKET, name, b"{}", expect_seq=claim.seq)
+    finally:
+        await bus.close()
