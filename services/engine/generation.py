@@ -45,7 +45,7 @@ from nats.aio.msg import Msg
 from nats.micro.service import Service
 
 from services.engine import autoupdate, orphans, staleness
-from services.engine.scheduler import Output, Plan, Scheduler, Seq
+from services.engine.scheduler import Output, Plan, Request, Scheduler, Seq
 from shared import messages as m
 from shared.bus import REQUEST_ID, BatchItem, Reply, Sent, batch_subject, pack_batches
 from shared.errors import BAD_REQUEST, TOO_MANY_REQUESTS, UNAVAILABLE, ControlError, Timeout
@@ -293,8 +293,12 @@ class Generation:
             self.work.set()
 
         await orphans.probe_loop(
-            self.engine.bus, lambda: self.sched.requests.values(), heartbeat, cancel
+            self.engine.bus, lambda: self.sched.requests.values(), heartbeat, cancel, self._batched
         )
+
+    def _batched(self, req: Request) -> bool:
+        """Its chunks go in its inbox prefix's batch message (a JSON client's never do)."""
+        return req.gen.batch and req.reply not in self._json_replies
 
     async def _send(self, reply: str, chunk: m.GenChunk) -> None:
         data = m.json_encode(chunk) if reply in self._json_replies else m.pack(chunk)
@@ -305,7 +309,10 @@ class Generation:
         if out.error:
             code, why = out.error
             return m.GenChunk(
-                seq.req.request_id, seq.index, finish_reason="error", error_code=code,
+                seq.req.request_id,
+                seq.index,
+                finish_reason="error",
+                error_code=code,
                 error_message=why,
             )
         return m.GenChunk(
@@ -331,7 +338,7 @@ class Generation:
             chunks = self._coalesce(chunk) if req.gen.coalesce else [chunk]
             if not chunks:
                 continue  # held
-            if req.gen.batch and req.reply not in self._json_replies:
+            if self._batched(req):
                 subject, token = batch_subject(req.reply)
                 items = batches.setdefault(subject, [])
                 items += [(token, c.request_id, m.pack(c)) for c in chunks]
@@ -551,8 +558,7 @@ class Generation:
             left = deadline - time.monotonic()
             if gone or left <= 0:
                 why = f"ranks {gone} are gone" if gone else f"no reply within {t:g}s"
-                log.warning("%d steps sent after the failed one not settled: %s",
-                            len(waiting), why)
+                log.warning("%d steps sent after the failed one not settled: %s", len(waiting), why)
                 return
             await asyncio.wait(waiting, timeout=min(left, SETTLE_POLL_S))
 

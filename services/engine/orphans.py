@@ -32,15 +32,24 @@ PROBE_S = 2.0  # how often every live request's reply subject is probed
 PROBE_TIMEOUT_S = 1.0  # a no-responders status comes within a round trip; else: read
 
 
-def probe_targets(requests: Iterable[Request]) -> list[tuple[str, list[str]]]:
+def _batch_flag(req: Request) -> bool:
+    return req.gen.batch
+
+
+def probe_targets(
+    requests: Iterable[Request], batched: Callable[[Request], bool] = _batch_flag
+) -> list[tuple[str, list[str]]]:
     """(reply subject to probe, the request ids that end with it; the first is the
     request that subject belongs to). One probe per reply
-    subject, and one per inbox prefix for ``batch`` requests (the API's): their chunks
+    subject, and one per inbox prefix for ``batched`` requests (the API's): their chunks
     go to ``<prefix>.batch``, which only a wildcard subscription on the prefix receives,
-    so one reply subject under it answers for all of them."""
+    so one reply subject under it answers for all of them. Only those: a JSON client's
+    ``batch`` is ignored (its chunks go to its own reply), and many raw clients share a
+    prefix (nats-py's old-style inboxes ``_INBOX.<nuid>`` all have ``_INBOX``) — one of
+    them gone must not cancel the others."""
     groups: dict[str, tuple[str, list[str]]] = {}
     for req in requests:
-        key = req.reply.rpartition(".")[0] + ".*" if req.gen.batch else req.reply
+        key = req.reply.rpartition(".")[0] + ".*" if batched(req) else req.reply
         groups.setdefault(key, (req.reply, []))[1].append(req.request_id)
     return list(groups.values())
 
@@ -50,10 +59,12 @@ async def unread(
     requests: Iterable[Request],
     encode: Callable[[str, str], bytes],
     timeout: float = PROBE_TIMEOUT_S,
+    batched: Callable[[Request], bool] = _batch_flag,
 ) -> list[str]:
     """The ids of ``requests`` whose reply subject no subscription matches now.
-    ``encode(reply, request_id)``: the heartbeat chunk sent as the probe."""
-    targets = probe_targets(requests)
+    ``encode(reply, request_id)``: the heartbeat chunk sent as the probe; ``batched``:
+    whether a request's chunks go to its inbox prefix's batch subject."""
+    targets = probe_targets(requests, batched)
 
     async def gone(reply: str, rids: list[str]) -> bool:
         sent = await bus.send(reply, encode(reply, rids[0]), request_id=rids[0])
@@ -74,6 +85,7 @@ async def probe_loop(
     requests: Callable[[], Iterable[Request]],
     encode: Callable[[str, str], bytes],
     cancel: Callable[[str], None],
+    batched: Callable[[Request], bool] = _batch_flag,
 ) -> None:
     """Forever: cancel every request whose reply subject has no subscriber (the module
     doc). Run under the engine's supervisor (task ``reply_probe``)."""
@@ -83,7 +95,7 @@ async def probe_loop(
         if not live:
             continue
         with contextlib.suppress(NotConnected):  # NATS away: the next round
-            gone = await unread(bus, live, encode)
+            gone = await unread(bus, live, encode, batched=batched)
             if gone:
                 log.warning(
                     "cancelled %d request(s) nobody reads (reply inbox gone: its API or "

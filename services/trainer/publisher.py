@@ -602,11 +602,25 @@ class _Claim:
         self.seq = 0
         self.lock = asyncio.Lock()  # a refresh and the manifest's write never overlap
 
-    def _marker(self) -> dict[str, Any]:
+    def _deleted(self) -> dict[str, Any]:
+        """A deleted object's meta as NATS object stores write it: a reader that parses
+        every meta (nats-py's ``ObjectStore.list``, ``get_info``, ``put``) needs ``nuid``
+        (none: its ``list`` hangs, the others raise ``BadObjectMetaError``, for as long as
+        the marker is the name's last meta — for good after a failed publish)."""
+        nuid = self.nc._nuid.next().decode()  # no chunk was ever written under it
         return {
             "name": self.name,
             "bucket": self.bucket,
+            "nuid": nuid,
+            "size": 0,
+            "chunks": 0,
+            "digest": "",
             "deleted": True,
+        }
+
+    def _marker(self) -> dict[str, Any]:
+        return {
+            **self._deleted(),
             "claim": {"owner": self.owner, "id": self.id, "time": time.time()},
         }
 
@@ -679,7 +693,7 @@ class _Claim:
                 self.nc,
                 self.bucket,
                 self.name,
-                {"name": self.name, "bucket": self.bucket, "deleted": True},
+                self._deleted(),
                 self.seq,
             )
 
@@ -693,8 +707,12 @@ class _Claim:
                 keep.result()  # raises VersionConflict (the claim was taken over)
             return work.result()
         finally:
-            for t in (work, keep):
-                t.cancel()
+            # never stopped mid-write: its cancel could be lost (asyncio.wait_for inside
+            # nats-py's request swallows one that comes with the answer, Python < 3.12: it
+            # refreshed for ever, the publish hung), and a write cut off may land unseen
+            async with self.lock:
+                for t in (work, keep):
+                    t.cancel()
             await asyncio.gather(work, keep, return_exceptions=True)
 
 

@@ -120,3 +120,58 @@ async def test_a_claim_whose_answer_was_lost_is_still_ours(
         assert await first.mine() and first.seq == again.seq
     finally:
         await bus.close()
+
+
+async def test_claim_and_release_markers_are_deleted_objects_to_nats_py(nats_url: str) -> None:
+    # a claim left by a dead publisher, or released by a failed one, stays the name's last
+    # meta: another NATS object-store client must still read the bucket (nats-py's `list`
+    # hung, its get_info / put raised BadObjectMetaError: the markers had no nuid)
+    model = f"cm-{uuid.uuid4().hex[:6]}"
+    bus = await Bus.connect(nats_url, "marker")
+    try:
+        await objstore.ensure_bucket(bus.nc, BUCKET)
+        store = await bus.nc.jetstream().object_store(BUCKET)
+        for version in ("v1", "v2"):
+            name = ckpt_object_name(model, version, "manifest.json")
+            claim = publisher._Claim(bus.nc, BUCKET, name, "marker")
+            assert await claim.take() is None
+            if version == "v2":
+                await claim.release()
+                assert "claim" not in (await objstore.last_meta(bus.nc, BUCKET, name))[1]
+            info = await asyncio.wait_for(store.get_info(name, show_deleted=True), 10)
+            assert info.deleted
+            with pytest.raises(objstore.ObjectMissing):  # rollbus readers: no object
+                await objstore.get_meta(bus.nc, BUCKET, name)
+        names = [i.name for i in await asyncio.wait_for(store.list(ignore_deletes=False), 10)]
+        assert ckpt_object_name(model, "v1", "manifest.json") in names
+    finally:
+        await bus.close()
+
+
+async def test_the_upload_ends_while_a_refresh_is_being_written(
+    nats_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the refresh is stopped when the upload ends, maybe in the middle of its claim write:
+    # that stop must not be lost (nats-py's request waits in asyncio.wait_for, which on
+    # Python < 3.12 swallows a cancel that comes as the answer does: the refresh then ran
+    # on for ever and the publish never ended), and the manifest's compare-and-set must
+    # expect the claim as last written (not a spurious VersionConflict)
+    monkeypatch.setattr(publisher, "CLAIM_REFRESH_S", 0.001)  # always writing
+    model = f"cr-{uuid.uuid4().hex[:6]}"
+    bus = await Bus.connect(nats_url, "refresh")
+
+    async def upload(i: int) -> bool:
+        await asyncio.sleep(0.002 * (i % 7))
+        return True
+
+    try:
+        await objstore.ensure_bucket(bus.nc, BUCKET)
+        for i in range(40):
+            name = ckpt_object_name(model, f"v{i}", "manifest.json")
+            claim = publisher._Claim(bus.nc, BUCKET, name, "me")
+            assert await claim.take() is None
+            assert await asyncio.wait_for(claim.hold_while(upload(i)), 30)
+            assert await claim.mine()
+            await objstore.put_object(bus.nc, BUCKET, name, b"{}", expect_seq=claim.seq)
+    finally:
+        await bus.close()
