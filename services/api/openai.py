@@ -108,6 +108,9 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
+CLIENT_LEFT = "499"  # nginx's "client closed request": the status counted for a client that left
+
+
 class BoundedStream(StreamingResponse):
     """An SSE response that gives up on a reader too slow to keep its buffer bounded:
     once ``gave_up`` is set, a write blocked on that reader is abandoned, the stream is
@@ -688,6 +691,7 @@ class OpenAIRoutes:
         # alone (content ""), before any token; later deltas carry content only. Sent with
         # the first delta, whose version is known (an API just started has seen none)
         roles = job.chat
+        ended = False  # the stream ran to its end or its error event: else its client left
         try:
             route = "chat" if job.chat else "completions"
             async for d in call.deltas():
@@ -703,18 +707,24 @@ class OpenAIRoutes:
                 if d.finish_reason:  # each choice's outcome, as a non-streamed call counts
                     self.deps.metrics.gen_requests.labels(route, d.finish_reason).inc()
                 yield event(*self._sse_choice(job, d, offsets))
+            ended = True
         except ControlError as e:
+            ended = True
             self.deps.metrics.gen_errors.labels(_route(job.chat), str(e.code)).inc()
             param = (e.result or {}).get("param")
             kind = "invalid_request_error" if e.code == 400 else "server_error"
             err = {"error": {"message": e.message, "type": kind, "param": param, "code": e.code}}
             yield f"data: {json.dumps(err)}\n\n".encode()
         except Exception as e:  # noqa: BLE001 - a bug: logged, counted, the stream told
+            ended = True
             self.deps.metrics.gen_errors.labels(_route(job.chat), str(INTERNAL_ERROR)).inc()
             yield f"data: {json.dumps(self._internal(e, rid, 'sse_writer'))}\n\n".encode()
         finally:
             # counted here: a client that left mid-stream was sent these tokens too
             self.deps.metrics.gen_tokens.inc(out_tokens)
+            if not ended:  # it left mid-stream (or was dropped as too slow): 499, as a
+                # non-streamed request whose client left
+                self.deps.metrics.gen_errors.labels(_route(job.chat), CLIENT_LEFT).inc()
             await call.close()
         if job.include_usage:
             yield event(None, {"usage": usage()})
@@ -808,7 +818,8 @@ class OpenAIRoutes:
         except ControlError as e:
             return error_response(e.message, e.code, (e.result or {}).get("param"))
         except ClientGone:
-            return Response(status_code=499)  # nobody reads it; the engine was told to cancel
+            # nobody reads it; the engine was told to cancel
+            return Response(status_code=int(CLIENT_LEFT))
         except Exception as e:  # noqa: BLE001 - a bug: logged, counted, answered as OpenAI's
             return JSONResponse(self._internal(e, "", "generation"), INTERNAL_ERROR)
         finally:

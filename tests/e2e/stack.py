@@ -42,6 +42,13 @@ class Stack:
             r.raise_for_status()
             return dict(r.json())
 
+    def metric(self, prefix: str) -> float:
+        """The sum of every /metrics sample whose line starts with ``prefix`` (a name,
+        or a name with its labels)."""
+        with self.client() as c:
+            text = c.get("/metrics").text
+        return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(prefix))
+
     def log_tail(self, n: int = 40) -> str:
         try:
             return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])

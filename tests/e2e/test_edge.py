@@ -371,10 +371,8 @@ async def _publish(stack: Stack, subject: str, data: bytes) -> None:
         await nc.close()
 
 
-def metric(stack: Stack, name: str) -> float:
-    with stack.client() as c:
-        text = c.get("/metrics").text
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+def metric(stack: Stack, prefix: str) -> float:
+    return stack.metric(prefix)
 
 
 def bad_chunk(rid: str) -> bytes:

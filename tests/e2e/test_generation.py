@@ -345,9 +345,11 @@ def test_a_list_of_prompts_indexes_choices_as_openai(client: openai.OpenAI) -> N
 def test_stop_token_ids_end_a_choice(client: openai.OpenAI) -> None:
     # seeded sampling: reproducible, and unlike the tiny model's greedy text not a loop
     kw: dict[str, Any] = dict(model="tiny", prompt=PROMPT, max_tokens=16, seed=5)
-    base = client.completions.create(
-        **kw, extra_body={"ignore_eos": True, "return_token_ids": True}
-    ).choices[0].model_extra["token_ids"]
+    base = (
+        client.completions.create(**kw, extra_body={"ignore_eos": True, "return_token_ids": True})
+        .choices[0]
+        .model_extra["token_ids"]
+    )
     at = next(i for i in range(2, len(base)) if base[i] not in base[:i])
     r = client.completions.create(
         **kw, extra_body={"ignore_eos": True, "return_token_ids": True,
@@ -524,8 +526,14 @@ def test_a_coalesced_request_across_an_update_labels_each_token(stack: Stack) ->
 
         await nc.subscribe("_INBOX.*.batch", cb=sniff)
         await nc.flush()
-        body = {"prompt": PROMPT, "max_tokens": n, "temperature": 0, "ignore_eos": True,
-                "logprobs": 2, "return_token_ids": True}
+        body = {
+            "prompt": PROMPT,
+            "max_tokens": n,
+            "temperature": 0,
+            "ignore_eos": True,
+            "logprobs": 2,
+            "return_token_ids": True,
+        }
         try:
             async with httpx.AsyncClient(base_url=stack.base_url, timeout=120) as c:
                 task = asyncio.create_task(c.post("/v1/completions", json=body))
@@ -551,7 +559,8 @@ def test_a_coalesced_request_across_an_update_labels_each_token(stack: Stack) ->
     k = spans[0]["end"]
     assert 17 <= k < n, spans
     assert spans == [
-        {"version": "v0", "start": 0, "end": k}, {"version": "v1", "start": k, "end": n}
+        {"version": "v0", "start": 0, "end": k},
+        {"version": "v1", "start": k, "end": n},
     ]
     assert out["weight_version"] == "v1"
     prompt = prompt_ids(PROMPT)
@@ -588,6 +597,8 @@ def test_client_disconnect_frees_the_request(stack: Stack) -> None:
         "stream": True,
         "ignore_eos": True,
     }
+    left = 'rollbus_generation_errors_total{code="499",route="completions"}'
+    before = stack.metric(left)
     with httpx.Client(base_url=stack.base_url, timeout=30) as c:
         with c.stream("POST", "/v1/completions", json=body) as r:
             for line in r.iter_lines():
@@ -599,12 +610,15 @@ def test_client_disconnect_frees_the_request(stack: Stack) -> None:
     st = stack.status()
     assert st["requests"] == 0 and st["running"] == 0
     assert st["free_blocks"] == 512
+    assert stack.metric(left) == before + 1  # a client that left is counted, as 499
 
 
 def test_a_non_streamed_request_is_cancelled_when_its_client_leaves(stack: Stack) -> None:
     """Its tokens are coalesced in the engine (not streamed, no stop strings): a client
     that leaves still cancels it there at once, long before its max_tokens."""
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True}
+    left = 'rollbus_generation_errors_total{code="499",route="completions"}'
+    before = stack.metric(left)
     steps0 = stack.status()["steps"]
     with httpx.Client(base_url=stack.base_url, timeout=30) as c:
         with pytest.raises(httpx.ReadTimeout):  # the client gives up: its connection closes
@@ -616,6 +630,7 @@ def test_a_non_streamed_request_is_cancelled_when_its_client_leaves(stack: Stack
     assert st["requests"] == 0 and st["running"] == 0
     assert st["steps"] - steps0 < 2000  # cancelled, not run to its end
     assert st["free_blocks"] == 512
+    assert stack.metric(left) == before + 1
 
 
 def test_kept_request_survives_sleep_and_wakeup(stack: Stack, aclient: Any) -> None:

@@ -80,8 +80,13 @@ def complete(stack: Stack, max_tokens: int, timeout: float = 120) -> httpx.Respo
     with stack.client(timeout=timeout) as c:
         return c.post(
             "/v1/completions",
-            json={"model": "tiny", "prompt": "hello", "max_tokens": max_tokens,
-                  "ignore_eos": True, "temperature": 0},
+            json={
+                "model": "tiny",
+                "prompt": "hello",
+                "max_tokens": max_tokens,
+                "ignore_eos": True,
+                "temperature": 0,
+            },
         )
 
 
@@ -110,10 +115,7 @@ def wait_running(stack: Stack, timeout: float = 30) -> dict[str, Any]:
 
 
 def metric(stack: Stack, prefix: str) -> float:
-    with stack.client() as c:
-        text = c.get("/metrics").text
-    vals = [float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(prefix)]
-    return sum(vals)
+    return stack.metric(prefix)
 
 
 def test_stopped_rank_stall_is_503_and_the_stack_recovers(stack: Stack) -> None:
