@@ -244,6 +244,11 @@ class Options:
     seed: int = 0
     queue_groups: int = 0  # 0 = batch: at most this many finished groups wait
     concurrency: int = 0  # requests in flight (async); 0 = batch
+    # stop early once the mean reward of the last ``until_window`` steps reaches this (0 =
+    # run every step): a step budget, not a wall-clock one, since async rollouts make each
+    # run's curve depend on timing
+    until: float = 0.0
+    until_window: int = 20
 
 
 @dataclass
@@ -344,6 +349,8 @@ def train(served: Served, model: Any, opts: Options, versions: Versions, tp: int
             rows.append(row)
             if on_row:
                 on_row(row)
+            if opts.until and _reached(rows, opts.until, opts.until_window):
+                break
         seconds = time.perf_counter() - t0
         tokens = rollouts.tokens
         if publisher.last is not None:
@@ -355,7 +362,11 @@ def train(served: Served, model: Any, opts: Options, versions: Versions, tp: int
         sync_pool.shutdown(wait=True)
         publisher.close()
         rollouts.close()
-    return Result(rows, seconds, tokens, opts.steps)
+    return Result(rows, seconds, tokens, len(rows))
+
+
+def _reached(rows: list[dict[str, Any]], target: float, window: int) -> bool:
+    return len(rows) >= window and np.mean([r["reward"] for r in rows[-window:]]) >= target
 
 
 def policy_config_of(model: Any) -> dict[str, Any]:
@@ -475,6 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--publish-every", type=int, default=2, help="publish a version every K steps")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--until", type=float, default=0.0,
+                    help="stop once the mean reward of the last 20 steps reaches this")
     ap.add_argument("--tp", type=int, default=1, help="ranks of the instance it starts")
     ap.add_argument("--out", type=Path, default=Path(".data/examples/async_grpo"))
     ap.add_argument("--api-url", default="", help="use this running instance (AUTO_UPDATE on)")
@@ -485,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.api_url and not a.nats_url:
         ap.error("--api-url needs --nats-url (e.g. \"$(rollbus creds trainer)\")")
     opts = Options(mode=a.mode, steps=a.steps, batch=a.batch, group=a.group,
-                   publish_every=a.publish_every, lr=a.lr, seed=a.seed)
+                   publish_every=a.publish_every, lr=a.lr, seed=a.seed, until=a.until)
     res = run(opts, a.out, tp=a.tp, api_url=a.api_url, nats_url=a.nats_url,
               instance=a.instance, model_name=a.model)
     print(json.dumps({
