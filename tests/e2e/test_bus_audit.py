@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import nats
@@ -70,3 +74,26 @@ def test_a_readable_deadline_still_works(stack: Stack) -> None:
     with pytest.raises(nats.errors.TimeoutError):
         asyncio.run(_ctl(stack, "pause", b"{}", {DEADLINE: str(now - 1_000)}))
     assert stack.status()["state"] == "running"
+
+
+@pytest.mark.parametrize(
+    "url", ["nats://api:s3cr3t-pw@[::1", "nats://api:s3cr3t-pw@127.0.0.1:99999,nats://h:1"]
+)
+def test_an_unparsable_nats_url_is_one_line_without_its_password(tmp_path: Path, url: str) -> None:
+    """``ROLLBUS_NATS_URL`` that ``urlsplit`` cannot read (an unclosed IPv6 bracket, a
+    port out of range) was a ``ValueError`` traceback from ``rollbus serve``; a bad
+    setting is one line naming it, exit 2 — and never echoes the password it carries."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLBUS_")}
+    env.update(ROLLBUS_NATS_URL=url, ROLLBUS_DATA_DIR=str(tmp_path / "data"))
+    for args in (["serve"], ["creds", "operator"]):
+        r = subprocess.run(
+            [sys.executable, "-m", "services.cli", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert r.returncode == 2, (args, r.stderr)
+        err = r.stderr.strip()
+        assert len(err.splitlines()) == 1 and "ROLLBUS_NATS_URL" in err, (args, err)
+        assert "s3cr3t-pw" not in err + r.stdout, (args, err)
