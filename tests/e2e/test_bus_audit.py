@@ -97,3 +97,14 @@ def test_an_unparsable_nats_url_is_one_line_without_its_password(tmp_path: Path,
         err = r.stderr.strip()
         assert len(err.splitlines()) == 1 and "ROLLBUS_NATS_URL" in err, (args, err)
         assert "s3cr3t-pw" not in err + r.stdout, (args, err)
+
+
+def test_a_gen_request_with_an_unknown_field_is_a_400_naming_it(stack: Stack) -> None:
+    """``temprature`` (a typo) was ignored: the request ran, sampled at temperature 1,
+    and said nothing. Like every control method, an unknown field is a 400 naming it."""
+    gen = {"request_id": "typo-1", "prompt_token_ids": [1, 2], "max_tokens": 2}
+    for field in ("temprature", "max_token"):
+        chunk = asyncio.run(_gen(stack, json.dumps({**gen, field: 0}).encode(), {}))
+        assert chunk["error_code"] == 400 and chunk["error_param"] == field, chunk
+    ok = asyncio.run(_gen(stack, json.dumps(gen).encode(), {}))  # the same without it
+    assert ok["error_code"] == 0 and ok["heartbeat"], ok
