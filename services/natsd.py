@@ -375,7 +375,13 @@ def start(
         f.write(text)
     cmd += ["-c", str(conf)]
     scheme = "tls" if tls_cert else "nats"
-    out = open(log_file, "ab") if log_file else subprocess.DEVNULL  # noqa: SIM115
+    out: Any = subprocess.DEVNULL
+    if log_file:
+        # private whatever the umask: it records clients' failed logins and permission
+        # violations; fchmod: a log an older release left 0644
+        fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.fchmod(fd, 0o600)
+        out = os.fdopen(fd, "ab")
     proc = subprocess.Popen(
         cmd,
         stdout=out,

@@ -134,6 +134,19 @@ def deadline_header(timeout: float, now: float | None = None) -> str:
     return str(int((at + max(0.0, timeout)) * 1000))
 
 
+def unreadable_deadline(headers: dict[str, str]) -> str:
+    """Why the ``Rollbus-Deadline`` of ``headers`` cannot be read ("" when there is none
+    or it is epoch milliseconds)."""
+    raw = headers.get(DEADLINE)
+    if raw is None:
+        return ""
+    try:
+        int(raw.strip())
+    except ValueError:
+        return f"unreadable {DEADLINE} {raw[:32]!r}"
+    return ""
+
+
 def past_deadline(headers: dict[str, str], now: float | None = None) -> str:
     """Why a request carrying ``headers`` must not be acted on ("" when it may): its
     caller's deadline has passed (it was already told it failed), or the deadline cannot
@@ -141,10 +154,9 @@ def past_deadline(headers: dict[str, str], now: float | None = None) -> str:
     raw = headers.get(DEADLINE)
     if raw is None:
         return ""
-    try:
-        at_ms = int(raw.strip())
-    except ValueError:
-        return f"unreadable {DEADLINE} {raw[:32]!r}"
+    if why := unreadable_deadline(headers):
+        return why
+    at_ms = int(raw.strip())
     late_ms = (time.time() if now is None else now) * 1000 - at_ms
     if late_ms > 0:
         return f"{late_ms / 1000:.3f}s past its caller's deadline"
@@ -742,8 +754,13 @@ class Bus:
 
     def _expired(self, msg: Msg, subject: str) -> bool:
         """``msg`` came after its caller's deadline: dropped and counted, never run (its
-        caller was already answered that it failed; acting now would make that a lie)."""
-        why = past_deadline(msg.headers or {})
+        caller was already answered that it failed; acting now would make that a lie).
+        An unreadable deadline is not dropped: its caller still waits, and the handler
+        answers it 400 naming the header (see :func:`unreadable_deadline`)."""
+        headers = msg.headers or {}
+        if unreadable_deadline(headers):
+            return False
+        why = past_deadline(headers)
         if why:
             self.expired_requests += 1
             # rare (a NATS stall or outage) and worth an operator's eye: a warning
@@ -802,7 +819,8 @@ class Bus:
         The reply echoes ``Rollbus-Request-Id`` and adds ``reply_headers`` (e.g. the
         rank). ``concurrent`` runs each request in its own task, so one slow call does
         not hold back the next message of the same subject. ``deadline``: a request past
-        its ``Rollbus-Deadline`` is dropped unanswered before ``handler`` runs.
+        its ``Rollbus-Deadline`` is dropped unanswered before ``handler`` runs; one whose
+        deadline is unreadable reaches ``handler``, which must refuse it (400).
         """
 
         async def handle(req: Request) -> None:

@@ -284,11 +284,12 @@ class SamplingSpec(msgspec.Struct, array_like=True):
     limits: Limits | None = None  # None unless the request has min_p / allowed_token_ids
 
 
-class GenRequest(msgspec.Struct):
+class GenRequest(msgspec.Struct, forbid_unknown_fields=True):
     """API -> engine on ``rollbus.<i>.gen``; chunks stream back to the reply inbox.
 
     The constraints make decoding the check: a message out of range (NaN temperature,
-    negative token id, ...) is refused with a 400 naming the field, before it is queued.
+    negative token id, ...) or with an unknown field (a raw client's typo, ignored it
+    would change nothing) is refused with a 400 naming the field, before it is queued.
     ``n`` and the token ids are further bounded by the engine (``ROLLBUS_MAX_N``, the
     vocabulary, the context length)."""
 

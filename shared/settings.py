@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -204,6 +205,19 @@ class Settings(BaseSettings):
         # empty = the model dir's name; else the trainer's rule (shared/versions.py)
         return check_model_name(v) if v else v
 
+    @field_validator("nats_url")
+    @classmethod
+    def _nats_urls(cls, v: str) -> str:
+        # every server URL must parse (its port too): an unreadable one was a ValueError
+        # traceback deep in the credentials code. The message never quotes the URL: it
+        # may carry a password (describe_error does not show it either)
+        for i, part in enumerate((p.strip() for p in v.split(",") if p.strip()), 1):
+            try:
+                urlsplit(part if "://" in part else f"nats://{part}").port  # noqa: B018
+            except ValueError as e:
+                raise ValueError(f"server {i} of the list is not a URL ({e})") from None
+        return v
+
     @field_validator("nats_tls_key")
     @classmethod
     def _tls_pair(cls, v: str, info: ValidationInfo) -> str:
@@ -243,12 +257,17 @@ class Settings(BaseSettings):
         return env
 
 
+# settings whose value may hold a secret (a URL's password, a token): never echoed
+SECRET_SETTINGS = frozenset({"nats_url", "admin_token", "api_key"})
+
+
 def describe_error(err: ValidationError) -> str:
     """One line naming each bad setting, for a clean exit instead of a traceback."""
     parts = []
     for e in err.errors():
         field = ".".join(str(p) for p in e["loc"]) or "settings"
-        parts.append(f"ROLLBUS_{field.upper()}={e.get('input')!r}: {e['msg']}")
+        shown = "" if field in SECRET_SETTINGS else f"={e.get('input')!r}"
+        parts.append(f"ROLLBUS_{field.upper()}{shown}: {e['msg']}")
     return "bad setting: " + "; ".join(parts)
 
 

@@ -47,7 +47,16 @@ from nats.micro.service import Service
 from services.engine import autoupdate, orphans, staleness
 from services.engine.scheduler import Output, Plan, Request, Scheduler, Seq
 from shared import messages as m
-from shared.bus import REQUEST_ID, BatchItem, Reply, Sent, batch_subject, pack_batches
+from shared.bus import (
+    DEADLINE,
+    REQUEST_ID,
+    BatchItem,
+    Reply,
+    Sent,
+    batch_subject,
+    pack_batches,
+    unreadable_deadline,
+)
 from shared.errors import BAD_REQUEST, TOO_MANY_REQUESTS, UNAVAILABLE, ControlError, Timeout
 from shared.model_config import max_model_len, vocab_size
 from shared.tasks import Supervisor
@@ -180,6 +189,8 @@ class Generation:
         if msg.data.lstrip()[:1] == b"{":  # JSON (msgpack's 0x7b would be the int 123)
             self._json_replies[msg.reply] = time.monotonic()
         try:
+            if bad := unreadable_deadline(msg.headers or {}):  # not queued (Bus._expired)
+                raise Refused(BAD_REQUEST, f"{bad}: not unix epoch milliseconds", DEADLINE)
             gen = self.admit_request(msg.data)
             rid = gen.request_id
             self.sched.add(gen, msg.reply)

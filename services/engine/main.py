@@ -28,7 +28,14 @@ from services.engine.state import EngineState, State
 from shared import fleet as fleet_msgs
 from shared import messages as m
 from shared import objstore
-from shared.bus import MAX_REQUEST_ID_BYTES, REQUEST_ID, Bus, new_request_id
+from shared.bus import (
+    DEADLINE,
+    MAX_REQUEST_ID_BYTES,
+    REQUEST_ID,
+    Bus,
+    new_request_id,
+    unreadable_deadline,
+)
 from shared.errors import (
     BAD_REQUEST,
     CONFLICT,
@@ -158,6 +165,12 @@ class Engine:
                     BAD_REQUEST,
                     f"header {REQUEST_ID} longer than {MAX_REQUEST_ID_BYTES} bytes",
                     {"param": REQUEST_ID},
+                )
+            if bad := unreadable_deadline(headers):  # not run: we cannot tell if it is late
+                raise ControlError(
+                    BAD_REQUEST,
+                    f"{bad}: not unix epoch milliseconds (an integer); not run",
+                    {"param": DEADLINE},
                 )
             args = m.decode_args(data, argtype)
             if exclusive:
