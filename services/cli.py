@@ -17,7 +17,7 @@ import argparse  # noqa: E402
 
 from pydantic import ValidationError  # noqa: E402
 
-from shared.settings import Settings, describe_error  # noqa: E402
+from shared.settings import Settings, describe_error, nats_url_arg  # noqa: E402
 
 
 def _settings_flags(p: argparse.ArgumentParser) -> None:
@@ -88,14 +88,14 @@ def main(argv: list[str] | None = None) -> int:
     pub.add_argument("--model", required=True, help="served model id")
     pub.add_argument("--version", required=True)
     pub.add_argument("--tp", type=int, default=None, help="ranks to shard for (default ROLLBUS_TP)")
-    pub.add_argument("--nats-url", default=None)
+    pub.add_argument("--nats-url", default=None, type=nats_url_arg)
     pub.add_argument(
         "--ipc", action="store_true", help="write to shared memory (same-host ranks, ipc strategy)"
     )
 
     ver = sub.add_parser("versions", help="list published versions of a model")
     ver.add_argument("--model", required=True)
-    ver.add_argument("--nats-url", default=None)
+    ver.add_argument("--nats-url", default=None, type=nats_url_arg)
 
     cr = sub.add_parser("creds", help="print a NATS URL carrying a role's credentials")
     cr.add_argument("role", help="api, engine, worker, trainer or operator")

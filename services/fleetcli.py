@@ -21,7 +21,7 @@ from shared import creds
 from shared import fleet as f
 from shared.bus import Bus
 from shared.errors import BusUnreachable
-from shared.settings import Settings
+from shared.settings import Settings, nats_url_arg
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -29,7 +29,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     fsub = fl.add_subparsers(dest="fleet_cmd", required=True)
     st = fsub.add_parser("status", help="one row per instance")
     st.add_argument("--json", action="store_true", help="a JSON list instead of a table")
-    st.add_argument("--nats-url", default=None)
+    st.add_argument("--nats-url", default=None, type=nats_url_arg)
     up = fsub.add_parser("update", help="update every instance's weights as one transaction")
     up.add_argument("--version", required=True)
     up.add_argument("--pause-mode", choices=["keep", "abort", "wait"], default="keep")
@@ -50,7 +50,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         help="comma-separated instance names: exactly these (instead of --model)",
     )
     up.add_argument("--json", action="store_true", help="print the whole result as JSON")
-    up.add_argument("--nats-url", default=None)
+    up.add_argument("--nats-url", default=None, type=nats_url_arg)
 
 
 def nats_url_of(args: argparse.Namespace, settings: Settings) -> str:

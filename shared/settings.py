@@ -7,6 +7,7 @@ its children as ``ROLLBUS_*`` variables, so every process sees one configuration
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
@@ -20,6 +21,28 @@ LoadStrategy = Literal["object_store", "snapshot", "ipc"]
 
 # FastDeploy's names for the same strategies.
 LOAD_STRATEGY_ALIASES = {"rsync": "object_store", "ipc_snapshot": "snapshot"}
+
+
+def check_nats_urls(v: str) -> str:
+    """``v`` (a comma-separated list of NATS server URLs) if every URL parses, its port
+    too; else ValueError. An unreadable one was a ValueError traceback deep in the
+    credentials code. The message never quotes the URL: it may carry a password."""
+    for i, part in enumerate((p.strip() for p in v.split(",") if p.strip()), 1):
+        try:
+            urlsplit(part if "://" in part else f"nats://{part}").port  # noqa: B018
+        except ValueError as e:
+            raise ValueError(f"server {i} of the list is not a URL ({e})") from None
+    return v
+
+
+def nats_url_arg(v: str) -> str:
+    """``--nats-url``'s argparse ``type``: a bad URL is argparse's one-line usage error
+    (exit 2) naming the option, never quoting the value (argparse quotes the value of a
+    plain ValueError)."""
+    try:
+        return check_nats_urls(v)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 class Settings(BaseSettings):
@@ -208,15 +231,7 @@ class Settings(BaseSettings):
     @field_validator("nats_url")
     @classmethod
     def _nats_urls(cls, v: str) -> str:
-        # every server URL must parse (its port too): an unreadable one was a ValueError
-        # traceback deep in the credentials code. The message never quotes the URL: it
-        # may carry a password (describe_error does not show it either)
-        for i, part in enumerate((p.strip() for p in v.split(",") if p.strip()), 1):
-            try:
-                urlsplit(part if "://" in part else f"nats://{part}").port  # noqa: B018
-            except ValueError as e:
-                raise ValueError(f"server {i} of the list is not a URL ({e})") from None
-        return v
+        return check_nats_urls(v)
 
     @field_validator("nats_tls_key")
     @classmethod

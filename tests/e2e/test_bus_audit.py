@@ -108,3 +108,32 @@ def test_a_gen_request_with_an_unknown_field_is_a_400_naming_it(stack: Stack) ->
         assert chunk["error_code"] == 400 and chunk["error_param"] == field, chunk
     ok = asyncio.run(_gen(stack, json.dumps(gen).encode(), {}))  # the same without it
     assert ok["error_code"] == 0 and ok["heartbeat"], ok
+
+
+@pytest.mark.parametrize(
+    "url", ["nats://trainer:s3cr3t-pw@[::1", "nats://h:1,nats://t:s3cr3t-pw@h:99999"]
+)
+def test_an_unparsable_nats_url_option_is_a_usage_error_without_its_password(
+    tmp_path: Path, url: str
+) -> None:
+    """``--nats-url`` of ``publish`` / ``versions`` / ``fleet`` was a ``ValueError``
+    traceback from the credentials code; it is argparse's usage error naming the option
+    (exit 2), and never echoes the password it carries."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLBUS_")}
+    env.update(ROLLBUS_DATA_DIR=str(tmp_path / "data"))
+    (tmp_path / "m").mkdir()
+    for args in (
+        ["publish", str(tmp_path / "m"), "--model", "m", "--version", "v1"],
+        ["versions", "--model", "m"],
+        ["fleet", "status"],
+    ):
+        r = subprocess.run(
+            [sys.executable, "-m", "services.cli", *args, "--nats-url", url],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert r.returncode == 2, (args, r.stderr)
+        assert "Traceback" not in r.stderr and "--nats-url" in r.stderr.splitlines()[-1], r.stderr
+        assert "s3cr3t-pw" not in r.stderr + r.stdout, (args, r.stderr)
