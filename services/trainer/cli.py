@@ -15,6 +15,7 @@ from pathlib import Path
 
 from shared import creds
 from shared.errors import BusUnreachable
+from shared.objstore import ObjectReadError
 from shared.settings import Settings
 
 
@@ -96,6 +97,9 @@ def publish(args: argparse.Namespace, settings: Settings) -> int:
     except (NotAModelDir, VersionConflict, ValueError) as e:
         bar.close()
         return _fail("publish", str(e))
+    except ObjectReadError as e:  # e.g. the role may not create the stream: it names why
+        bar.close()
+        return _fail("publish", str(e))
     except OSError as e:  # the ipc dir refused or not creatable is a bad setting: name it
         bar.close()
         ipc_dir = isinstance(e, UnsafeIpcDir) or str(e.filename or "").startswith(
@@ -122,7 +126,7 @@ def versions(args: argparse.Namespace, settings: Settings) -> int:
         return _fail("versions", e.message)
     except creds.CredsError as e:  # a bad TLS setting, named
         return _fail("versions", str(e))
-    except ValueError as e:  # a bad model id
+    except (ValueError, ObjectReadError) as e:  # a bad model id; a stream it cannot read
         return _fail("versions", str(e))
     if not vs:
         print(f"no published versions of {args.model}", file=sys.stderr)

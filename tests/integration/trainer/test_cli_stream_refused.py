@@ -1,0 +1,44 @@
+"""``rollbus versions`` / ``rollbus publish`` against a nats-server whose checkpoint stream
+does not exist yet and whose roles may not create it (infra/nats/auth.conf: only the
+engine creates it at its start): one line saying so, exit 2 — was an ``ObjectReadError``
+traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from services.tiny_model import ensure_tiny_model
+from tests import natsconf
+
+
+def test_a_stream_the_role_may_not_create_is_one_line(tmp_path: Path) -> None:
+    passwords = natsconf.role_passwords()
+    node = natsconf.single_with_auth(tmp_path, passwords)
+    node.start()
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLBUS_")}
+        env["ROLLBUS_DATA_DIR"] = str(tmp_path / "data")
+        model = ensure_tiny_model(tmp_path / "model")
+        for role in ("trainer", "operator"):
+            url = f"nats://{role}:{passwords[role]}@127.0.0.1:{node.port}"
+            for args in (
+                ["versions", "--model", "m"],
+                ["publish", str(model), "--model", "m", "--version", "v1"],
+            ):
+                r = subprocess.run(
+                    [sys.executable, "-m", "services.cli", *args, "--nats-url", url],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                )
+                err = r.stderr.strip()
+                assert r.returncode == 2, (role, args, err)
+                assert "Traceback" not in err and len(err.splitlines()) == 1, (role, args, err)
+                assert "ROLLBUS_CKPT" in err and "rollbus serve" in err, (role, args, err)
+                assert passwords[role] not in err, err
+    finally:
+        node.stop()
