@@ -89,10 +89,17 @@ class Refused(Exception):
         self.request_id = ""  # the refused request's own id, once it decoded
 
 
+def is_msgpack_map(data: bytes) -> bool:
+    """Whether a ``gen`` message is the API's msgpack (a map: fixmap 0x80-0x8f, map16/32).
+    Anything else is a raw client's text and is read, and answered, as JSON: ``[]`` or
+    ``junk`` get a JSON refusal about JSON, not a msgpack one about an int."""
+    return bool(data) and (0x80 <= data[0] <= 0x8F or data[0] in (0xDE, 0xDF))
+
+
 def decode_gen(data: bytes) -> m.GenRequest:
     """A ``gen`` message: msgpack (the API's), or JSON (a raw NATS client's; ``NaN`` as
     Python's json writes it is read, then refused naming its field)."""
-    if data.lstrip()[:1] != b"{":
+    if is_msgpack_map(data):
         return m.unpack(data, type=m.GenRequest)
     try:
         return msgspec.json.decode(data, type=m.GenRequest)
@@ -107,7 +114,7 @@ def peek_request_id(data: bytes) -> str:
     """The ``request_id`` of a message that failed its check, when it has a usable one
     (its refusal then names it); else ""."""
     try:
-        doc = json.loads(data) if data.lstrip()[:1] == b"{" else m.unpack(data)
+        doc = m.unpack(data) if is_msgpack_map(data) else json.loads(data)
         rid = doc.get("request_id") if isinstance(doc, dict) else None
         if isinstance(rid, str) and 0 < len(rid) <= m.MAX_REQUEST_ID_LEN:
             rid.encode()
@@ -186,7 +193,7 @@ class Generation:
         if not msg.reply:
             return
         rid = (msg.headers or {}).get(REQUEST_ID, "")  # a refusal names the request too
-        if msg.data.lstrip()[:1] == b"{":  # JSON (msgpack's 0x7b would be the int 123)
+        if not is_msgpack_map(msg.data):  # a raw client's JSON (or junk): answered in JSON
             self._json_replies[msg.reply] = time.monotonic()
         try:
             if bad := unreadable_deadline(msg.headers or {}):  # not queued (Bus._expired)

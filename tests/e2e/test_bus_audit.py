@@ -137,3 +137,16 @@ def test_an_unparsable_nats_url_option_is_a_usage_error_without_its_password(
         assert r.returncode == 2, (args, r.stderr)
         assert "Traceback" not in r.stderr and "--nats-url" in r.stderr.splitlines()[-1], r.stderr
         assert "s3cr3t-pw" not in r.stderr + r.stdout, (args, r.stderr)
+
+
+@pytest.mark.parametrize("body", [b"[]", b"junk", b'"x"', b"123", b""])
+def test_a_raw_gen_body_that_is_no_json_object_gets_a_json_refusal(
+    stack: Stack, body: bytes
+) -> None:
+    """A raw client's ``gen`` body that does not start with ``{`` was read as msgpack and
+    refused in msgpack ("Expected object, got int"), unreadable to that client. Only the
+    API's msgpack maps are msgpack; anything else is answered in JSON, 400."""
+    chunk = asyncio.run(_gen(stack, body, {}))  # json.loads: the answer is JSON
+    assert chunk["error_code"] == 400 and chunk["finish_reason"] == "error", chunk
+    assert "int" not in chunk["error_message"] or body == b"123", chunk
+    assert stack.status()["state"] == "running"
