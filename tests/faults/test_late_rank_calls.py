@@ -67,6 +67,28 @@ def _call_while_cut_off(stack: Stack, path: str, says: str) -> int:
     return pid
 
 
+def _lock_free_while_rank_0_is_stuck(stack: Stack, until: float) -> None:
+    """Until ``until`` (or 8 s at most) from the moment both ranks answer ``status`` again
+    while rank 0's compute thread is still in the wakeup's barrier: every control call
+    takes the control lock at once (not 409 "another control operation is in
+    progress"), and ``/health`` says what the engine waits for."""
+    while True:
+        ranks = c.status(stack, fresh=True)["ranks"]
+        if all(r.get("alive") for r in ranks) and ranks[0].get("busy") == "wakeup":
+            break
+        assert time.monotonic() < until, f"rank 1 never answered again: {ranks}"
+        time.sleep(0.2)
+    end, calls = min(until, time.monotonic() + 8), 0
+    while time.monotonic() < end:
+        r = c.ctl(stack, "/v1/pause", timeout=c.CT)
+        assert r.status_code == 200, r.text
+        calls += 1
+        time.sleep(0.2)
+    assert calls >= 5, calls  # the window was long enough to tell
+    h = c.get(stack, "/health")
+    assert h.status_code == 503 and "rank 0's compute thread has run wakeup" in h.text, h.text
+
+
 def _ranks_settle(stack: Stack, want: dict[str, object], hold: float = 3.0) -> None:
     """Every rank alive and showing ``want``, then still so for ``hold`` seconds (a late
     call the rank ran afterwards would show)."""
@@ -164,11 +186,18 @@ def test_wakeup_a_cut_off_rank_never_got_does_not_hold_its_peer_for_good(stack: 
     sent: it never gets it, and rank 0 waits for it in the comm group's barrier, which
     nothing can interrupt (gloo's own timeout is 30 min). Past max(4 x STALL_S, 4 x
     CONTROL_TIMEOUT_S) rank 0 leaves (code 4, a line naming the rebuild), the launcher
-    restarts the ranks and the engine brings them to its state: asleep."""
+    restarts the ranks and the engine brings them to its state: asleep. Meanwhile (rank
+    1 answers again, rank 0's compute thread blocked) the engine waits for rank 0 to be
+    free before it brings the ranks back: its reconcile does not hold the control lock
+    on a ``drain`` rank 0 cannot answer (it held it CONTROL_TIMEOUT_S a round, again and
+    again: every control call was refused with 409)."""
     left = "blocked in the comm group's rebuild"
     before = c.log_count(stack, left)
     assert c.ctl(stack, "/v1/sleep").status_code == 200
     pid = _call_while_cut_off(stack, "/v1/wakeup", "did not answer")
+    # rank 0 entered the barrier when the wakeup came, CT before its 503; it leaves
+    # 4 x CT after that
+    _lock_free_while_rank_0_is_stuck(stack, until=time.monotonic() + 3 * c.CT - 2)
     c.wait_log(stack, left, before, timeout=4 * c.CT + 30)
     st = c.wait_recovered(stack)
     assert pid not in [r["pid"] for r in st["ranks"]], st  # restarted
