@@ -140,4 +140,5 @@ def create_app(settings: Settings, bus: Bus | None = None) -> Starlette:
         lifespan=lifespan,
     )
     app.state.deps = deps
+    app.state.control_paths = [r.path for r in control_routes]  # their 503 at shutdown
     return app

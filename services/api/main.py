@@ -4,32 +4,153 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import functools
 import importlib
+import json
 import logging
+import os
 import socket
+import struct
 import sys
 from typing import Any
 
 import uvicorn
+from starlette.requests import Request
 
 from services.api.app import create_app
+from services.api.control import client_request_id
 from services.api.deps import Deps
 from shared.errors import UNAVAILABLE, ControlError
 from shared.settings import settings_or_exit
+
+# At SIGTERM the listener stays open while the requests in flight end (they are failed at
+# once; LISTEN_ON_S at most), every new request answered 503; then the kernel completes
+# no handshake any more, the event loop accepts the connections it already completed
+# (LISTEN_ON_S at most) and the listener closes. LAST_REQUESTS_S: what those last
+# connections get to send their request (and have it answered 503) before uvicorn
+# closes the connections that are idle.
+LISTEN_ON_S = 0.5
+LAST_REQUESTS_S = 0.25
+SO_ATTACH_FILTER = 26  # Linux <asm-generic/socket.h>; not in Python's socket module
+# one classic BPF instruction, "ret #0": every packet dropped (struct sock_filter)
+DROP_ALL = struct.pack("HBBI", 0x06, 0, 0, 0)
+TCPI_UNACKED = 24  # struct tcp_info's tcpi_unacked: a listener's accept queue length
+
+
+class ShutdownGate:
+    """The API's ASGI app as uvicorn serves it: once :attr:`closing` (SIGTERM), every
+    new HTTP request is answered at once with 503 ``the API is shutting down`` and
+    ``Connection: close``, in its route's error shape (a control reply on control
+    routes, ``/health``'s own, else OpenAI's); ``active`` counts the requests the app
+    is still serving."""
+
+    def __init__(self, app: Any, control_paths: list[str]) -> None:
+        self.app = app
+        self.control_paths = frozenset(control_paths)
+        self.closing = False
+        self.active = 0
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.closing:
+            await self._refuse(scope, receive, send)
+            return
+        self.active += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.active -= 1
+
+    async def _refuse(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        message = "the API is shutting down"
+        path = scope.get("path", "")
+        body: dict[str, Any]
+        if path in self.control_paths:
+            rid = client_request_id(Request(scope))
+            body = {
+                "request_id": rid,
+                "error_code": UNAVAILABLE,
+                "error_message": message,
+                "result": None,
+            }
+        elif path == "/health":
+            body = {"status": "unavailable", "error": message}
+        else:
+            body = {
+                "error": {
+                    "message": message,
+                    "type": "server_error",
+                    "param": None,
+                    "code": UNAVAILABLE,
+                }
+            }
+        # the body read first (a small one): a socket closed with unread bytes in its
+        # receive queue sends a reset, which can overtake the answer
+        more, left = True, 1 << 20
+        while more and left > 0:
+            msg = await receive()
+            if msg["type"] != "http.request":
+                return  # the client left
+            left -= len(msg.get("body", b""))
+            more = msg.get("more_body", False)
+        data = json.dumps(body).encode()
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(data)).encode()),
+            (b"connection", b"close"),
+        ]
+        headers += [(k, v) for k, v in scope["headers"] if k.lower() == b"x-request-id"][:1]
+        await send({"type": "http.response.start", "status": UNAVAILABLE, "headers": headers})
+        await send({"type": "http.response.body", "body": data})
+
+
+def _stop_handshakes(sock: Any) -> Any:
+    """Drop every packet that reaches the listening socket ``sock`` (a socket filter):
+    no connection joins its accept queue any more, and a client's SYN, unanswered, is
+    sent again and then refused once the listener is closed — instead of a handshake
+    completed by the kernel and reset when the listener closes. A duplicate of the
+    socket is returned (to read the queue's length), None where this cannot be done."""
+    try:
+        dup = socket.socket(fileno=os.dup(sock.fileno()))
+    except (OSError, ValueError):
+        return None
+    try:
+        prog = ctypes.create_string_buffer(DROP_ALL)
+        fprog = struct.pack("HL", 1, ctypes.addressof(prog))
+        dup.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, fprog)
+    except OSError:  # not Linux
+        dup.close()
+        return None
+    return dup
+
+
+def _queued(dup: Any) -> int:
+    """Connections in a listener's accept queue (Linux ``TCP_INFO``); 0 if unknown."""
+    try:
+        info = dup.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+        return int(struct.unpack_from("I", info, TCPI_UNACKED)[0])
+    except (OSError, AttributeError, struct.error):
+        return 0
 
 
 class Server(uvicorn.Server):
     """uvicorn, plus: at shutdown every open generation (stream or not) and control call
     answers at once — a 503 error event then ``[DONE]`` on a stream, the engine told to
-    cancel — instead of being cut off after the graceful timeout."""
+    cancel — instead of being cut off after the graceful timeout; and a request that
+    arrives meanwhile gets a 503 (:class:`ShutdownGate`) until the listener closes,
+    never a reset (uvicorn closes the listener first: the connections the kernel had
+    accepted for it were reset)."""
 
-    def __init__(self, config: uvicorn.Config, deps: Deps) -> None:
+    def __init__(self, config: uvicorn.Config, deps: Deps, gate: ShutdownGate) -> None:
         super().__init__(config)
-        self.deps = deps
+        self.deps, self.gate = deps, gate
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         err = ControlError(UNAVAILABLE, "the API is shutting down")
+        self.gate.closing = True
 
         async def keep_failing() -> None:
             # requests that were still arriving on kept-alive connections too
@@ -40,7 +161,8 @@ class Server(uvicorn.Server):
 
         task = asyncio.create_task(keep_failing())
         try:
-            await super().shutdown(sockets)
+            await self._close_listeners()
+            await super().shutdown(sockets)  # closes idle connections, waits for the rest
         finally:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -49,6 +171,25 @@ class Server(uvicorn.Server):
         captured = getattr(self, "_captured_signals", None)
         if isinstance(captured, list):
             captured.clear()
+
+    async def _close_listeners(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + LISTEN_ON_S
+        while self.gate.active and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        dups = [_stop_handshakes(s) for srv in self.servers for s in srv.sockets or ()]
+        try:
+            # the event loop accepts what the kernel still holds for us (bounded)
+            deadline = loop.time() + LISTEN_ON_S
+            while any(d is not None and _queued(d) for d in dups) and loop.time() < deadline:
+                await asyncio.sleep(0.01)
+        finally:
+            for d in dups:
+                if d is not None:
+                    d.close()
+        for srv in self.servers:
+            srv.close()
+        await asyncio.sleep(LAST_REQUESTS_S)
 
 
 # the largest request head (request line + headers) the API reads; a larger one is
@@ -152,9 +293,10 @@ def main() -> int:
         format="%(asctime)s api %(levelname)s %(name)s: %(message)s",
     )
     app = create_app(settings)
-    config = uvicorn_config(app, settings.api_host, settings.api_port)
+    gate = ShutdownGate(app, app.state.control_paths)
+    config = uvicorn_config(gate, settings.api_host, settings.api_port)
     log.info("serving with loop=%s http=%s", *server_choice())
-    server = Server(config, app.state.deps)
+    server = Server(config, app.state.deps, gate)
     try:
         server.run()
     except SystemExit as e:

@@ -382,12 +382,17 @@ class Engine:
         if not alive and self.ranks_alive:
             log.warning("ranks lost: %s", error)
             await self.event("ranks", {"alive": False, "error": error})
+        # a rank whose compute thread is stuck in one job would hold reconcile's drain
+        # (and the control lock) to its bound every round: wait until it is free
+        busy = persist.busy_rank(replies) if alive else ""
         if alive and persist.ranks_changed(self, replies) == "restarted":
             # new rank processes (the launcher restarted them): brought to the engine's
             # version and sleep state before they count as alive. A rank switched
             # behind the engine's back is only reported (``_check_versions``).
-            if self.lock.locked():  # an operation holds the lock: next round
-                alive, error = False, "ranks restarted: not yet brought to the engine's state"
+            if self.lock.locked() or busy:  # the lock held, or a rank busy: next round
+                why = f" ({busy})" if busy else ""
+                error = f"ranks restarted: not yet brought to the engine's state{why}"
+                alive = False
             elif not await self.bring_ranks(None, "restarted"):
                 alive, error = False, "ranks restarted: not brought to the engine's state"
         elif alive and self.ranks.unsettled and self.state.state is not State.UPDATING:
@@ -396,7 +401,8 @@ class Engine:
             # did late, or the undo it missed, is overridden (README Recovery)
             why = f"after a failed call ({self.ranks.unsettled})"
             seen = self.ranks.unsettled_n
-            if self.lock.locked():  # an operation holds the lock: next round
+            if self.lock.locked() or busy:  # the lock held, or a rank busy: next round
+                why += f": {busy}" if busy else ""
                 alive, error = False, f"ranks not yet brought to the engine's state {why}"
             elif await self.bring_ranks(None, why):
                 self.ranks.settled(seen)

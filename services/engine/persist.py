@@ -43,6 +43,13 @@ log = logging.getLogger("rollbus.engine.persist")
 RETRY_S = 1.0
 COALESCE_S = 0.0  # background writes yield once: changes made meanwhile are one write
 TAGS = ("weight", "kv_cache")
+# how long reconcile waits for a rank's ``drain`` (and the status and ping answered on
+# its event loop): a rank whose compute thread is free answers in milliseconds (behind
+# at most the steps already sent it); a silent rank, or one whose compute thread is
+# stuck (e.g. in a comm group barrier its peer never joins), must not hold the control
+# lock — or a fleet update's finish, and with it generation — for CONTROL_TIMEOUT_S.
+# A drain that gives up leaves the ranks unsettled: reconcile is tried again later.
+DRAIN_S = 2.0
 
 
 class Update(msgspec.Struct):
@@ -227,8 +234,16 @@ async def reconcile(eng: Engine, update: Update | None = None) -> dict[str, Any]
         done["rolled_back"] = sorted(r for r, rep in reps.items() if rep.result.get("rolled_back"))
     # every call a rank still holds (late ones a stopped rank got before it stopped) has
     # run before its state is looked at: nothing it does afterwards undoes what follows
-    await eng.ranks.call("drain", timeout=s.control_timeout_s)
-    ranks = await eng.ranks.statuses(timeout=min(5.0, s.control_timeout_s))
+    quick = min(DRAIN_S, s.control_timeout_s)
+    try:
+        await eng.ranks.call("drain", timeout=quick)
+    except RankError as e:
+        # what a rank holds may still run (it changes that rank): once every rank
+        # answers again, the watcher brings them back to the engine's state
+        eng.ranks.unsettled = f"reconcile: {e.message}"
+        eng.ranks.unsettled_n += 1
+        raise
+    ranks = await eng.ranks.statuses(timeout=quick)
     dead = [r["rank"] for r in ranks if not r.get("alive")]
     if dead:
         raise RankError(503, f"reconcile: ranks {dead} did not answer", {})
@@ -264,12 +279,24 @@ async def reconcile(eng: Engine, update: Update | None = None) -> dict[str, Any]
     # the ranks' KV cache is not the one the scheduler planned for any more
     async with eng.scheduler.quiet():
         eng.scheduler.drop_kv()
-    final = await eng.ranks.call("ping", timeout=min(5.0, s.control_timeout_s))
+    final = await eng.ranks.call("ping", timeout=quick)
     eng.rank_pids = {r: int(rep.result.get("pid", 0)) for r, rep in final.items()}
     bad = {r: rep.result.get("version") for r, rep in final.items()}
     if target and any(v != target for v in bad.values()):
         raise ControlError(503, f"reconcile: ranks still serve {bad}, the engine {target!r}")
     return done
+
+
+def busy_rank(replies: dict[int, m.WorkerReply]) -> str:
+    """A rank whose compute thread has run one job for ``DRAIN_S`` or longer (its last
+    ``status``), said as the reason not to reconcile now: a ``drain`` queued behind that
+    job would not answer within the bound. "" when every compute thread is free."""
+    for r, rep in sorted(replies.items()):
+        busy_s = float(rep.result.get("busy_s") or 0.0)
+        if busy_s >= DRAIN_S:
+            job = rep.result.get("busy") or "a job"
+            return f"rank {r}'s compute thread has run {job} for {busy_s:.1f} s"
+    return ""
 
 
 def ranks_changed(eng: Engine, replies: dict[int, m.WorkerReply]) -> str:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -20,74 +19,19 @@ from typing import Any
 import httpx
 import pytest
 
-from services import natsd
 from services.trainer.publisher import CheckpointPublisher
 from shared import sharding
 from shared.model_config import ModelConfig
-from tests.e2e.stack import Stack, free_port, model_config, start_stack
+from tests.e2e.bigstack import Server, big_stack
+from tests.e2e.stack import Stack, model_config
 from tests.e2e.test_control import digests
-
-BIG = {
-    "vocab_size": 4096,
-    "hidden_size": 1024,
-    "intermediate_size": 2816,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 8,
-}
-
-
-class Server:
-    """A nats-server on a fixed port that can be restarted on the same store."""
-
-    def __init__(self, store: Path) -> None:
-        self.store, self.port = store, free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.start()
-
-    @property
-    def url(self) -> str:
-        return f"nats://127.0.0.1:{self.port}"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [
-                natsd.find_binary(),
-                "-a",
-                "127.0.0.1",
-                "-p",
-                str(self.port),
-                "-js",
-                "-sd",
-                str(self.store),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        time.sleep(0.5)
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            self.proc.wait(10)
 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Stack]]:
     tmp = Path(tmp_path_factory.mktemp("pull"))
     server = Server(tmp / "nats")
-    stack = start_stack(
-        tmp,
-        server.url,
-        tp=2,
-        model_config=BIG,
-        model_name="pullbig",
-        env={
-            "ROLLBUS_LOAD_STRATEGY": "object_store",
-            "ROLLBUS_CONTROL_TIMEOUT_S": "10",
-            "ROLLBUS_KV_CACHE_BLOCKS": "8",
-        },
-    )
+    stack = big_stack(tmp, server, "pullbig")
     try:
         cfg = model_config(stack.model_dir)
         state = sharding.init_weights(ModelConfig.from_hf(cfg), 3)

@@ -21,7 +21,7 @@ from services import natsd
 from shared import sharding
 from shared.model_config import ModelConfig
 from tests.e2e.reference import greedy
-from tests.e2e.stack import Stack, free_port, model_config
+from tests.e2e.stack import Stack, free_port, model_config, start_stack
 
 CT = 6.0  # ROLLBUS_CONTROL_TIMEOUT_S of the fault stack
 DELAY = 1.5  # ROLLBUS_TEST_STAGE_DELAY_S / ROLLBUS_TEST_COMMIT_DELAY_S
@@ -342,6 +342,33 @@ class NatsProc:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def fault_stack(tmp: Path, nats: NatsProc, **env: str) -> Stack:
+    """A tp=2 stack on ``nats`` as the fault tests want it: versions loaded from the object
+    store (falling back to snapshot dirs), a ``CT`` control timeout, a 3 s stall timeout,
+    a ``DELAY`` window before every commit; ``env`` on top. ``nats`` is stopped if the
+    stack does not start (no fixture teardown runs then)."""
+    try:
+        return start_stack(
+            tmp,
+            nats.url,
+            tp=2,
+            env={
+                "ROLLBUS_LOAD_STRATEGY": "object_store",
+                "ROLLBUS_CONTROL_TIMEOUT_S": str(CT),
+                # a rank left inside a step its peer never got (a step lost in a NATS
+                # outage) leaves after max(4 x STALL_S, 4 x CT) = 24 s; the launcher then
+                # restarts the ranks
+                "ROLLBUS_STALL_S": "3",
+                "ROLLBUS_KV_CACHE_BLOCKS": "96",
+                "ROLLBUS_TEST_COMMIT_DELAY_S": str(DELAY),
+                **env,
+            },
+        )
+    except Exception:
+        nats.stop()
+        raise
 
 
 class Faults:

@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 
 from services.tiny_model import write_version
-from tests.e2e.stack import start_stack
 from tests.faults import common as c
 from tests.faults.common import Faults, NatsProc
 
@@ -28,26 +27,7 @@ from tests.faults.common import Faults, NatsProc
 def faults(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Faults]:
     tmp = Path(tmp_path_factory.mktemp("faults"))
     nats = NatsProc(tmp / "nats", tmp / "nats.log")
-    try:
-        stack = start_stack(
-            tmp,
-            nats.url,
-            tp=2,
-            env={
-                "ROLLBUS_LOAD_STRATEGY": "object_store",
-                "ROLLBUS_CONTROL_TIMEOUT_S": str(c.CT),
-                # a rank left inside a step its peer never got (a step lost in a NATS
-                # outage) leaves after max(4 x STALL_S, 4 x CT) = 24 s; the launcher then
-                # restarts the ranks
-                "ROLLBUS_STALL_S": "3",
-                "ROLLBUS_KV_CACHE_BLOCKS": "96",
-                "ROLLBUS_TEST_STAGE_DELAY_S": str(c.DELAY),
-                "ROLLBUS_TEST_COMMIT_DELAY_S": str(c.DELAY),
-            },
-        )
-    except Exception:
-        nats.stop()
-        raise
+    stack = c.fault_stack(tmp, nats, ROLLBUS_TEST_STAGE_DELAY_S=str(c.DELAY))
     c.wait_log(stack, "rollbus: ready:", 0)  # the launcher saw it ready: restarts apply
     write_version(stack.model_dir, "v1", seed=1)
     write_version(stack.model_dir, "v2", seed=2)

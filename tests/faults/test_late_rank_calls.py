@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from services.tiny_model import write_version
-from tests.e2e.stack import Stack, start_stack
+from tests.e2e.stack import Stack
 from tests.faults import common as c
 from tests.faults.common import NatsProc
 
@@ -35,23 +35,7 @@ ASLEEP = {"weights_loaded": False, "kv_allocated": False, "comm_group": False}
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = Path(tmp_path_factory.mktemp("late_rank_calls"))
     nats = NatsProc(tmp / "nats", tmp / "nats.log", conf=PING)
-    try:
-        s = start_stack(
-            tmp,
-            nats.url,
-            tp=2,
-            env={
-                "ROLLBUS_LOAD_STRATEGY": "object_store",
-                "ROLLBUS_CONTROL_TIMEOUT_S": str(c.CT),
-                "ROLLBUS_STALL_S": "3",
-                "ROLLBUS_KV_CACHE_BLOCKS": "96",
-                "ROLLBUS_SHUTDOWN_COMM_GROUP_IF_WORKER_IDLE": "true",
-                "ROLLBUS_TEST_COMMIT_DELAY_S": str(c.DELAY),
-            },
-        )
-    except Exception:
-        nats.stop()
-        raise
+    s = c.fault_stack(tmp, nats, ROLLBUS_SHUTDOWN_COMM_GROUP_IF_WORKER_IDLE="true")
     write_version(s.model_dir, "v1", seed=1)
     try:
         yield s
@@ -65,6 +49,44 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 def _cut_off(since: float) -> None:
     """Keep the rank stopped until the server has surely closed its connection."""
     time.sleep(max(0.0, since + CUT_S - time.monotonic()))
+
+
+def _call_while_cut_off(stack: Stack, path: str, says: str) -> int:
+    """Rank 1 stopped and kept so until the server has surely cut it off, then ``path``
+    called: it answers 503 naming ``says`` (the rank never got the call). Rank 1 is
+    SIGCONTed whatever happened; its pid is returned."""
+    pid = c.rank_pid(stack, 1)
+    t0 = time.monotonic()
+    c.signal_quietly(pid, signal.SIGSTOP)
+    try:
+        _cut_off(t0)
+        r = c.ctl(stack, path)
+        assert r.status_code == 503 and says in r.text, r.text
+    finally:
+        c.signal_quietly(pid, signal.SIGCONT)
+    return pid
+
+
+def _lock_free_while_rank_0_is_stuck(stack: Stack, until: float) -> None:
+    """Until ``until`` (or 8 s at most) from the moment both ranks answer ``status`` again
+    while rank 0's compute thread is still in the wakeup's barrier: every control call
+    takes the control lock at once (not 409 "another control operation is in
+    progress"), and ``/health`` says what the engine waits for."""
+    while True:
+        ranks = c.status(stack, fresh=True)["ranks"]
+        if all(r.get("alive") for r in ranks) and ranks[0].get("busy") == "wakeup":
+            break
+        assert time.monotonic() < until, f"rank 1 never answered again: {ranks}"
+        time.sleep(0.2)
+    end, calls = min(until, time.monotonic() + 8), 0
+    while time.monotonic() < end:
+        r = c.ctl(stack, "/v1/pause", timeout=c.CT)
+        assert r.status_code == 200, r.text
+        calls += 1
+        time.sleep(0.2)
+    assert calls >= 5, calls  # the window was long enough to tell
+    h = c.get(stack, "/health")
+    assert h.status_code == 503 and "rank 0's compute thread has run wakeup" in h.text, h.text
 
 
 def _ranks_settle(stack: Stack, want: dict[str, object], hold: float = 3.0) -> None:
@@ -151,15 +173,7 @@ def test_sleep_a_cut_off_rank_never_got_is_applied_once_it_answers(stack: Stack)
     rank 1 to that state once it answers again. Without that, rank 1 kept its weights,
     KV cache and comm group while ``status`` said sleeping with no problem, and (comm
     groups unlike) the next wakeup hung in rank 0's barrier."""
-    pid = c.rank_pid(stack, 1)
-    t0 = time.monotonic()
-    c.signal_quietly(pid, signal.SIGSTOP)
-    try:
-        _cut_off(t0)
-        r = c.ctl(stack, "/v1/sleep")
-        assert r.status_code == 503 and "sleep: ranks [1] did not answer" in r.text, r.text
-    finally:
-        c.signal_quietly(pid, signal.SIGCONT)
+    _call_while_cut_off(stack, "/v1/sleep", "sleep: ranks [1] did not answer")
     _ranks_settle(stack, {"version": "v0", **ASLEEP})
     assert c.status(stack)["state"] == "sleeping"
     r = c.ctl(stack, "/v1/wakeup", timeout=c.CONTROL_BOUND)
@@ -172,19 +186,18 @@ def test_wakeup_a_cut_off_rank_never_got_does_not_hold_its_peer_for_good(stack: 
     sent: it never gets it, and rank 0 waits for it in the comm group's barrier, which
     nothing can interrupt (gloo's own timeout is 30 min). Past max(4 x STALL_S, 4 x
     CONTROL_TIMEOUT_S) rank 0 leaves (code 4, a line naming the rebuild), the launcher
-    restarts the ranks and the engine brings them to its state: asleep."""
+    restarts the ranks and the engine brings them to its state: asleep. Meanwhile (rank
+    1 answers again, rank 0's compute thread blocked) the engine waits for rank 0 to be
+    free before it brings the ranks back: its reconcile does not hold the control lock
+    on a ``drain`` rank 0 cannot answer (it held it CONTROL_TIMEOUT_S a round, again and
+    again: every control call was refused with 409)."""
     left = "blocked in the comm group's rebuild"
     before = c.log_count(stack, left)
     assert c.ctl(stack, "/v1/sleep").status_code == 200
-    pid = c.rank_pid(stack, 1)
-    t0 = time.monotonic()
-    c.signal_quietly(pid, signal.SIGSTOP)
-    try:
-        _cut_off(t0)
-        r = c.ctl(stack, "/v1/wakeup")
-        assert r.status_code == 503 and "did not answer" in r.text, r.text
-    finally:
-        c.signal_quietly(pid, signal.SIGCONT)
+    pid = _call_while_cut_off(stack, "/v1/wakeup", "did not answer")
+    # rank 0 entered the barrier when the wakeup came, CT before its 503; it leaves
+    # 4 x CT after that
+    _lock_free_while_rank_0_is_stuck(stack, until=time.monotonic() + 3 * c.CT - 2)
     c.wait_log(stack, left, before, timeout=4 * c.CT + 30)
     st = c.wait_recovered(stack)
     assert pid not in [r["pid"] for r in st["ranks"]], st  # restarted

@@ -17,27 +17,15 @@ import pytest
 from services.trainer.publisher import CheckpointPublisher
 from shared import sharding
 from shared.model_config import ModelConfig
-from tests.e2e.stack import Stack, model_config, start_stack
+from tests.e2e.bigstack import Server, big_stack
+from tests.e2e.stack import Stack, model_config
 from tests.e2e.test_checkpoints import events
-from tests.e2e.test_pull_failures import BIG, Server
 
 
 @pytest.fixture
 def auto(tmp_path: Path) -> Iterator[tuple[Server, Stack]]:
     server = Server(tmp_path / "nats")
-    stack = start_stack(
-        tmp_path,
-        server.url,
-        tp=2,
-        model_config=BIG,
-        model_name="pullauto",
-        env={
-            "ROLLBUS_LOAD_STRATEGY": "object_store",
-            "ROLLBUS_AUTO_UPDATE": "true",
-            "ROLLBUS_CONTROL_TIMEOUT_S": "10",
-            "ROLLBUS_KV_CACHE_BLOCKS": "8",
-        },
-    )
+    stack = big_stack(tmp_path, server, "pullauto", ROLLBUS_AUTO_UPDATE="true")
     try:
         yield server, stack
     finally:

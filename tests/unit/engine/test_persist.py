@@ -12,6 +12,7 @@ import msgspec
 import pytest
 
 from services.engine import persist
+from services.engine.ranks import RankError
 from services.engine.state import EngineState, State
 from shared import messages as m
 from shared.statekv import key_for
@@ -135,6 +136,52 @@ def test_reconcile_reapplies_sleep_and_wakes_ranks_for_an_awake_engine() -> None
     eng = engine(asleep, weight_version="v1")  # running, but the ranks are asleep
     asyncio.run(persist.reconcile(eng))
     assert [c[0] for c in asleep.calls if c[0] != "ping"] == ["drain", "wakeup"]
+
+
+class SilentOnDrain(Ranks):
+    """Rank 1 answers ``status`` but not ``drain`` (its compute thread is stuck)."""
+
+    def __init__(self, versions: list[str]) -> None:
+        super().__init__(versions)
+        self.unsettled, self.unsettled_n = "", 0
+        self.timeouts: dict[str, float | None] = {}
+
+    async def call(self, method: str, args: msgspec.Struct | None = None, **kw: Any) -> Any:
+        self.timeouts[method] = kw.get("timeout")
+        if method == "drain":
+            self.calls.append((method, args))
+            raise RankError(503, f"drain: ranks [1] did not answer within {kw['timeout']:g}s", {})
+        return await super().call(method, args, **kw)
+
+
+def test_reconcile_gives_up_on_a_rank_that_does_not_drain_and_leaves_it_unsettled() -> None:
+    """The drain waits ``DRAIN_S``, not CONTROL_TIMEOUT_S (the control lock is held
+    meanwhile); giving up changes nothing and marks the ranks unsettled, so the watcher
+    tries again once every rank answers."""
+    ranks = SilentOnDrain(["v0", "v1"])
+    eng = engine(ranks, weight_version="v1")
+    eng.settings.control_timeout_s = 60.0
+    with pytest.raises(RankError, match=r"drain: ranks \[1\] did not answer within 2s"):
+        asyncio.run(persist.reconcile(eng))
+    assert ranks.timeouts["drain"] == persist.DRAIN_S < eng.settings.control_timeout_s
+    assert [c[0] for c in ranks.calls] == ["drain"]  # nothing looked at, nothing changed
+    assert ranks.unsettled == "reconcile: drain: ranks [1] did not answer within 2s"
+    assert ranks.unsettled_n == 1
+    eng.settings.control_timeout_s = 1.0  # a shorter control timeout bounds it too
+    with pytest.raises(RankError):
+        asyncio.run(persist.reconcile(eng))
+    assert ranks.timeouts["drain"] == 1.0 and ranks.unsettled_n == 2
+
+
+def test_busy_rank_names_a_compute_thread_stuck_past_the_drain_bound() -> None:
+    def rep(r: int, busy: str, busy_s: float) -> m.WorkerReply:
+        return m.WorkerReply(r, result={"busy": busy, "busy_s": busy_s})
+
+    free = {0: rep(0, "", 0.0), 1: rep(1, "step 7", 0.05)}
+    assert persist.busy_rank(free) == ""
+    stuck = {0: rep(0, "wakeup", persist.DRAIN_S + 10.0), 1: rep(1, "", 0.0)}
+    assert persist.busy_rank(stuck) == "rank 0's compute thread has run wakeup for 12.0 s"
+    assert persist.busy_rank({0: m.WorkerReply(0, result={})}) == ""  # an older rank
 
 
 def test_ranks_changed() -> None:
