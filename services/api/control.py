@@ -268,7 +268,7 @@ def routes(deps: Deps) -> list[Route]:
                 admin_check(deps, request)  # these GETs change state: token first
                 _only_query(request)
             except ControlError as e:
-                return reply_response(m.ControlReply(new_request_id(), e.code, e.message))
+                return _refused(request, e)  # names the parameter, echoes X-Request-Id
             if not deps.settings.dynamic_load_weight:
                 return JSONResponse(
                     {"error": "Dynamic Load Weight Disabled."}, status_code=NOT_FOUND
