@@ -4,6 +4,7 @@ silently dropped."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 import pytest
@@ -55,5 +56,31 @@ def test_legacy_route_refusal_names_the_parameter_and_echoes_the_request_id(
     assert body["result"] == {"param": "tags"}, body
     assert body["request_id"] == "audit-legacy"
     assert r.headers.get("x-request-id") == "audit-legacy"
+    st = stack.status()
+    assert (st["state"], st["is_paused"]) == ("running", False)
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        # valid arguments, but more than NATS' max_payload (1 MiB) once they go on the bus
+        ("/v1/wakeup", json.dumps({"tags": ["kv_cache"] * 200_000}).encode()),
+        ("/v1/update_weights", b'{"version": "v0"' + b" " * 2_000_000 + b"}"),
+    ],
+    ids=["wakeup-tags", "update-whitespace"],
+)
+def test_control_arguments_too_large_for_the_bus_are_400_not_500(
+    stack: Stack, path: str, body: bytes
+) -> None:
+    """A body within MAX_BODY_BYTES whose arguments pass every check but do not fit one
+    NATS message: 400 naming the body in the control reply shape (it was a plain-text
+    500 from nats-py's MaxPayloadError), nothing run, the API still serving."""
+    with stack.client() as c:
+        r = c.post(path, content=body, headers={"X-Request-Id": "audit-big"})
+        assert r.status_code == 400, r.text[:300]
+        reply = r.json()
+        assert reply["result"] == {"param": "body"}, reply
+        assert reply["request_id"] == "audit-big"
+        assert c.get("/v1/is_paused").json() == {"is_paused": False}
     st = stack.status()
     assert (st["state"], st["is_paused"]) == ("running", False)
