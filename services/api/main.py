@@ -106,7 +106,10 @@ def bounded_httptools(head_timeout_s: float = 10.0) -> type[asyncio.Protocol]:
             self._head_timer = None
             if self.transport.is_closing():
                 return
-            if not self._head_open:  # nothing of a request came: no one to answer
+            cycle = self.cycle
+            if not self._head_open or (cycle is not None and not cycle.response_complete):
+                # nothing of a request came (no one to answer), or a pipelined head stalled
+                # behind a response still being sent (a 400 would land inside it)
                 self.transport.close()
                 return
             self.logger.warning("closed a connection whose request head was incomplete")
