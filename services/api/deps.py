@@ -7,10 +7,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import nats.errors
+
 from services.api.metrics import Metrics
 from shared import messages as m
 from shared.bus import Bus
-from shared.errors import ControlError
+from shared.errors import BAD_REQUEST, ControlError
 from shared.settings import Settings
 from shared.subjects import Subjects
 
@@ -70,6 +72,16 @@ class Deps:
             )
         except ControlError as e:
             return m.ControlReply(rid, e.code, f"engine: {e.message}")
+        except nats.errors.MaxPayloadError:
+            # arguments that passed every check but do not fit one NATS message (a body
+            # of 200k tags, or padded with whitespace): the client's to fix, never a 500
+            return m.ControlReply(
+                rid,
+                BAD_REQUEST,
+                f"control arguments too large for the bus ({len(data)} bytes; one NATS"
+                f" message holds {self.bus.max_payload})",
+                {"param": "body"},
+            )
         finally:
             latency.observe(time.perf_counter() - t0)
         return m.json_decode(reply.data, type=m.ControlReply)

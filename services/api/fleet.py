@@ -23,7 +23,11 @@ log = logging.getLogger("rollbus.api.fleet")
 async def update_weights(deps: Deps, request: Request) -> Response:
     rid = control.client_request_id(request)
     try:
-        body = await control._body(deps, request)  # token first, then size / JSON
+        control.admin_check(deps, request)  # 401 before a bad parameter's 400
+        # arguments come in the body only: a query one (`?pause_mode=keep`) is 400 naming
+        # it, never dropped while the transaction runs with the defaults (abort)
+        control._only_query(request)
+        body = await control._body(deps, request)  # size / JSON
         args = m.decode_args(body, f.FleetUpdateArgs)  # unknown or wrong field: 400
         f.check_update_args(args.version, args.pause_mode, args.verify_checksum)  # 400
     except ControlError as e:
@@ -31,13 +35,19 @@ async def update_weights(deps: Deps, request: Request) -> Response:
         return control._refused(request, e)
     assert deps.bus is not None
     coord = f.Coordinator(
-        deps.bus, deps.settings.control_timeout_s, name=f"api:{deps.settings.instance}",
+        deps.bus,
+        deps.settings.control_timeout_s,
+        name=f"api:{deps.settings.instance}",
         test_commit_delay_s=deps.settings.test_fleet_commit_delay_s,
     )
     try:
         # the instances serving this API's model (README "Fleet")
-        res = await coord.update(args.version, args.pause_mode, args.verify_checksum,
-                                 model=deps.settings.served_model_name)
+        res = await coord.update(
+            args.version,
+            args.pause_mode,
+            args.verify_checksum,
+            model=deps.settings.served_model_name,
+        )
         reply = m.ControlReply(rid, res.error_code, res.error_message, msgspec.to_builtins(res))
     except Exception as e:  # a bug answers; the instances follow the record by themselves
         log.exception("fleet update failed")

@@ -217,23 +217,64 @@ def server_choice() -> tuple[str, str]:
 
 
 @functools.cache
-def bounded_httptools() -> type[asyncio.Protocol]:
-    """uvicorn's httptools protocol with a bound on the request head. llhttp itself has
-    none (h11 has one: ``h11_max_incomplete_event_size``): without it a client could send
-    megabytes of URL or headers and have them all buffered and handed to the app."""
+def bounded_httptools(head_timeout_s: float = 10.0) -> type[asyncio.Protocol]:
+    """uvicorn's httptools protocol with a bound on the request head: its size, and its
+    time — a connection that sends no complete head within ``head_timeout_s`` of opening
+    (or of its head's first byte) is closed (400 when part of a head came). llhttp itself
+    has no size bound (h11 has one: ``h11_max_incomplete_event_size``): without it a
+    client could send megabytes of URL or headers and have them all buffered and handed
+    to the app; and uvicorn times out only idle kept-alive connections, so without the
+    time bound a client that never finishes its head (slowloris) held the connection
+    for ever."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class BoundedHttpToolsProtocol(HttpToolsProtocol):
         _head_open = False  # a request's head is being read
         _head_size = 0  # bytes received while it was
         _too_big = False
+        _head_timer: asyncio.TimerHandle | None = None
+
+        def _arm_head_timer(self) -> None:
+            self._cancel_head_timer()
+            self._head_timer = self.loop.call_later(head_timeout_s, self._head_timed_out)
+
+        def _cancel_head_timer(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_timed_out(self) -> None:
+            self._head_timer = None
+            if self.transport.is_closing():
+                return
+            cycle = self.cycle
+            if not self._head_open or (cycle is not None and not cycle.response_complete):
+                # nothing of a request came (no one to answer), or a pipelined head stalled
+                # behind a response still being sent (a 400 would land inside it)
+                self.transport.close()
+                return
+            self.logger.warning("closed a connection whose request head was incomplete")
+            self._refuse(
+                b"400 Bad Request",
+                f"request head incomplete after {head_timeout_s:g} s (ROLLBUS_BODY_TIMEOUT_S)",
+            )
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm_head_timer()  # a connection that never sends a request
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._cancel_head_timer()
+            super().connection_lost(exc)
 
         def on_message_begin(self) -> None:
             self._head_open, self._head_size = True, 0
+            self._arm_head_timer()
             super().on_message_begin()
 
         def on_headers_complete(self) -> None:
             self._head_open = False
+            self._cancel_head_timer()
             # the head as parsed: one read may have brought all of it
             size = len(self.url) + sum(len(k) + len(v) + 4 for k, v in self.headers)
             if size > MAX_HEAD_BYTES:
@@ -257,10 +298,16 @@ def bounded_httptools() -> type[asyncio.Protocol]:
             if not self._too_big:
                 super().send_400_response(msg)
                 return
-            body = f"request head larger than {MAX_HEAD_BYTES} bytes".encode()
             self.logger.warning("refused a request head larger than %d bytes", MAX_HEAD_BYTES)
+            self._refuse(
+                b"431 Request Header Fields Too Large",
+                f"request head larger than {MAX_HEAD_BYTES} bytes",
+            )
+
+        def _refuse(self, status: bytes, message: str) -> None:
+            body = message.encode()
             self.transport.write(
-                b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+                b"HTTP/1.1 " + status + b"\r\n"
                 b"content-type: text/plain; charset=utf-8\r\n"
                 b"content-length: " + str(len(body)).encode() + b"\r\n"
                 b"connection: close\r\n\r\n" + body
@@ -270,15 +317,16 @@ def bounded_httptools() -> type[asyncio.Protocol]:
     return BoundedHttpToolsProtocol
 
 
-def uvicorn_config(app: Any, host: str, port: int) -> uvicorn.Config:
-    """The API's server settings (also the bench's bare-route baseline: like with like)."""
+def uvicorn_config(app: Any, host: str, port: int, head_timeout_s: float = 10.0) -> uvicorn.Config:
+    """The API's server settings (also the bench's bare-route baseline: like with like);
+    ``head_timeout_s``: ``BODY_TIMEOUT_S``, for the request head too."""
     loop, http = server_choice()
     return uvicorn.Config(
         app,
         host=host,
         port=port,
         loop=loop,
-        http=bounded_httptools() if http == "httptools" else http,
+        http=bounded_httptools(head_timeout_s) if http == "httptools" else http,
         h11_max_incomplete_event_size=MAX_HEAD_BYTES,
         log_level="warning",
         access_log=False,
@@ -294,7 +342,7 @@ def main() -> int:
     )
     app = create_app(settings)
     gate = ShutdownGate(app, app.state.control_paths)
-    config = uvicorn_config(gate, settings.api_host, settings.api_port)
+    config = uvicorn_config(gate, settings.api_host, settings.api_port, settings.body_timeout_s)
     log.info("serving with loop=%s http=%s", *server_choice())
     server = Server(config, app.state.deps, gate)
     try:

@@ -775,8 +775,9 @@ class OpenAIRoutes:
             self.incoming += 1  # read (a slow body does not count): parsed and sent next
             incoming = True
             # off the event loop: a chat template (untrusted jinja) or a long prompt's
-            # tokenization is CPU work that would stall every other request and stream
-            job = await asyncio.to_thread(self.parse, parse_json(raw, empty={}), chat)
+            # tokenization is CPU work that would stall every other request and stream;
+            # so is the JSON itself (a 4 MiB body of a million tiny values: seconds)
+            job = await asyncio.to_thread(lambda: self.parse(parse_json(raw, empty={}), chat))
             assert self.deps.bus is not None
             self.incoming -= 1
             incoming = False

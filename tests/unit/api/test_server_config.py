@@ -43,14 +43,14 @@ def test_without_them_it_falls_back_to_asyncio_and_h11(monkeypatch: pytest.Monke
     assert config.http_protocol_class.__name__ == "H11Protocol"
 
 
-def _serve() -> tuple[int, uvicorn.Server, threading.Thread]:
+def _serve(head_timeout_s: float = 10.0) -> tuple[int, uvicorn.Server, threading.Thread]:
     """A uvicorn with the API's config on a free port, in a thread."""
 
     async def echo(req: Request) -> PlainTextResponse:
         return PlainTextResponse(str(len(req.headers.get("x-big", ""))))
 
     app = Starlette(routes=[Route("/", echo)])
-    config = uvicorn_config(app, "127.0.0.1", 0)
+    config = uvicorn_config(app, "127.0.0.1", 0, head_timeout_s)
     config.log_level = "critical"
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
@@ -112,5 +112,44 @@ def test_httptools_refuses_a_head_just_over_the_bound() -> None:
         got = _get(served[0], MAX_HEAD_BYTES + 512)
         assert got.startswith(b"HTTP/1.1 431"), got[:100]
         assert _get(served[0], MAX_HEAD_BYTES - 512).startswith(b"HTTP/1.1 200")
+    finally:
+        _stop(served)
+
+
+def _read_all(s: socket.socket) -> bytes:
+    """What the server sends until it closes (the socket's timeout: it never did)."""
+    out = b""
+    while True:
+        try:
+            chunk = s.recv(4096)
+        except ConnectionResetError:
+            return out
+        if not chunk:
+            return out
+        out += chunk
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="uvloop has no Windows build")
+def test_a_connection_that_never_completes_its_head_is_closed() -> None:
+    """Slowloris: a client that opens connections and sends part of a head (or nothing)
+    must not hold them for ever — uvicorn times out only idle kept-alive connections."""
+    served = _serve(head_timeout_s=0.5)
+    try:
+        port = served[0]
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: a")
+            got = _read_all(s)  # socket.timeout (a test error) if the server holds it
+        assert got.startswith(b"HTTP/1.1 400"), got[:100]
+        assert b"request head incomplete" in got
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            assert _read_all(s) == b""  # nothing sent: closed, nothing answered
+        # a kept-alive connection idle for longer than the head bound between requests is
+        # still served (uvicorn's own keep-alive timeout governs that wait)
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            for _ in range(2):
+                s.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+                got = s.recv(4096)
+                assert got.startswith(b"HTTP/1.1 200"), got[:100]
+                time.sleep(1.0)
     finally:
         _stop(served)
