@@ -25,7 +25,13 @@ from tests.e2e.test_checkpoints import events
 @pytest.fixture
 def auto(tmp_path: Path) -> Iterator[tuple[Server, Stack]]:
     server = Server(tmp_path / "nats")
-    stack = big_stack(tmp_path, server, "pullauto", ROLLBUS_AUTO_UPDATE="true")
+    # a 20 s control timeout: in the ``stop`` case the ranks' verdict comes once the
+    # server runs again (7 s after the stop, itself some time after the stage was sent);
+    # under two-lane CI load 10 s was not always enough for it to beat the engine's own
+    # timeout (then a 503 from the engine, still retried, but not the ranks' verdict)
+    stack = big_stack(
+        tmp_path, server, "pullauto", ROLLBUS_AUTO_UPDATE="true", ROLLBUS_CONTROL_TIMEOUT_S="20"
+    )
     try:
         yield server, stack
     finally:
