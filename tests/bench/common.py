@@ -172,7 +172,7 @@ def start_stack_retry(tmp: Any, nats_url: str, attempts: int = 3, **kw: Any) -> 
                 kept,
                 e.report,
             )
-            if i == attempts:
+            if i == attempts or e.exited == 2:  # a configuration error: a retry repeats it
                 raise
             continue
         log.info("stack tp=%s up in %.1f s (attempt %d)", tp, time.perf_counter() - t0, i)

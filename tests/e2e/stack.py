@@ -101,10 +101,11 @@ def start_stack(
         wait_healthy(base, proc, log)
     except RuntimeError as e:
         health = last_health(base)
+        exited = proc.poll()  # the launcher's own exit code, before we stop it
         # the launcher's ordered stop (its ranks and their shared-memory files too), waited
         # for: the next start must not share the host with this one's leftovers
         stop_serve(proc)
-        raise StackStartError(str(e), log, start_report(log, tp, health)) from None
+        raise StackStartError(str(e), log, start_report(log, tp, health), exited) from None
     except BaseException:
         stop_serve(proc)
         raise
@@ -113,11 +114,12 @@ def start_stack(
 
 class StackStartError(RuntimeError):
     """A stack that did not get healthy (stopped since): ``report`` says how far each
-    rank got (:func:`start_report`), ``log`` is the stack's log."""
+    rank got (:func:`start_report`), ``log`` is the stack's log, ``exited`` the launcher's
+    exit code if it exited by itself (2: a configuration error) or None."""
 
-    def __init__(self, message: str, log: Path, report: str) -> None:
+    def __init__(self, message: str, log: Path, report: str, exited: int | None = None) -> None:
         super().__init__(f"{message}\n{report}")
-        self.log, self.report = log, report
+        self.log, self.report, self.exited = log, report, exited
 
 
 # a rank's start phases (services.worker.main, INFO) and the launcher's own lines

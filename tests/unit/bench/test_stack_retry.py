@@ -93,3 +93,21 @@ def test_a_callers_log_level_wins(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         tmp_path, "nats://127.0.0.1:1", tp=4, env={"ROLLBUS_LOG_LEVEL": "debug", "X": "1"}
     )
     assert seen == [{"ROLLBUS_LOG_LEVEL": "debug", "X": "1"}]
+
+
+def test_a_configuration_error_is_not_retried(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[Path] = []
+
+    def refused(tmp: Path, url: str, **kw: Any) -> _Stack:
+        calls.append(tmp)
+        log = tmp_path / f"stack-{len(calls)}.log"
+        log.write_text("rollbus: ROLLBUS_MODEL=…: unsupported model config\n")
+        raise StackStartError("rollbus serve exited with 2:", log, "", exited=2)
+
+    monkeypatch.setattr(stack_mod, "start_stack", refused)
+    monkeypatch.setattr(common, "FAILED_LOGS", tmp_path / "kept")
+    with pytest.raises(StackStartError):
+        common.start_stack_retry(tmp_path, "nats://127.0.0.1:1", tp=3)
+    assert len(calls) == 1  # exit code 2 is never transient
