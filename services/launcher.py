@@ -23,7 +23,6 @@ import contextlib
 import errno
 import json
 import os
-import random
 import signal
 import socket
 import ssl
@@ -39,6 +38,7 @@ from pathlib import Path
 
 from services import _signals, natsd
 from services.tiny_model import ensure_tiny_model
+from services.worker.ports import rendezvous_port
 from services.worker.shmreduce import default_root, segment_dir
 from shared import creds
 from shared.bus import Bus
@@ -72,28 +72,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
-
-
-def rendezvous_port(host: str = "127.0.0.1") -> int:
-    """A free port *below* the ephemeral range for paddle's rendezvous.
-
-    A port from ``bind(0)`` is ephemeral: between our check and paddle's bind, any
-    outgoing connection on the host may take it, and the ranks then wait for each other
-    forever. Ports under ``ip_local_port_range`` are never handed out that way.
-    """
-    try:
-        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    for _ in range(200):
-        port = random.randint(max(1024, low - 12000), low - 1)
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-        return port
-    return free_port(host)
 
 
 @dataclass

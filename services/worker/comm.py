@@ -7,6 +7,14 @@ tensor parallelism runs on a sub-group created with ``new_group`` so it
 can be destroyed on sleep (``SHUTDOWN_COMM_GROUP_IF_WORKER_IDLE``) and rebuilt on
 wakeup without restarting the process. Creating or destroying a group is collective:
 every rank must call it, which the engine's scatter guarantees.
+
+Every TP group is rendezvoused on a TCP store of its own (:meth:`CommGroup.build`), never
+on paddle's default store: paddle's gloo process group publishes its pair addresses there
+under the bare keys ``"0"`` … ``"tp-1"``, the same keys for every group, so a rank that
+looked a peer up before that peer had written its new address got the previous group's
+(whose listeners are closed) and failed with ``connect …: Connection refused`` or waited
+for a connection that never came (``TIMEOUT``): under load, TP=4 rank starts failed so
+(session 10's bench: a TP=4 stack not healthy in 120 s, three attempts in a row).
 """
 
 from __future__ import annotations
@@ -14,8 +22,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from services.worker.ports import rendezvous_port
 from services.worker.shmreduce import ShmAllReduce, default_root, segment_dir
 from shared.device import DeviceError, comm_env, gpu_problem, paddle_device
+
+# the key of the default store under which rank 0 publishes a TP group's store port
+GROUP_STORE_KEY = "rollbus/tp-group-store/{n}"
 
 
 def place(device: str, rank: int, tp: int) -> str:
@@ -63,6 +75,9 @@ class CommGroup:
         self._initialized = False
         self.shm_bytes, self.shm_timeout_s = shm_bytes, shm_timeout_s
         self.shm: ShmAllReduce | None = None
+        self.builds = 0  # TP groups built so far (the same count on every rank)
+        # every TP group's own store, kept while the process lives: paddle holds it too
+        self.stores: list[Any] = []
 
     @property
     def alive(self) -> bool:
@@ -93,9 +108,43 @@ class CommGroup:
         if self.tp == 1 or self.group is not None:
             return
         import paddle.distributed as dist
+        from paddle.distributed import collective
 
         dist.barrier()  # on the global group: every rank is here before the full-mesh connect
-        self.group = dist.new_group(list(range(self.tp)))
+        if os.environ.get("PADDLE_DISTRI_BACKEND") != "gloo":
+            # NCCL's rendezvous keys name their group: no stale address to read
+            self.group = dist.new_group(list(range(self.tp)))
+            return
+        default = collective._default_store
+        store = self._group_store(default)
+        # new_group rendezvouses on paddle's default store: ours for this one call
+        collective._default_store = store
+        try:
+            self.group = dist.new_group(list(range(self.tp)))
+        finally:
+            collective._default_store = default
+
+    def _group_store(self, default: Any) -> Any:
+        """A new TCP store for the next TP group, hosted by rank 0 on a fresh port that
+        rank 0 publishes on the default store under a key of this build alone (so no rank
+        ever reads an earlier group's value there either). Its pair-address keys are
+        empty until each rank writes its own: a peer's lookup waits for the new address."""
+        from paddle.base import core
+
+        n, self.builds = self.builds, self.builds + 1
+        key = GROUP_STORE_KEY.format(n=n)
+        host = os.environ["PADDLE_TRAINER_ENDPOINTS"].split(",")[0].rsplit(":", 1)[0].strip("[]")
+        timeout = int(os.environ.get("FLAGS_stop_check_timeout", "900"))
+        if self.rank == 0:
+            port = rendezvous_port(host)
+            default.set(key, str(port))
+        else:
+            port = int(bytes(default.get(key)).decode())
+        # rank 0 serves it; every rank (rank 0 too) connects, and the constructor returns
+        # once all ``tp`` have
+        store = core.TCPStore(host, port, self.rank == 0, self.tp, timeout)
+        self.stores.append(store)
+        return store
 
     def destroy(self) -> None:
         if self.tp == 1 or self.group is None:

@@ -105,13 +105,17 @@ def build_rank(settings: Settings, rank: int) -> control.Rank:
     cfg.validate_tp(settings.tp)
     # the shm wait's own bound lies past the step watchdog's (which exits with code 4)
     comm = CommGroup(rank, settings.tp, shm_bytes(settings, cfg), hang_bound(settings) + 5)
+    # the start's phases at INFO: a start that hangs shows which rank stopped where
+    log.info("rank %d start: joining the comm group of %d ranks", rank, settings.tp)
     try:
         comm.init()
     except Exception as e:  # e.g. gloo's full-mesh connect refused: worth a restart
         raise TransientStartError(str(e) or type(e).__name__) from e
+    log.info("rank %d start: comm group joined; loading the weights", rank)
     source = make_source(settings, cfg, rank)
     weights = WeightStore(rank, source)
     weights.load_initial(model_dir_version(model_dir))
+    log.info("rank %d start: weights loaded", rank)
     kv = mdl.KVCache(
         cfg,
         settings.kv_cache_blocks,

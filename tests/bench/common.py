@@ -9,10 +9,13 @@ median ratio and a missed one is reported as ``MISSED`` (see :mod:`tests.bench.r
 
 from __future__ import annotations
 
+import shutil
 import statistics
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 
@@ -136,27 +139,53 @@ def missed(tables: list[dict[str, Any]]) -> list[str]:
 # --------------------------------------------------------------------------- stacks
 
 
+# failed stack starts keep their logs here (the bench's own temp dir is removed at its end)
+FAILED_LOGS = Path(tempfile.gettempdir()) / "rollbus-bench-failed-starts"
+
+
 def start_stack_retry(tmp: Any, nats_url: str, attempts: int = 3, **kw: Any) -> Any:
     """:func:`tests.e2e.stack.start_stack`, retried: a stack that is not healthy in time
-    (a rank start that is slow or transient on a loaded machine) is logged with the tail
-    of its log and started again, up to ``attempts`` times."""
+    (a rank start that is slow or transient on a loaded machine) is stopped, and started
+    again, up to ``attempts`` times. Every attempt logs at ``ROLLBUS_LOG_LEVEL=info`` (the
+    start phases of each rank; a caller's ``env`` still wins); a failed one's log is kept
+    under :data:`FAILED_LOGS` and the warning names it, with how far each rank got."""
     import logging
 
-    from tests.e2e.stack import start_stack
+    from tests.e2e.stack import StackStartError, start_stack
 
     log = logging.getLogger("bench")
+    tp = kw.get("tp", 2)
+    kw = {**kw, "env": {"ROLLBUS_LOG_LEVEL": "info", **(kw.get("env") or {})}}
     for i in range(1, attempts + 1):
         t0 = time.perf_counter()
         try:
             stack = start_stack(tmp / f"try{i}", nats_url, **kw)
-        except RuntimeError as e:
-            tail = "\n".join(str(e).splitlines()[-8:])
-            if i == attempts:
+        except StackStartError as e:
+            kept = keep_log(e.log)
+            log.warning(
+                "stack tp=%s start %d/%d failed after %.0f s (%s); log kept: %s\n%s",
+                tp,
+                i,
+                attempts,
+                time.perf_counter() - t0,
+                str(e).splitlines()[0],
+                kept,
+                e.report,
+            )
+            if i == attempts or e.exited == 2:  # a configuration error: a retry repeats it
                 raise
-            log.warning("stack start %d/%d failed after %.0f s; retrying:\n%s", i, attempts,
-                        time.perf_counter() - t0, tail)
             continue
-        log.info("stack tp=%s up in %.1f s (attempt %d)", kw.get("tp", 2),
-                 time.perf_counter() - t0, i)
+        log.info("stack tp=%s up in %.1f s (attempt %d)", tp, time.perf_counter() - t0, i)
         return stack
     raise AssertionError("unreachable")
+
+
+def keep_log(log: Path) -> Path:
+    """A copy of ``log`` under :data:`FAILED_LOGS` (named by time and its own name)."""
+    FAILED_LOGS.mkdir(parents=True, exist_ok=True)
+    dest = FAILED_LOGS / f"{time.strftime('%Y%m%dT%H%M%S')}-{log.name}"
+    try:
+        shutil.copyfile(log, dest)
+    except OSError as e:
+        return Path(f"{log} (not copied: {e})")
+    return dest

@@ -7,6 +7,7 @@ several stacks can share one server without seeing each other.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import uuid
 from collections.abc import Iterator
@@ -98,10 +99,66 @@ def start_stack(
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(base, proc, log)
-    except Exception:
-        proc.kill()
+    except RuntimeError as e:
+        health = last_health(base)
+        exited = proc.poll()  # the launcher's own exit code, before we stop it
+        # the launcher's ordered stop (its ranks and their shared-memory files too), waited
+        # for: the next start must not share the host with this one's leftovers
+        stop_serve(proc)
+        raise StackStartError(str(e), log, start_report(log, tp, health), exited) from None
+    except BaseException:
+        stop_serve(proc)
         raise
     return Stack(proc, base, instance, model_dir, nats_url or "", log, full_env)
+
+
+class StackStartError(RuntimeError):
+    """A stack that did not get healthy (stopped since): ``report`` says how far each
+    rank got (:func:`start_report`), ``log`` is the stack's log, ``exited`` the launcher's
+    exit code if it exited by itself (2: a configuration error) or None."""
+
+    def __init__(self, message: str, log: Path, report: str, exited: int | None = None) -> None:
+        super().__init__(f"{message}\n{report}")
+        self.log, self.report, self.exited = log, report, exited
+
+
+# a rank's start phases (services.worker.main, INFO) and the launcher's own lines
+RANK_PHASE = re.compile(r"rank (\d+) (start: .*|ready: .*)$")
+LAUNCHER_LINE = re.compile(r"^(rollbus: |rollbus-worker rank \d+: )")
+
+
+def last_health(base_url: str) -> str:
+    """What ``GET /health`` answers now, in one line."""
+    try:
+        r = httpx.get(base_url + "/health", timeout=2)
+    except httpx.HTTPError as e:
+        return f"no answer ({type(e).__name__})"
+    return f"{r.status_code} {r.text.strip()[:300]}"
+
+
+def start_report(log: Path, tp: int, health: str = "") -> str:
+    """Where a start stopped, from its log: the last start phase of each rank (logged at
+    ``ROLLBUS_LOG_LEVEL=info``; none: still importing paddle or connecting to NATS), the
+    launcher's lines (a rank that failed and was restarted) and ``/health``'s answer."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        lines = []
+    phase: dict[int, str] = {}
+    launcher: list[str] = []
+    for ln in lines:
+        if m := RANK_PHASE.search(ln):
+            phase[int(m.group(1))] = m.group(2)
+        elif LAUNCHER_LINE.match(ln):
+            launcher.append(ln)
+    out = [
+        f"rank {r}: {phase.get(r, 'no start phase logged (importing paddle / connecting)')}"
+        for r in range(tp)
+    ]
+    out += launcher[-6:]
+    if health:
+        out.append(f"/health: {health}")
+    return "\n".join(out)
 
 
 @contextmanager

@@ -1,0 +1,71 @@
+"""Building a TP group never reads another group's rendezvous addresses.
+
+paddle's gloo process group publishes its pair addresses on the store it is given under
+the bare keys ``"0"`` … ``"tp-1"``: the same keys for every group. On paddle's default
+store a rank that looked a peer up before the peer had written its new address got the
+previous group's (closed) one: ``connect …: Connection refused``, or ``TIMEOUT``. That
+broke TP=4 rank starts under load (the first TP group follows the global group) and every
+rebuild after ``sleep`` with ``SHUTDOWN_COMM_GROUP_IF_WORKER_IDLE``.
+:meth:`CommGroup.build` gives each group a store of its own. Four real rank processes
+build the TP group several times; with groups on the default store this failed at the
+first or second rebuild in every run here (README "Tensor parallelism")."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from services.worker.ports import rendezvous_port
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[2]
+HELPER = HERE / "comm_groups_rank.py"
+TP, REBUILDS = 4, 6
+TIMEOUT_S = 240.0  # four paddle imports on a shared 2-core host, then the builds
+
+
+def test_tp_groups_build_again_and_again(tmp_path: Path) -> None:
+    ports: list[int] = []
+    while len(ports) < TP:
+        if (p := rendezvous_port()) not in ports:
+            ports.append(p)
+    endpoints = ",".join(f"127.0.0.1:{p}" for p in ports)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+        "GLOG_minloglevel": "2",
+    }
+    logs = [tmp_path / f"rank{r}.log" for r in range(TP)]
+    procs: list[subprocess.Popen[bytes]] = []
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        for r in range(TP):
+            with logs[r].open("wb") as log:
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, str(HELPER), str(r), str(TP), endpoints, str(REBUILDS)],
+                        cwd=ROOT,
+                        env=env,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                )
+        for r, proc in enumerate(procs):
+            try:
+                code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                code = None
+            tail = logs[r].read_text(errors="replace")[-2000:]
+            assert code == 0, f"rank {r} exit {code}:\n{tail}"
+            assert f"{REBUILDS + 1} TP groups built" in tail
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)  # with any helper paddle started
+                proc.wait()
