@@ -73,6 +73,7 @@ from shared.errors import (
     NotConnected,
     Timeout,
 )
+from shared.ratelog import RateLimited
 from shared.tasks import guarded
 
 log = logging.getLogger("rollbus.bus")
@@ -371,6 +372,7 @@ class Bus:
         # go out once it has reconnected
         self.fail_when_disconnected = False
         self.callback_errors: dict[str, int] = {}  # by subject, see shared.tasks.guarded
+        self._late_log = RateLimited(log)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -763,8 +765,9 @@ class Bus:
         why = past_deadline(headers)
         if why:
             self.expired_requests += 1
-            # rare (a NATS stall or outage) and worth an operator's eye: a warning
-            log.warning("dropped a request on %s, not run: %s", subject, why)
+            # rare (a NATS stall or outage) and worth an operator's eye: a warning, but
+            # a client sending stale deadlines on purpose must not flood the log
+            self._late_log.warning(subject, "dropped a request on %s, not run: %s", subject, why)
         return bool(why)
 
     async def flush(self, timeout: float = 5.0) -> None:

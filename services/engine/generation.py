@@ -59,12 +59,14 @@ from shared.bus import (
 )
 from shared.errors import BAD_REQUEST, TOO_MANY_REQUESTS, UNAVAILABLE, ControlError, Timeout
 from shared.model_config import max_model_len, vocab_size
+from shared.ratelog import RateLimited
 from shared.tasks import Supervisor
 
 if TYPE_CHECKING:
     from services.engine.main import Engine
 
 log = logging.getLogger("rollbus.engine.gen")
+_flood = RateLimited(log)  # warnings any raw client can trigger
 
 HEARTBEAT_S = 5.0
 JSON_REPLY_TTL_S = 60.0  # a JSON client's reply subject is forgotten this long after its end
@@ -294,7 +296,9 @@ class Generation:
         try:
             rid = m.json_decode(msg.data, type=m.GenCancel).request_id
         except msgspec.MsgspecError:
-            log.warning("ignored a malformed gen.cancel message (%d bytes)", len(msg.data))
+            _flood.warning(
+                "cancel", "ignored a malformed gen.cancel message (%d bytes)", len(msg.data)
+            )
             return
         self._cancels.append(rid)
         self.work.set()
