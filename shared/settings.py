@@ -8,6 +8,7 @@ its children as ``ROLLBUS_*`` variables, so every process sees one configuration
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
@@ -31,7 +32,10 @@ def check_nats_urls(v: str) -> str:
         try:
             urlsplit(part if "://" in part else f"nats://{part}").port  # noqa: B018
         except ValueError as e:
-            raise ValueError(f"server {i} of the list is not a URL ({e})") from None
+            # urlsplit quotes what it read as the port: with an unencoded '/' or '#' in
+            # the password, that is the password's start
+            why = re.split("['\"]", str(e))[0].strip().removesuffix(" as")
+            raise ValueError(f"server {i} of the list is not a URL ({why})") from None
     return v
 
 

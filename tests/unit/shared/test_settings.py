@@ -140,3 +140,19 @@ def test_an_empty_api_host_is_refused(monkeypatch: pytest.MonkeyPatch, host: str
     with pytest.raises(ValidationError) as e:
         Settings()
     assert "ROLLBUS_API_HOST" in describe_error(e.value)
+
+
+@pytest.mark.parametrize(
+    "url", ["nats://svc:s3cr/et@nats.example:4222", "nats://svc:s3cr#et@nats.example:4222"]
+)
+def test_a_bad_nats_url_is_refused_without_its_password(
+    monkeypatch: pytest.MonkeyPatch, url: str
+) -> None:
+    # an unencoded '/' or '#' in a password ends the URL's authority there: urlsplit
+    # then reads the password's start as the port and quotes it in its ValueError
+    monkeypatch.setenv("ROLLBUS_NATS_URL", url)
+    with pytest.raises(ValidationError) as e:
+        Settings()
+    line = describe_error(e.value)
+    assert "ROLLBUS_NATS_URL" in line
+    assert "s3cr" not in line
