@@ -160,10 +160,20 @@ class Server(uvicorn.Server):
                 await asyncio.sleep(0.05)
 
         task = asyncio.create_task(keep_failing())
+        grace = self.config.timeout_graceful_shutdown
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
         try:
             await self._close_listeners()
+            if grace is not None:
+                # the listeners' phase spent part of the stop's budget (the launcher gives
+                # the API 3 s): a stream whose client stopped reading must not get all of
+                # uvicorn's graceful wait on top of it
+                spent = loop.time() - t0
+                self.config.timeout_graceful_shutdown = max(0.1, grace - spent)  # type: ignore[assignment]
             await super().shutdown(sockets)  # closes idle connections, waits for the rest
         finally:
+            self.config.timeout_graceful_shutdown = grace
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace
 from typing import Any
 
-from services.api.main import ShutdownGate
+import pytest
+import uvicorn
+
+from services.api.main import Server, ShutdownGate, uvicorn_config
 
 
 async def _app(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -66,3 +70,36 @@ def test_closing_gate_answers_503_in_each_routes_shape() -> None:
     err = json.loads(body["body"])["error"]
     assert start["status"] == 503 and err["code"] == 503 and err["type"] == "server_error"
     assert err["message"] == "the API is shutting down"
+
+
+def test_the_listeners_phase_comes_out_of_the_graceful_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The launcher gives the API 3 s to stop; uvicorn's graceful wait (2 s) was its
+    share for open streams. The listeners' phase before it (waiting for requests in
+    flight, then the accept queue, then the last requests) must not add to that: a
+    stream whose client stopped reading held the stop to 2.9 s, before the bus closed."""
+    seen: dict[str, float] = {}
+
+    async def uvicorn_shutdown(self: Any, sockets: Any = None) -> None:
+        seen["at"] = asyncio.get_running_loop().time()
+        seen["grace"] = self.config.timeout_graceful_shutdown
+
+    monkeypatch.setattr(uvicorn.Server, "shutdown", uvicorn_shutdown)
+    config = uvicorn_config(_app, "127.0.0.1", 0)
+    grace = config.timeout_graceful_shutdown
+    assert grace is not None
+    gate = ShutdownGate(_app, [])
+    gate.active = 1  # a stream in flight that does not end (its client does not read)
+    server = Server(config, SimpleNamespace(bus=None), gate)  # type: ignore[arg-type]
+    server.servers = []
+
+    async def stop() -> float:
+        t0 = asyncio.get_running_loop().time()
+        await server.shutdown()
+        return t0
+
+    t0 = asyncio.run(stop())
+    # what the phase took (whatever the machine's speed) plus what uvicorn may still wait
+    assert seen["at"] - t0 + seen["grace"] <= grace + 0.05, (seen["at"] - t0, seen["grace"])
+    assert config.timeout_graceful_shutdown == grace  # given back
