@@ -22,7 +22,9 @@ def rendezvous_port(host: str = "127.0.0.1") -> int:
         port = random.randint(max(1024, low - 12000), low - 1)
         with socket.socket() as s:
             try:
-                s.bind((host, port))
+                # paddle's TCP store server listens on every interface (0.0.0.0), whatever
+                # host it is given: a port held on any one address is not free for it
+                s.bind(("", port))
             except OSError:
                 continue
         return port
