@@ -50,6 +50,16 @@ TAGS = ("weight", "kv_cache")
 # lock — or a fleet update's finish, and with it generation — for CONTROL_TIMEOUT_S.
 # A drain that gives up leaves the ranks unsettled: reconcile is tried again later.
 DRAIN_S = 2.0
+# ... and at least this many of the engine's recent steps (its moving average): a drain
+# queues behind the steps already sent (two while pipelined, plus the one computing), so
+# on a slow model or a loaded host a fixed 2 s would time out every try while
+# generation runs, and the re-assert would never happen
+DRAIN_STEPS = 4
+
+
+def drain_bound(eng: Engine) -> float:
+    step = float(getattr(eng.scheduler, "step_avg", 0.0) or 0.0)
+    return min(max(DRAIN_S, DRAIN_STEPS * step), eng.settings.control_timeout_s)
 
 
 class Update(msgspec.Struct):
@@ -234,7 +244,7 @@ async def reconcile(eng: Engine, update: Update | None = None) -> dict[str, Any]
         done["rolled_back"] = sorted(r for r, rep in reps.items() if rep.result.get("rolled_back"))
     # every call a rank still holds (late ones a stopped rank got before it stopped) has
     # run before its state is looked at: nothing it does afterwards undoes what follows
-    quick = min(DRAIN_S, s.control_timeout_s)
+    quick = drain_bound(eng)
     try:
         await eng.ranks.call("drain", timeout=quick)
     except RankError as e:

@@ -173,6 +173,26 @@ def test_reconcile_gives_up_on_a_rank_that_does_not_drain_and_leaves_it_unsettle
     assert ranks.timeouts["drain"] == 1.0 and ranks.unsettled_n == 2
 
 
+def test_the_drain_bound_covers_the_steps_queued_on_a_slow_model() -> None:
+    """Steps of 1.5 s (a big model, a loaded host): a drain behind the ones already sent
+    needs more than 2 s; the bound follows the engine's recent step time, capped by
+    CONTROL_TIMEOUT_S."""
+    eng = engine(Ranks(["v1"]), weight_version="v1")
+    eng.settings.control_timeout_s = 60.0
+    assert persist.drain_bound(eng) == persist.DRAIN_S  # no step yet
+    eng.scheduler.step_avg = 0.05
+    assert persist.drain_bound(eng) == persist.DRAIN_S
+    eng.scheduler.step_avg = 1.5
+    assert persist.drain_bound(eng) == 1.5 * persist.DRAIN_STEPS
+    ranks = SilentOnDrain(["v1", "v1"])  # what reconcile waits
+    eng.ranks = ranks
+    with pytest.raises(RankError):
+        asyncio.run(persist.reconcile(eng))
+    assert ranks.timeouts["drain"] == 1.5 * persist.DRAIN_STEPS
+    eng.scheduler.step_avg = 100.0
+    assert persist.drain_bound(eng) == 60.0
+
+
 def test_busy_rank_names_a_compute_thread_stuck_past_the_drain_bound() -> None:
     def rep(r: int, busy: str, busy_s: float) -> m.WorkerReply:
         return m.WorkerReply(r, result={"busy": busy, "busy_s": busy_s})
