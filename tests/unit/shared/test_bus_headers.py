@@ -1,0 +1,64 @@
+"""The bus client's header parse (``shared.bus._Client._parse_header_lines``): a cheaper
+copy of nats-py's own, which must give the same headers for every block."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from nats.aio.client import Client
+
+from shared.bus import _Client
+
+reference = getattr(Client, "_parse_header_lines", None)
+pytestmark = pytest.mark.skipif(
+    reference is None, reason="this nats-py parses headers another way (never calls ours)"
+)
+
+BLOCKS = [
+    b"",
+    b"\r\n",
+    b"Rollbus-Request-Id: 0123456789abcdef\r\n\r\n",
+    b"Rollbus-Request-Id: abc\r\nRollbus-Deadline: 1764612345678\r\n\r\n",
+    b"Rollbus-Rank: 3\r\nRollbus-Request-Id: x.y *z\r\n\r\n",
+    b"A:b\r\nC:\tD \r\nE:  \r\n\r\n",  # no space after the colon; tab; empty value
+    b"Url: http://h:1/p?q=a:b\r\n\r\n",  # colons in the value
+    b"no colon here\r\nK: v\r\n\r\n",
+    b"Bad Name: v\r\nGood: w\r\n\r\n",  # whitespace inside a name: skipped
+    b"Tab\tName: v\r\nVt\x0bName: v\r\nFs\x1cName: v\r\nUs\x1fName: v\r\nOk: 1\r\n\r\n",
+    b"  Padded  : v\r\n\r\n",  # whitespace around a name is stripped, not inside
+    "Ünicode: v\r\nK: v\r\n\r\n".encode(),  # a non-ASCII name: skipped
+    b"K: \xff\xfe bytes\r\n\r\n",  # a value that is not UTF-8: replaced
+    "K: caf\u00e9 \u2603\r\n\r\n".encode(),  # UTF-8 values kept
+    b"Dup: 1\r\nDup: 2\r\n\r\n",  # the last one wins
+    b": no name\r\n\r\n",
+    b"K: v",  # no final CRLF
+    b"K: v\r\n\r\nAfter: blank\r\n",  # lines after an empty one still read
+]
+
+
+@pytest.mark.parametrize("raw", BLOCKS)
+def test_same_headers_as_nats_py(raw: bytes) -> None:
+    assert reference is not None
+    assert _Client._parse_header_lines(raw) == reference(raw)
+
+
+def test_every_ascii_character_in_a_name() -> None:
+    assert reference is not None
+    for c in range(128):
+        raw = b"A" + bytes([c]) + b"B: v\r\nOk: 1\r\n\r\n"
+        assert _Client._parse_header_lines(raw) == reference(raw), hex(c)
+
+
+def test_the_client_parses_incoming_headers_with_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[bytes] = []
+
+    def spy(raw: bytes) -> dict[str, str]:
+        seen.append(raw)
+        return {"Spied": "1"}
+
+    monkeypatch.setattr(_Client, "_parse_header_lines", staticmethod(spy))
+    monkeypatch.setattr("nats.aio.client.parse_email", None, raising=False)
+    got = asyncio.run(_Client()._process_headers(b"NATS/1.0\r\nK: v\r\n\r\n"))
+    assert seen == [b"K: v\r\n\r\n"]
+    assert got == {"Spied": "1"}
