@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -17,6 +14,7 @@ import nats
 import pytest
 
 from shared.subjects import Subjects
+from tests.clirun import clean_env, rollbus
 from tests.e2e.stack import Stack
 
 DEADLINE = "Rollbus-Deadline"
@@ -83,16 +81,9 @@ def test_an_unparsable_nats_url_is_one_line_without_its_password(tmp_path: Path,
     """``ROLLBUS_NATS_URL`` that ``urlsplit`` cannot read (an unclosed IPv6 bracket, a
     port out of range) was a ``ValueError`` traceback from ``rollbus serve``; a bad
     setting is one line naming it, exit 2 — and never echoes the password it carries."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLBUS_")}
-    env.update(ROLLBUS_NATS_URL=url, ROLLBUS_DATA_DIR=str(tmp_path / "data"))
+    env = clean_env(tmp_path / "data", ROLLBUS_NATS_URL=url)
     for args in (["serve"], ["creds", "operator"]):
-        r = subprocess.run(
-            [sys.executable, "-m", "services.cli", *args],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        r = rollbus(*args, env=env)
         assert r.returncode == 2, (args, r.stderr)
         err = r.stderr.strip()
         assert len(err.splitlines()) == 1 and "ROLLBUS_NATS_URL" in err, (args, err)
@@ -119,21 +110,14 @@ def test_an_unparsable_nats_url_option_is_a_usage_error_without_its_password(
     """``--nats-url`` of ``publish`` / ``versions`` / ``fleet`` was a ``ValueError``
     traceback from the credentials code; it is argparse's usage error naming the option
     (exit 2), and never echoes the password it carries."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLBUS_")}
-    env.update(ROLLBUS_DATA_DIR=str(tmp_path / "data"))
+    env = clean_env(tmp_path / "data")
     (tmp_path / "m").mkdir()
     for args in (
         ["publish", str(tmp_path / "m"), "--model", "m", "--version", "v1"],
         ["versions", "--model", "m"],
         ["fleet", "status"],
     ):
-        r = subprocess.run(
-            [sys.executable, "-m", "services.cli", *args, "--nats-url", url],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        r = rollbus(*args, "--nats-url", url, env=env)
         assert r.returncode == 2, (args, r.stderr)
         assert "Traceback" not in r.stderr and "--nats-url" in r.stderr.splitlines()[-1], r.stderr
         assert "s3cr3t-pw" not in r.stderr + r.stdout, (args, r.stderr)

@@ -5,13 +5,11 @@ traceback."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 from services.tiny_model import ensure_tiny_model
 from tests import natsconf
+from tests.clirun import clean_env, rollbus
 
 
 def test_a_stream_the_role_may_not_create_is_one_line(tmp_path: Path) -> None:
@@ -19,8 +17,7 @@ def test_a_stream_the_role_may_not_create_is_one_line(tmp_path: Path) -> None:
     node = natsconf.single_with_auth(tmp_path, passwords)
     node.start()
     try:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLBUS_")}
-        env["ROLLBUS_DATA_DIR"] = str(tmp_path / "data")
+        env = clean_env(tmp_path / "data")
         model = ensure_tiny_model(tmp_path / "model")
         for role in ("trainer", "operator"):
             url = f"nats://{role}:{passwords[role]}@127.0.0.1:{node.port}"
@@ -28,13 +25,7 @@ def test_a_stream_the_role_may_not_create_is_one_line(tmp_path: Path) -> None:
                 ["versions", "--model", "m"],
                 ["publish", str(model), "--model", "m", "--version", "v1"],
             ):
-                r = subprocess.run(
-                    [sys.executable, "-m", "services.cli", *args, "--nats-url", url],
-                    env=env,
-                    capture_output=True,
-                    text=True,
-                    timeout=60,
-                )
+                r = rollbus(*args, "--nats-url", url, env=env)
                 err = r.stderr.strip()
                 assert r.returncode == 2, (role, args, err)
                 assert "Traceback" not in err and len(err.splitlines()) == 1, (role, args, err)
