@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,6 +28,8 @@ except ImportError as e:  # pragma: no cover - depends on the machine
         f"tests/compat needs torch and transformers ({e}); run `just compat`"
     ) from None
 from cases import CASES, NEW_TOKENS, PROMPTS  # noqa: E402
+
+from tests.rankprocs import rank_processes, wait_ok  # noqa: E402
 
 TP2_TIMEOUT_S = 600.0
 COMPAT_TIMEOUT_S = 1200  # a test's share includes building every model (session fixtures)
@@ -87,43 +87,25 @@ def tp2_results(
     ]
     (work / "jobs.json").write_text(json.dumps(jobs))
     endpoints = [f"127.0.0.1:{p}" for p in _free_ports(2)]
-    procs, logs = [], [work / f"rank{r}.log" for r in range(2)]
+    logs = [work / f"rank{r}.log" for r in range(2)]
     deadline = time.monotonic() + TP2_TIMEOUT_S
-    try:
-        for r in range(2):
-            env = dict(os.environ)
-            env.update(
-                PADDLE_TRAINER_ID=str(r),
-                PADDLE_TRAINERS_NUM="2",
-                PADDLE_TRAINER_ENDPOINTS=",".join(endpoints),
-                PADDLE_CURRENT_ENDPOINT=endpoints[r],
-                PADDLE_DISTRI_BACKEND="gloo",
-                GLOO_SOCKET_IFNAME="lo",
-                OMP_NUM_THREADS="1",
-                PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
-            )
-            with logs[r].open("wb") as log:
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, str(HERE / "rollbus_side.py"), str(work / "jobs.json")],
-                        cwd=ROOT,
-                        env=env,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )
-                )
-        for r, proc in enumerate(procs):
-            try:
-                code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                code = None
-            assert code == 0, f"rank {r} exit {code}:\n{logs[r].read_text()[-3000:]}"
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    runs = []
+    for r in range(2):
+        env = dict(os.environ)
+        env.update(
+            PADDLE_TRAINER_ID=str(r),
+            PADDLE_TRAINERS_NUM="2",
+            PADDLE_TRAINER_ENDPOINTS=",".join(endpoints),
+            PADDLE_CURRENT_ENDPOINT=endpoints[r],
+            PADDLE_DISTRI_BACKEND="gloo",
+            GLOO_SOCKET_IFNAME="lo",
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
+        )
+        argv = [sys.executable, str(HERE / "rollbus_side.py"), str(work / "jobs.json")]
+        runs.append((argv, env, logs[r]))
+    with rank_processes(runs, ROOT) as procs:
+        wait_ok(procs, logs, deadline)
     return {
         (c.name, i): [dict(np.load(work / f"{c.name}.{i}.rank{r}.npz")) for r in range(2)]
         for c in CASES

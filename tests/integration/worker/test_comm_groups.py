@@ -13,13 +13,12 @@ first or second rebuild in every run here (README "Tensor parallelism")."""
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 from services.worker.ports import rendezvous_port
+from tests.rankprocs import rank_processes, wait_ok
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
@@ -41,31 +40,11 @@ def test_tp_groups_build_again_and_again(tmp_path: Path) -> None:
         "GLOG_minloglevel": "2",
     }
     logs = [tmp_path / f"rank{r}.log" for r in range(TP)]
-    procs: list[subprocess.Popen[bytes]] = []
     deadline = time.monotonic() + TIMEOUT_S
-    try:
-        for r in range(TP):
-            with logs[r].open("wb") as log:
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, str(HELPER), str(r), str(TP), endpoints, str(REBUILDS)],
-                        cwd=ROOT,
-                        env=env,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )
-                )
-        for r, proc in enumerate(procs):
-            try:
-                code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                code = None
-            tail = logs[r].read_text(errors="replace")[-2000:]
-            assert code == 0, f"rank {r} exit {code}:\n{tail}"
+    runs = [
+        ([sys.executable, str(HELPER), str(r), str(TP), endpoints, str(REBUILDS)], env, logs[r])
+        for r in range(TP)
+    ]
+    with rank_processes(runs, ROOT) as procs:
+        for tail in wait_ok(procs, logs, deadline, tail=2000):
             assert f"{REBUILDS + 1} TP groups built" in tail
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)  # with any helper paddle started
-                proc.wait()
