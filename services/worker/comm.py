@@ -15,6 +15,17 @@ looked a peer up before that peer had written its new address got the previous g
 (whose listeners are closed) and failed with ``connect …: Connection refused`` or waited
 for a connection that never came (``TIMEOUT``): under load, TP=4 rank starts failed so
 (session 10's bench: a TP=4 stack not healthy in 120 s, three attempts in a row).
+
+Destroying a gloo group takes more than ``destroy_process_group``, which only forgets the
+group in ``_GroupManager``: paddle's ``collective`` module keeps it in three more maps, and
+its C++ side keeps every process group it created in ``ProcessGroupIdMap`` (keyed by gid,
+released only by ``core.ProcessGroupIdMap.destroy()``, which paddle calls at exit). Each
+kept group holds its full mesh of sockets, the gloo device's thread and its store, so every
+rebuild added 14 fds and 3 threads on rank 0 (2 ranks). :func:`release` drops all of those
+references. What stays is paddle's second mesh of the group, the ``GlooCommContext``
+``CommContextManager`` creates with it (keyed by gid; paddle offers no way to erase it):
+one epoll fd, ``tp - 1`` sockets and one thread a rebuild (README "Limit: comm-group
+rebuilds").
 """
 
 from __future__ import annotations
@@ -76,8 +87,8 @@ class CommGroup:
         self.shm_bytes, self.shm_timeout_s = shm_bytes, shm_timeout_s
         self.shm: ShmAllReduce | None = None
         self.builds = 0  # TP groups built so far (the same count on every rank)
-        # every TP group's own store, kept while the process lives: paddle holds it too
-        self.stores: list[Any] = []
+        # the current gloo TP group's own store (paddle's group holds it too)
+        self.store: Any = None
 
     @property
     def alive(self) -> bool:
@@ -143,7 +154,7 @@ class CommGroup:
         # rank 0 serves it; every rank (rank 0 too) connects, and the constructor returns
         # once all ``tp`` have
         store = core.TCPStore(host, port, self.rank == 0, self.tp, timeout)
-        self.stores.append(store)
+        self.store = store
         return store
 
     def destroy(self) -> None:
@@ -151,8 +162,12 @@ class CommGroup:
             return
         import paddle.distributed as dist
 
-        dist.destroy_process_group(self.group)
-        self.group = None
+        group, self.group = self.group, None
+        dist.destroy_process_group(group)
+        if os.environ.get("PADDLE_DISTRI_BACKEND") == "gloo":
+            # NCCL keeps its old path: unmeasured here (no GPU), README says so
+            self.store = None
+            release(group)
 
     def check(self) -> float:
         """All-reduce a 1 from every rank: returns ``tp`` when the group works."""
@@ -166,3 +181,21 @@ class CommGroup:
         x = paddle.ones([1], dtype="float32")
         dist.all_reduce(x, group=self.group)
         return float(x.numpy()[0])
+
+
+def release(group: Any) -> None:
+    """Drop paddle's references to a group ``destroy_process_group`` destroyed, so that its
+    process group (sockets, device thread, store) is freed once the caller drops its own.
+
+    ``ProcessGroupIdMap.destroy()`` drops paddle's C++ reference to *every* process group;
+    those still in use (the global group, a live TP group) are held by their Python
+    ``Group`` too and live on: only a group nobody else holds is freed."""
+    from paddle.base import core
+    from paddle.distributed import collective
+
+    if collective._group_map.get(group.id) is group:
+        del collective._group_map[group.id]
+    if collective._group_map_by_name.get(group.name) is group:
+        del collective._group_map_by_name[group.name]
+    collective._group_map_backend.pop(group, None)
+    core.ProcessGroupIdMap.destroy()

@@ -165,8 +165,16 @@ def sleep(r: Rank, args: SleepWorkerArgs) -> dict[str, Any]:
         r.kv.free()
     if args.shutdown_comm_group and "weight" in args.tags:
         r.comm.destroy()
+        follow_group(r)
     release_memory()
     return {"rank": r.rank, "freed_bytes": freed, "rss_before": before, "rss_after": rss_bytes()}
+
+
+def follow_group(r: Rank) -> None:
+    """The model all-reduces on the TP group the rank has now: holding the first one, it
+    kept every destroyed group's sockets (and, on a GPU, its NCCL memory) alive."""
+    if r.model is not None:
+        r.model.group = r.comm.group
 
 
 def wakeup(r: Rank, args: WakeupWorkerArgs, late: Late = in_time) -> dict[str, Any]:
@@ -184,6 +192,7 @@ def wakeup(r: Rank, args: WakeupWorkerArgs, late: Late = in_time) -> dict[str, A
         r.comm.build()
     finally:
         r.collective_since = None
+    follow_group(r)
     not_late(r, "wakeup", late)
     if "kv_cache" in args.tags and not r.kv.allocated:
         r.kv.allocate()

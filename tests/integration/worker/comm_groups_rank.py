@@ -1,16 +1,42 @@
 """One rank for test_comm_groups.py: ``python comm_groups_rank.py RANK TP ENDPOINTS BUILDS``.
 
-Joins the gloo group with :class:`CommGroup` (the TP group built once), then destroys and
-builds the TP group ``BUILDS`` more times (as sleep / wakeup with
-``SHUTDOWN_COMM_GROUP_IF_WORKER_IDLE`` do), checking each group with an all-reduce.
-Exit 0 when every group worked; a failed build raises (exit 1, the error on stderr)."""
+Joins the gloo group with :class:`CommGroup` (the TP group built once), then sleeps and
+wakes up ``BUILDS`` times through the worker's own handlers with
+``SHUTDOWN_COMM_GROUP_IF_WORKER_IDLE`` (:func:`control.sleep` destroys the TP group,
+:func:`control.wakeup` builds it again), checking each group with an all-reduce on the
+group the model holds, as its steps do. Exit 0 when every group worked; a failed build
+raises (exit 1, the error on stderr). The last line reports the rank's open fds and
+threads after the first build and after the last, for the test's bound on what a rebuild
+may keep. Weights and KV cache are stand-ins: only the comm group is under test."""
 
 from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
+from types import SimpleNamespace
 
+from services.worker import control
 from services.worker.comm import CommGroup, configure_env
+from shared.messages import SleepWorkerArgs, WakeupWorkerArgs
+
+
+def held() -> tuple[int, int]:
+    """This process's open fds and threads."""
+    me = Path("/proc/self")
+    return len(list((me / "fd").iterdir())), len(list((me / "task").iterdir()))
+
+
+def model_all_reduce(model: SimpleNamespace, tp: int) -> float:
+    """What the model's steps do on the TP group (``TPModel._all_reduce``)."""
+    import paddle
+    import paddle.distributed as dist
+
+    x = paddle.ones([1], dtype="float32")
+    dist.all_reduce(x, group=model.group)
+    got = float(x.numpy()[0])
+    assert got == tp, f"the model's group all-reduced ones to {got}"
+    return got
 
 
 def main() -> int:
@@ -21,13 +47,24 @@ def main() -> int:
     paddle.base.core.set_num_threads(1)  # tp ranks share the host's cores
     comm = CommGroup(rank, tp)
     comm.init()
+    model = SimpleNamespace(group=comm.group)  # as TPModel gets it at the rank's start
+    weights = SimpleNamespace(current=None, version="v0", nbytes=0, reload=lambda: None)
+    kv = SimpleNamespace(allocated=True, nbytes=0)
+    r = control.Rank(rank, tp, None, weights, kv, comm, "snapshot", model)  # type: ignore[arg-type]
     assert comm.check() == tp
+    model_all_reduce(model, tp)
+    fds0, threads0 = held()
     for i in range(builds):
-        comm.destroy()
-        comm.build()
+        control.sleep(r, SleepWorkerArgs(["weight"], shutdown_comm_group=True))
+        assert not comm.alive, f"sleep {i + 1} kept the comm group"
+        control.wakeup(r, WakeupWorkerArgs(["weight"], "v0"))
         got = comm.check()
         assert got == tp, f"build {i + 1}: all-reduce of ones gave {got}"
+        assert model.group is comm.group, f"build {i + 1}: the model holds an older group"
+        model_all_reduce(model, tp)
+    fds, threads = held()
     print(f"rank {rank}: {builds + 1} TP groups built", flush=True)
+    print(f"rank {rank}: fds {fds0} -> {fds}, threads {threads0} -> {threads}", flush=True)
     sys.stdout.flush()
     os._exit(0)  # paddle's gloo threads may hold a normal exit
 
