@@ -118,14 +118,18 @@ def _client(request: Request) -> str:
 
 
 def _query_args(request: Request, *names: str) -> dict[str, Any]:
-    """Query parameters as control arguments. A repeated one is joined with commas
-    (``tags=weight&tags=kv_cache``); an empty one counts as absent (``mode=``)."""
+    """Query parameters as control arguments. A repeated one (only ``tags`` may repeat,
+    see :func:`_only_query`) is joined with commas (``tags=weight&tags=kv_cache``); an
+    empty one counts as absent (``mode=``)."""
     out: dict[str, Any] = {}
     for n in names:
         values = [v for v in request.query_params.getlist(n) if v.strip()]
         if values:
             out[n] = ",".join(values)
     return out
+
+
+REPEATABLE_QUERY = frozenset({"tags"})  # a list: `tags=weight&tags=kv_cache` is joined
 
 
 def _only_query(request: Request, *known: str) -> None:
@@ -139,6 +143,13 @@ def _only_query(request: Request, *known: str) -> None:
                 BAD_REQUEST,
                 f"unknown query parameter '{name[:64]}' (this call takes {takes})",
                 {"param": name[:64]},
+            )
+        # only a list (tags) may repeat: `version=a&version=b` is ambiguous, never joined
+        # into one value ("a,b") nor decided by its last one
+        given = [v for v in request.query_params.getlist(name) if v.strip()]
+        if len(given) > 1 and name not in REPEATABLE_QUERY:
+            raise ControlError(
+                BAD_REQUEST, f"bad argument '{name}': given {len(given)} times", {"param": name}
             )
 
 
