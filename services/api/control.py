@@ -43,7 +43,9 @@ _IS_PAUSED_BODY = {v: JSONResponse({"is_paused": v}).body for v in (False, True)
 
 
 def reply_response(reply: m.ControlReply) -> JSONResponse:
-    return JSONResponse(m.to_builtins(reply), status_code=reply.error_code)
+    # RFC 9110 §15.5.2: a 401 names the scheme it wants
+    auth = {"WWW-Authenticate": "Bearer"} if reply.error_code == UNAUTHORIZED else None
+    return JSONResponse(m.to_builtins(reply), status_code=reply.error_code, headers=auth)
 
 
 # method -> its argument struct, checked in the API before the engine sees it
