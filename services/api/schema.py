@@ -177,6 +177,10 @@ def unsupported(body: dict[str, Any], chat: bool) -> tuple[str, str] | None:
                 if isinstance(kind, str) and kind != "text":
                     where = f"messages[{i}].content[{j}].type"
                     return where, f"'{where}': only text parts are supported, not {kind[:64]!r}"
+                if kind == "text" and not isinstance(part.get("text"), str):
+                    # OpenAI requires it; a template would render the part as nothing
+                    where = f"messages[{i}].content[{j}].text"
+                    return where, f"'{where}': a text part needs its text (a string)"
     return None
 
 

@@ -114,6 +114,17 @@ def test_max_completion_tokens_is_honoured_on_completions(routes: OpenAIRoutes) 
     [
         ({**CHAT, "best_of": 2}, True, "best_of"),  # one choice came back, silently
         ({"prompt": "hi", "top_logprobs": 3}, False, "top_logprobs"),  # chat's field
+        # a text part without its text was rendered as an empty message
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+            True,
+            "messages[0].content[0].text",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]},
+            True,
+            "messages[0].content[0].text",
+        ),
     ],
 )
 def test_fields_that_were_silently_ignored_are_refused(
