@@ -13,7 +13,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from services.api.app import create_app
-from services.api.body import BadRequest
+from services.api.body import BadRequest, parse_json
 from services.api.deps import Deps
 from services.api.openai import OpenAIRoutes
 from services.tiny_model import create_model_dir
@@ -142,6 +142,13 @@ def test_values_that_ask_for_nothing_still_pass(routes: OpenAIRoutes) -> None:
         job = routes.parse({"prompt": "hi", "top_logprobs": top, "logprobs": 2}, False)
         assert job.gen.top_logprobs == 2
     assert isinstance(job.gen, m.GenRequest)
+
+
+def test_a_leading_byte_order_mark_is_ignored(client: TestClient) -> None:
+    """RFC 8259 §8.1: a parser may ignore a BOM, and vLLM's does; it was a 400 here."""
+    r = client.post("/v1/completions", content=b"\xef\xbb\xbf" + BAD_N)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+    assert parse_json(b"\xef\xbb\xbf") is None  # a BOM alone is a blank body
 
 
 def test_models_with_a_trailing_slash_is_the_list(client: TestClient) -> None:
