@@ -84,3 +84,20 @@ def test_control_arguments_too_large_for_the_bus_are_400_not_500(
         assert c.get("/v1/is_paused").json() == {"is_paused": False}
     st = stack.status()
     assert (st["state"], st["is_paused"]) == ("running", False)
+
+
+def test_a_generation_body_not_declared_json_is_refused_and_the_connection_serves_on(
+    stack: Stack,
+) -> None:
+    """Session 12's OpenAI audit, over real HTTP: a JSON body sent as `text/plain` (a
+    browser form, `curl -d`) is 400 naming the header and generates nothing; the next
+    request on the same keep-alive connection is served; `max_completion_tokens` bounds a
+    completion (it was ignored there: 16 tokens came back)."""
+    body = json.dumps({"prompt": "hi", "max_completion_tokens": 3, "ignore_eos": True})
+    with stack.client() as c:
+        r = c.post("/v1/completions", content=body, headers={"content-type": "text/plain"})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "content-type"
+        r = c.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 3
