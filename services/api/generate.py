@@ -85,8 +85,14 @@ class Choice:
         self.token_ids += new_tokens
         self.logprobs += list(chunk.logprobs or [])
         self.version = chunk.version or self.version
-        self.text += self.decoder.push(new_tokens) if new_tokens else ""
         final = chunk.finish_reason is not None
+        # the stop token that ended the choice (a stop_token_ids one or eos: the engine's
+        # "stop" comes with it last) stays in token_ids but is not written in the text,
+        # as a stop string is cut — vLLM V1's detokenizer; include_stop_str_in_output keeps it
+        shown = (
+            new_tokens[:-1] if chunk.finish_reason == "stop" and not self.keep_stop else new_tokens
+        )
+        self.text += self.decoder.push(shown) if shown else ""
         if final:
             self.text += self.decoder.flush()
         cut = self._find_stop()

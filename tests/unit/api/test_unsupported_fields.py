@@ -123,7 +123,7 @@ def test_include_stop_str_in_output_is_parsed(routes: OpenAIRoutes) -> None:
     assert job.keep_stop and not routes.parse({"prompt": "hi"}, False).keep_stop
 
 
-@pytest.mark.parametrize(("skip", "text"), [(None, "hi"), (True, "hi"), (False, "hi<eos>")])
+@pytest.mark.parametrize(("skip", "text"), [(None, "hi"), (True, "hi"), (False, "h<eos>i")])
 def test_skip_special_tokens_false_writes_them_in_the_text(
     routes: OpenAIRoutes, skip: bool | None, text: str
 ) -> None:
@@ -133,9 +133,28 @@ def test_skip_special_tokens_false_writes_them_in_the_text(
     tok = routes.tokenizer  # the byte tokenizer: 257 is <eos>
     decoder = IncrementalDecoder(tok, job.gen.prompt_token_ids, job.skip_special)
     choice = Choice(0, decoder, [])
-    out = "".join(d.text for c in (chunk([104, 105]), chunk([257], "stop"))
+    # the <eos> that ends the choice is not written (vLLM V1), one inside the text is
+    out = "".join(d.text for c in (chunk([104, 257, 105]), chunk([257], "stop"))
                   if (d := choice.push(c)))  # fmt: skip
     assert out == text
+
+
+@pytest.mark.parametrize(("keep", "text"), [(False, "hi"), (True, "hi!")])
+def test_the_stop_token_that_ends_a_choice_is_not_in_its_text(
+    routes: OpenAIRoutes, keep: bool, text: str
+) -> None:
+    """A `stop_token_ids` token (here `!`, an ordinary one) ends the choice and stays in
+    its token ids, but its text is cut as a stop string's is (vLLM V1's detokenizer:
+    `include_stop_str_in_output` keeps it). It was written in the text."""
+    tok = routes.tokenizer
+    choice = Choice(0, IncrementalDecoder(tok, []), [], keep_stop=keep)
+    out = "".join(d.text for c in (chunk([104]), chunk([105, 33], "stop"))
+                  if (d := choice.push(c)))  # fmt: skip
+    assert out == text and choice.token_ids == [104, 105, 33]
+    assert choice.finish_reason == "stop"
+    # a choice that ends on its length writes its last token
+    last = Choice(0, IncrementalDecoder(tok, []), [])
+    assert last.push(chunk([104, 33], "length")).text == "h!"  # type: ignore[union-attr]
 
 
 def test_truncate_prompt_tokens_keeps_the_last_ones(routes: OpenAIRoutes) -> None:
