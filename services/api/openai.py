@@ -631,6 +631,7 @@ class OpenAIRoutes:
                 "logprobs": [],
                 "top": [],
                 "finish_reason": None,
+                "stop_reason": None,
                 "spans": [],
             }
             for i in range(job.num_choices)
@@ -645,6 +646,7 @@ class OpenAIRoutes:
             a["top"] += d.top
             if d.finish_reason:
                 a["finish_reason"] = d.finish_reason
+                a["stop_reason"] = d.stop_reason
                 a["spans"] = d.spans or []
         choices = []
         for i, a in acc.items():
@@ -655,6 +657,7 @@ class OpenAIRoutes:
                 c["text"] = a["text"]
             c["logprobs"] = self._logprobs(job, a["token_ids"], a["logprobs"], a["top"])
             c["finish_reason"] = a["finish_reason"]
+            c["stop_reason"] = a["stop_reason"]  # vLLM's: which stop string or token id
             if job.return_token_ids:
                 c["token_ids"] = a["token_ids"]
                 if len(job.gens) > 1:
@@ -766,6 +769,8 @@ class OpenAIRoutes:
             c["text"] = d.text
         c["logprobs"] = self._logprobs(job, d.token_ids, d.logprobs, d.top, offsets, d.index)
         c["finish_reason"] = d.finish_reason
+        if d.finish_reason:
+            c["stop_reason"] = d.stop_reason  # vLLM's, on the choice's last chunk
         if job.return_token_ids:
             c["token_ids"] = d.token_ids
         extra: dict[str, Any] = {"weight_version": d.version or self.deps.current_version}

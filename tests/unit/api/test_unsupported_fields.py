@@ -6,6 +6,7 @@ and pass when they ask for nothing (the values clients send by default). vLLM's
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ import pytest
 
 from services.api.body import BadRequest
 from services.api.deps import Deps
-from services.api.generate import Choice
+from services.api.generate import Choice, Delta
 from services.api.openai import OpenAIRoutes
 from shared import messages as m
 from shared.settings import Settings
@@ -189,3 +190,42 @@ def test_generation_prompt_and_continue_final_message_shape_the_chat_prompt(
     with pytest.raises(BadRequest) as e:
         routes.parse({**cont, "continue_final_message": True, "add_generation_prompt": True}, True)
     assert e.value.param == "continue_final_message"
+
+
+def test_stop_reason_names_the_stop_string_or_token_as_vllm(routes: OpenAIRoutes) -> None:
+    """vLLM's `stop_reason`: the stop string that matched (RL code with several stops —
+    `</search>`, `</answer>` — and the string cut from the text cannot tell which one
+    otherwise), the `stop_token_ids` id that ended the choice, None for the model's eos
+    and for `length`."""
+    tok = routes.tokenizer  # the byte tokenizer: 257 is <eos>
+
+    def last(stops: list[str], chunks: list[m.GenChunk]) -> Delta:
+        choice = Choice(0, IncrementalDecoder(tok, []), stops, eos_ids=frozenset({257}))
+        deltas = [d for c in chunks if (d := choice.push(c))]
+        assert deltas[-1].stop_reason == choice.stop_reason
+        return deltas[-1]
+
+    d = last(["</b>", "</a>"], [chunk(tok.encode("x</a>y", add_special_tokens=False))])
+    assert (d.finish_reason, d.stop_reason) == ("stop", "</a>")
+    d = last([], [chunk([104]), chunk([33], "stop")])
+    assert (d.finish_reason, d.stop_reason) == ("stop", 33)
+    assert last([], [chunk([104, 257], "stop")]).stop_reason is None
+    assert last([], [chunk([104, 33], "length")]).stop_reason is None
+
+
+async def test_stop_reason_is_in_the_answer_and_the_last_chunk(routes: OpenAIRoutes) -> None:
+    from tests.unit.api.test_stream_shape import Scripted
+
+    deltas = [
+        Delta(0, "A", [65], version="v0"),
+        Delta(0, "", [33], version="v0", finish_reason="stop", stop_reason=33),
+        Delta(1, "B", [66], version="v0", finish_reason="length"),
+    ]
+    job = routes.parse({"prompt": "hi", "n": 2, "max_tokens": 2}, chat=False)
+    body = await routes.complete(job, Scripted(deltas))  # type: ignore[arg-type]
+    assert [c["stop_reason"] for c in body["choices"]] == [33, None]
+    job = routes.parse({"prompt": "hi", "n": 2, "max_tokens": 2, "stream": True}, chat=False)
+    out = [e async for e in routes.sse(job, Scripted(deltas))]  # type: ignore[arg-type]
+    chunks = [json.loads(e[6:]) for e in out[:-1]]
+    last = {ch["index"]: ch for c in chunks for ch in c["choices"] if ch["finish_reason"]}
+    assert last[0]["stop_reason"] == 33 and last[1]["stop_reason"] is None
