@@ -62,6 +62,9 @@ def parse_json(raw: bytes, *, empty: Any = None) -> Any:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise BadRequest(f"body is not valid UTF-8 (byte {e.start})", "body") from None
+    # RFC 8259 §8.1 lets a parser ignore a leading byte order mark; vLLM's (json.loads of
+    # the bytes) does, and some Windows clients send one
+    text = text.removeprefix("\ufeff")
     if not text.strip():
         return empty
     try:

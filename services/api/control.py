@@ -43,7 +43,9 @@ _IS_PAUSED_BODY = {v: JSONResponse({"is_paused": v}).body for v in (False, True)
 
 
 def reply_response(reply: m.ControlReply) -> JSONResponse:
-    return JSONResponse(m.to_builtins(reply), status_code=reply.error_code)
+    # RFC 9110 §15.5.2: a 401 names the scheme it wants
+    auth = {"WWW-Authenticate": "Bearer"} if reply.error_code == UNAUTHORIZED else None
+    return JSONResponse(m.to_builtins(reply), status_code=reply.error_code, headers=auth)
 
 
 # method -> its argument struct, checked in the API before the engine sees it
@@ -118,14 +120,18 @@ def _client(request: Request) -> str:
 
 
 def _query_args(request: Request, *names: str) -> dict[str, Any]:
-    """Query parameters as control arguments. A repeated one is joined with commas
-    (``tags=weight&tags=kv_cache``); an empty one counts as absent (``mode=``)."""
+    """Query parameters as control arguments. A repeated one (only ``tags`` may repeat,
+    see :func:`_only_query`) is joined with commas (``tags=weight&tags=kv_cache``); an
+    empty one counts as absent (``mode=``)."""
     out: dict[str, Any] = {}
     for n in names:
         values = [v for v in request.query_params.getlist(n) if v.strip()]
         if values:
             out[n] = ",".join(values)
     return out
+
+
+REPEATABLE_QUERY = frozenset({"tags"})  # a list: `tags=weight&tags=kv_cache` is joined
 
 
 def _only_query(request: Request, *known: str) -> None:
@@ -139,6 +145,13 @@ def _only_query(request: Request, *known: str) -> None:
                 BAD_REQUEST,
                 f"unknown query parameter '{name[:64]}' (this call takes {takes})",
                 {"param": name[:64]},
+            )
+        # only a list (tags) may repeat: `version=a&version=b` is ambiguous, never joined
+        # into one value ("a,b") nor decided by its last one
+        given = [v for v in request.query_params.getlist(name) if v.strip()]
+        if len(given) > 1 and name not in REPEATABLE_QUERY:
+            raise ControlError(
+                BAD_REQUEST, f"bad argument '{name}': given {len(given)} times", {"param": name}
             )
 
 

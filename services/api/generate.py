@@ -53,6 +53,7 @@ class Delta:
     finish_reason: str | None = None
     spans: list[m.VersionSpan] | None = None
     top: list[m.TopLogprobs] = field(default_factory=list)  # per token, when asked
+    stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id
 
 
 @dataclass
@@ -68,6 +69,10 @@ class Choice:
     spans: list[m.VersionSpan] = field(default_factory=list)
     version: str = ""
     keep_stop: bool = False  # include_stop_str_in_output: the text ends with the stop string
+    # vLLM's stop_reason: the matched stop string, or the stop token id when it is not
+    # one of the model's eos ids (``eos_ids``); None for eos, length, abort
+    stop_reason: str | int | None = None
+    eos_ids: frozenset[int] = frozenset()
 
     def _hold(self) -> int:
         return max((len(s) for s in self.stops), default=1) - 1
@@ -85,16 +90,25 @@ class Choice:
         self.token_ids += new_tokens
         self.logprobs += list(chunk.logprobs or [])
         self.version = chunk.version or self.version
-        self.text += self.decoder.push(new_tokens) if new_tokens else ""
         final = chunk.finish_reason is not None
+        # the stop token that ended the choice (a stop_token_ids one or eos: the engine's
+        # "stop" comes with it last) stays in token_ids but is not written in the text,
+        # as a stop string is cut — vLLM V1's detokenizer; include_stop_str_in_output keeps it
+        shown = (
+            new_tokens[:-1] if chunk.finish_reason == "stop" and not self.keep_stop else new_tokens
+        )
+        self.text += self.decoder.push(shown) if shown else ""
         if final:
             self.text += self.decoder.flush()
         cut = self._find_stop()
         if cut is not None:
             self.text = self.text[: cut[1] if self.keep_stop else cut[0]]
             self.finish_reason = "stop"
+            self.stop_reason = cut[2]
         elif final:
             self.finish_reason = chunk.finish_reason
+            if chunk.finish_reason == "stop" and new_tokens and new_tokens[-1] not in self.eos_ids:
+                self.stop_reason = new_tokens[-1]
         hold = 0 if self.finish_reason else self._hold()
         end = max(self.emitted, len(self.text) - hold)
         delta = Delta(
@@ -106,21 +120,22 @@ class Choice:
             self.finish_reason,
             self.spans if self.finish_reason else None,
             list(chunk.top or []),
+            self.stop_reason,
         )
         self.emitted = end
         return delta
 
-    def _find_stop(self) -> tuple[int, int] | None:
+    def _find_stop(self) -> tuple[int, int, str] | None:
         """Start and end of the first stop string in the text (the one that starts first;
-        of those, the longest, as the end is then the furthest)."""
+        of those, the longest, as the end is then the furthest), and that string."""
         if not self.stops:
             return None
         start = max(0, self.emitted - self._hold())
-        hits = [(i, -len(s)) for s in self.stops if (i := self.text.find(s, start)) >= 0]
+        hits = [(i, -len(s), s) for s in self.stops if (i := self.text.find(s, start)) >= 0]
         if not hits:
             return None
-        at, minus_len = min(hits)
-        return at, at - minus_len
+        at, minus_len, stop = min(hits)
+        return at, at - minus_len, stop
 
 
 class GenCall:
@@ -155,6 +170,7 @@ class GenCall:
                 IncrementalDecoder(tokenizer, gen.prompt_token_ids, skip_special_tokens),
                 stops,
                 keep_stop=keep_stop,
+                eos_ids=frozenset(tokenizer.stop_token_ids),
             )
             for i in range(gen.n)
         ]

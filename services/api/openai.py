@@ -45,7 +45,7 @@ from services.api.deps import Deps, bearer_ok
 from services.api.generate import Calls, Delta, GenCall
 from shared import messages as m
 from shared.chat_template import RESERVED as RESERVED_TEMPLATE_ARGS
-from shared.errors import TOO_MANY_REQUESTS, ControlError
+from shared.errors import TOO_MANY_REQUESTS, UNAUTHORIZED, ControlError
 
 __all__ = ["BadRequest", "error_response", "routes"]
 
@@ -80,6 +80,8 @@ def error_response(
     }
     if code == TOO_MANY_REQUESTS:
         headers = {"Retry-After": str(RETRY_AFTER_S), **(headers or {})}
+    if code == UNAUTHORIZED:  # RFC 9110 §15.5.2: a 401 names the scheme it wants
+        headers = {"WWW-Authenticate": "Bearer", **(headers or {})}
     return JSONResponse(body, status_code=code, headers=headers)
 
 
@@ -309,6 +311,23 @@ class OpenAIRoutes:
         if key and not bearer_ok(request.headers.get("authorization", ""), key):
             raise BadRequest("missing or wrong API key (Authorization: Bearer <key>)", code=401)
 
+    @staticmethod
+    def _content_type(request: Request) -> None:
+        """A generation body is JSON: ``Content-Type`` absent, ``application/json`` or
+        ``application/<x>+json`` (any parameters). Anything else is 400 naming the
+        header: vLLM refuses it too, and a browser page may send ``text/plain`` JSON
+        without a CORS preflight."""
+        value = request.headers.get("content-type")
+        if value is None:
+            return  # a raw client that sends no type: its body is read as JSON
+        media = value.split(";", 1)[0].strip().lower()
+        kind, _, sub = media.partition("/")
+        if kind != "application" or not (sub == "json" or sub.endswith("+json")):
+            raise BadRequest(
+                f"Content-Type {value[:100]!r} is not JSON: send 'Content-Type: application/json'",
+                "content-type",
+            )
+
     def _prompts(self, req: schema.Sampling, body: dict[str, Any], n: int) -> list[list[int]]:
         """Every prompt's token ids: chat renders its messages; a completion's ``prompt``
         is a string, a list of strings, token ids, or a list of token-id lists, whose
@@ -397,8 +416,10 @@ class OpenAIRoutes:
                     "truncate_prompt_tokens",
                 )
             prompts = [ids[-keep:] for ids in prompts]  # the last ones, as vLLM
+        if req.best_of is not None and req.best_of != n:
+            raise BadRequest("best_of other than n is not supported", "best_of")
         max_name, max_tokens = "max_tokens", req.max_tokens
-        if isinstance(req, schema.ChatRequest) and req.max_completion_tokens is not None:
+        if req.max_completion_tokens is not None:
             max_name, max_tokens = "max_completion_tokens", req.max_completion_tokens
         budgets = [self._budget(ids, max_name, max_tokens, chat) for ids in prompts]
         if req.min_tokens and req.min_tokens > min(budgets):
@@ -432,8 +453,12 @@ class OpenAIRoutes:
                 raise BadRequest("echo is not supported", "echo")
             if req.suffix:
                 raise BadRequest("suffix is not supported", "suffix")
-            if req.best_of is not None and req.best_of != n:
-                raise BadRequest("best_of other than n is not supported", "best_of")
+            if body.get("top_logprobs"):  # chat's field: here it would be ignored
+                raise BadRequest(
+                    "top_logprobs is chat's; completions take 'logprobs': k (the "
+                    "alternatives per position)",
+                    "top_logprobs",
+                )
         opts = req.stream_options
         if body.get("stream_options") and not req.stream:
             # as vLLM and FastDeploy (OpenAI: "only set this when you set stream: true")
@@ -606,6 +631,7 @@ class OpenAIRoutes:
                 "logprobs": [],
                 "top": [],
                 "finish_reason": None,
+                "stop_reason": None,
                 "spans": [],
             }
             for i in range(job.num_choices)
@@ -620,6 +646,7 @@ class OpenAIRoutes:
             a["top"] += d.top
             if d.finish_reason:
                 a["finish_reason"] = d.finish_reason
+                a["stop_reason"] = d.stop_reason
                 a["spans"] = d.spans or []
         choices = []
         for i, a in acc.items():
@@ -630,6 +657,7 @@ class OpenAIRoutes:
                 c["text"] = a["text"]
             c["logprobs"] = self._logprobs(job, a["token_ids"], a["logprobs"], a["top"])
             c["finish_reason"] = a["finish_reason"]
+            c["stop_reason"] = a["stop_reason"]  # vLLM's: which stop string or token id
             if job.return_token_ids:
                 c["token_ids"] = a["token_ids"]
                 if len(job.gens) > 1:
@@ -741,6 +769,8 @@ class OpenAIRoutes:
             c["text"] = d.text
         c["logprobs"] = self._logprobs(job, d.token_ids, d.logprobs, d.top, offsets, d.index)
         c["finish_reason"] = d.finish_reason
+        if d.finish_reason:
+            c["stop_reason"] = d.stop_reason  # vLLM's, on the choice's last chunk
         if job.return_token_ids:
             c["token_ids"] = d.token_ids
         extra: dict[str, Any] = {"weight_version": d.version or self.deps.current_version}
@@ -771,6 +801,7 @@ class OpenAIRoutes:
         incoming = False
         try:
             self._auth(request)
+            self._content_type(request)  # before the body is read
             raw = await read_body(request, s.max_body_bytes, s.body_timeout_s)
             self.incoming += 1  # read (a slow body does not count): parsed and sent next
             incoming = True
@@ -862,6 +893,8 @@ class OpenAIRoutes:
         except BadRequest as e:
             return error_response(e.message, e.code)
         name = request.path_params["model"]
+        if not name:  # `/v1/models/`: the list, as `/v1/models` (vLLM redirects there)
+            return JSONResponse({"object": "list", "data": [self._card()]})
         if name not in self.model_ids:
             return error_response(
                 f"model '{name[:256]}' does not exist; this server serves '{self.model}'",

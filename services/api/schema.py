@@ -53,6 +53,8 @@ class Sampling(msgspec.Struct, kw_only=True):
 
     model: str | None = None
     max_tokens: Count | None = None
+    # chat's name for max_tokens (it wins); honoured on /v1/completions too, never ignored
+    max_completion_tokens: Count | None = None
     n: Count | None = None
     temperature: Annotated[float, Meta(ge=0.0, le=FLOAT_MAX)] | None = None
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
@@ -91,6 +93,8 @@ class Sampling(msgspec.Struct, kw_only=True):
         | None
     ) = None
     user: Annotated[str, Meta(max_length=1024)] | None = None
+    # OpenAI's (completions) and vLLM's (both): only best_of == n is served (the route)
+    best_of: Annotated[int, Meta(ge=1, le=TOKEN_LIMIT)] | None = None
     # rollbus: this request's staleness bound (README "Staleness"); the stricter of it and
     # ROLLBUS_MAX_STALENESS applies
     max_staleness: Annotated[int, Meta(ge=0, le=INT64_MAX)] | None = None
@@ -104,7 +108,6 @@ class CompletionRequest(Sampling, kw_only=True):
     # OpenAI's, not supported: a value that would change the answer is a 400 (the route)
     echo: bool | None = None
     suffix: str | None = None
-    best_of: Annotated[int, Meta(ge=1, le=TOKEN_LIMIT)] | None = None
 
 
 class ContentPart(msgspec.Struct):
@@ -119,7 +122,6 @@ class Message(msgspec.Struct):
 
 class ChatRequest(Sampling, kw_only=True):
     messages: Annotated[list[Message], Meta(min_length=1, max_length=MAX_MESSAGES)]
-    max_completion_tokens: Count | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     # vLLM's: extra variables for the chat template (e.g. {"enable_thinking": false})
@@ -175,6 +177,10 @@ def unsupported(body: dict[str, Any], chat: bool) -> tuple[str, str] | None:
                 if isinstance(kind, str) and kind != "text":
                     where = f"messages[{i}].content[{j}].type"
                     return where, f"'{where}': only text parts are supported, not {kind[:64]!r}"
+                if kind == "text" and not isinstance(part.get("text"), str):
+                    # OpenAI requires it; a template would render the part as nothing
+                    where = f"messages[{i}].content[{j}].text"
+                    return where, f"'{where}': a text part needs its text (a string)"
     return None
 
 

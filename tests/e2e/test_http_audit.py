@@ -84,3 +84,45 @@ def test_control_arguments_too_large_for_the_bus_are_400_not_500(
         assert c.get("/v1/is_paused").json() == {"is_paused": False}
     st = stack.status()
     assert (st["state"], st["is_paused"]) == ("running", False)
+
+
+def test_a_generation_body_not_declared_json_is_refused_and_the_connection_serves_on(
+    stack: Stack,
+) -> None:
+    """Session 12's OpenAI audit, over real HTTP: a JSON body sent as `text/plain` (a
+    browser form, `curl -d`) is 400 naming the header and generates nothing; the next
+    request on the same keep-alive connection is served; `max_completion_tokens` bounds a
+    completion (it was ignored there: 16 tokens came back)."""
+    body = json.dumps({"prompt": "hi", "max_completion_tokens": 3, "ignore_eos": True})
+    with stack.client() as c:
+        r = c.post("/v1/completions", content=body, headers={"content-type": "text/plain"})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "content-type"
+        r = c.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_a_stop_token_ends_a_choice_outside_its_text_and_is_its_stop_reason(
+    stack: Stack,
+) -> None:
+    """As vLLM V1: the `stop_token_ids` token that ends a choice stays in its token ids,
+    is not written in its text (it was), and is the choice's `stop_reason`."""
+    body = {
+        "prompt": "hi",
+        "max_tokens": 64,
+        "allowed_token_ids": [65, 66],  # "A", "B": the choice ends at its first B
+        "stop_token_ids": [66],
+        "seed": 3,
+        "return_token_ids": True,
+    }
+    with stack.client() as c:
+        choice = c.post("/v1/completions", json=body).json()["choices"][0]
+        events = c.post("/v1/completions", json={**body, "stream": True}).text.split("\n\n")
+    ids = choice["token_ids"]
+    assert choice["finish_reason"] == "stop" and ids[-1] == 66 and 66 not in ids[:-1]
+    assert choice["text"] == "A" * (len(ids) - 1) and choice["stop_reason"] == 66
+    chunks = [json.loads(e[6:]) for e in events if e.startswith("data: {")]
+    assert "".join(ch["text"] for c in chunks for ch in c["choices"]) == choice["text"]
+    (last,) = [ch for c in chunks for ch in c["choices"] if ch["finish_reason"]]
+    assert last["stop_reason"] == 66

@@ -6,6 +6,7 @@ and pass when they ask for nothing (the values clients send by default). vLLM's
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ import pytest
 
 from services.api.body import BadRequest
 from services.api.deps import Deps
-from services.api.generate import Choice
+from services.api.generate import Choice, Delta
 from services.api.openai import OpenAIRoutes
 from shared import messages as m
 from shared.settings import Settings
@@ -123,7 +124,7 @@ def test_include_stop_str_in_output_is_parsed(routes: OpenAIRoutes) -> None:
     assert job.keep_stop and not routes.parse({"prompt": "hi"}, False).keep_stop
 
 
-@pytest.mark.parametrize(("skip", "text"), [(None, "hi"), (True, "hi"), (False, "hi<eos>")])
+@pytest.mark.parametrize(("skip", "text"), [(None, "hi"), (True, "hi"), (False, "h<eos>i")])
 def test_skip_special_tokens_false_writes_them_in_the_text(
     routes: OpenAIRoutes, skip: bool | None, text: str
 ) -> None:
@@ -133,9 +134,28 @@ def test_skip_special_tokens_false_writes_them_in_the_text(
     tok = routes.tokenizer  # the byte tokenizer: 257 is <eos>
     decoder = IncrementalDecoder(tok, job.gen.prompt_token_ids, job.skip_special)
     choice = Choice(0, decoder, [])
-    out = "".join(d.text for c in (chunk([104, 105]), chunk([257], "stop"))
+    # the <eos> that ends the choice is not written (vLLM V1), one inside the text is
+    out = "".join(d.text for c in (chunk([104, 257, 105]), chunk([257], "stop"))
                   if (d := choice.push(c)))  # fmt: skip
     assert out == text
+
+
+@pytest.mark.parametrize(("keep", "text"), [(False, "hi"), (True, "hi!")])
+def test_the_stop_token_that_ends_a_choice_is_not_in_its_text(
+    routes: OpenAIRoutes, keep: bool, text: str
+) -> None:
+    """A `stop_token_ids` token (here `!`, an ordinary one) ends the choice and stays in
+    its token ids, but its text is cut as a stop string's is (vLLM V1's detokenizer:
+    `include_stop_str_in_output` keeps it). It was written in the text."""
+    tok = routes.tokenizer
+    choice = Choice(0, IncrementalDecoder(tok, []), [], keep_stop=keep)
+    out = "".join(d.text for c in (chunk([104]), chunk([105, 33], "stop"))
+                  if (d := choice.push(c)))  # fmt: skip
+    assert out == text and choice.token_ids == [104, 105, 33]
+    assert choice.finish_reason == "stop"
+    # a choice that ends on its length writes its last token
+    last = Choice(0, IncrementalDecoder(tok, []), [])
+    assert last.push(chunk([104, 33], "length")).text == "h!"  # type: ignore[union-attr]
 
 
 def test_truncate_prompt_tokens_keeps_the_last_ones(routes: OpenAIRoutes) -> None:
@@ -170,3 +190,42 @@ def test_generation_prompt_and_continue_final_message_shape_the_chat_prompt(
     with pytest.raises(BadRequest) as e:
         routes.parse({**cont, "continue_final_message": True, "add_generation_prompt": True}, True)
     assert e.value.param == "continue_final_message"
+
+
+def test_stop_reason_names_the_stop_string_or_token_as_vllm(routes: OpenAIRoutes) -> None:
+    """vLLM's `stop_reason`: the stop string that matched (RL code with several stops —
+    `</search>`, `</answer>` — and the string cut from the text cannot tell which one
+    otherwise), the `stop_token_ids` id that ended the choice, None for the model's eos
+    and for `length`."""
+    tok = routes.tokenizer  # the byte tokenizer: 257 is <eos>
+
+    def last(stops: list[str], chunks: list[m.GenChunk]) -> Delta:
+        choice = Choice(0, IncrementalDecoder(tok, []), stops, eos_ids=frozenset({257}))
+        deltas = [d for c in chunks if (d := choice.push(c))]
+        assert deltas[-1].stop_reason == choice.stop_reason
+        return deltas[-1]
+
+    d = last(["</b>", "</a>"], [chunk(tok.encode("x</a>y", add_special_tokens=False))])
+    assert (d.finish_reason, d.stop_reason) == ("stop", "</a>")
+    d = last([], [chunk([104]), chunk([33], "stop")])
+    assert (d.finish_reason, d.stop_reason) == ("stop", 33)
+    assert last([], [chunk([104, 257], "stop")]).stop_reason is None
+    assert last([], [chunk([104, 33], "length")]).stop_reason is None
+
+
+async def test_stop_reason_is_in_the_answer_and_the_last_chunk(routes: OpenAIRoutes) -> None:
+    from tests.unit.api.test_stream_shape import Scripted
+
+    deltas = [
+        Delta(0, "A", [65], version="v0"),
+        Delta(0, "", [33], version="v0", finish_reason="stop", stop_reason=33),
+        Delta(1, "B", [66], version="v0", finish_reason="length"),
+    ]
+    job = routes.parse({"prompt": "hi", "n": 2, "max_tokens": 2}, chat=False)
+    body = await routes.complete(job, Scripted(deltas))  # type: ignore[arg-type]
+    assert [c["stop_reason"] for c in body["choices"]] == [33, None]
+    job = routes.parse({"prompt": "hi", "n": 2, "max_tokens": 2, "stream": True}, chat=False)
+    out = [e async for e in routes.sse(job, Scripted(deltas))]  # type: ignore[arg-type]
+    chunks = [json.loads(e[6:]) for e in out[:-1]]
+    last = {ch["index"]: ch for c in chunks for ch in c["choices"] if ch["finish_reason"]}
+    assert last[0]["stop_reason"] == 33 and last[1]["stop_reason"] is None
