@@ -63,7 +63,7 @@ from nats.aio.client import _HEADER_KEY_RE, _HEADER_VALUE_NEWLINES, Client
 from nats.aio.msg import Msg
 from nats.micro.request import Request
 from nats.micro.service import Service, ServiceConfig
-from nats.protocol.command import hpub_cmd
+from nats.protocol.command import hpub_cmd, pub_cmd
 
 from shared import creds
 from shared.errors import (
@@ -140,11 +140,13 @@ class _Client(Client):
         reply: str = "",
         headers: dict[str, str] | None = None,
     ) -> None:
-        if headers is not None:
-            block = header_block(headers)
-            if len(payload) + len(block) > self._max_payload:
-                raise nats.errors.MaxPayloadError
-            self._block = (headers, block)
+        if headers is None:  # no block to build: nats-py's path, nothing added
+            await super().publish(subject, payload, reply=reply)
+            return
+        block = header_block(headers)
+        if len(payload) + len(block) > self._max_payload:
+            raise nats.errors.MaxPayloadError
+        self._block = (headers, block)
         try:
             await super().publish(subject, payload, reply=reply, headers=headers)
         finally:
@@ -158,16 +160,19 @@ class _Client(Client):
         payload_size: int,
         headers: dict[str, Any] | None,
     ) -> None:
-        held = self._block
-        if headers is None or held is None or held[0] is not headers:
-            await super()._send_publish(subject, reply, payload, payload_size, headers)
-            return
-        # nats-py's own _send_publish from here, with the block already built
+        """nats-py's own ``_send_publish``, with the header block built by
+        :func:`header_block` (once, in :meth:`publish`)."""
         if subject == "":
             raise nats.errors.BadSubjectError
+        if headers is None:
+            cmd = pub_cmd(subject, reply, payload)
+        else:
+            held = self._block
+            block = held[1] if held is not None and held[0] is headers else header_block(headers)
+            cmd = hpub_cmd(subject, reply, block, payload)
         self.stats["out_msgs"] += 1
         self.stats["out_bytes"] += payload_size
-        await self._send_command(hpub_cmd(subject, reply, held[1], payload))
+        await self._send_command(cmd)
         if self._flush_queue is not None and self._flush_queue.empty():
             await self._flush_pending()
 
