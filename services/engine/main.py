@@ -80,6 +80,11 @@ MISMATCH_CONFIRM_S = 2.0
 # exclusive methods that wait (up to CONTROL_TIMEOUT_S) for the lock instead of a 409: the
 # instance's own fleet watchdog may hold it, resolving the same transaction
 WAITS_FOR_LOCK = {"fleet_commit"}
+# reads whose handler never awaits (plain functions of the engine's state): answered in
+# their subscription's callback, as a rank answers ping/status — no task and no loop
+# turn per call on the polled `is_paused`. The others (`status` may scatter to the ranks)
+# each run in a task of their own, so one slow call does not hold back the next.
+INLINE = {"is_paused", "health", "model_config"}
 
 
 class Engine:
@@ -249,7 +254,7 @@ class Engine:
                 self.subjects.ctl(method),
                 lambda d, h, _m=method: self.dispatch(_m, d, h),
                 queue="engine",
-                concurrent=True,
+                concurrent=method not in INLINE,
                 # a call whose caller already gave up (its 503 said "failed") never runs
                 # later, e.g. re-sent by nats-py after a reconnect (README Bus contract)
                 deadline=True,

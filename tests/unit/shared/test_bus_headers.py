@@ -62,3 +62,66 @@ def test_the_client_parses_incoming_headers_with_it(monkeypatch: pytest.MonkeyPa
     got = asyncio.run(_Client()._process_headers(b"NATS/1.0\r\nK: v\r\n\r\n"))
     assert seen == [b"K: v\r\n\r\n"]
     assert got == {"Spied": "1"}
+
+
+# ---------------------------------------------------------------- the header block we send
+
+HEADER_DICTS: list[dict[str, str]] = [
+    {},
+    {"Rollbus-Request-Id": "0123456789abcdef"},
+    {"Rollbus-Request-Id": "x.y *z", "Rollbus-Actor": "http:127.0.0.1:5", "Rollbus-Deadline": "1"},
+    {"  Padded  ": "  v  "},  # names and values stripped
+    {"K": "a\r\nb\rc\nd"},  # CR and LF in a value: spaces
+    {"": "skipped", "K": "v"},  # an empty name: skipped
+    {"   ": "skipped"},
+    {"K": "caf\u00e9 \u2603"},  # UTF-8 values
+    {"K": ""},
+    {"Rollbus-Rank": "3", "Rollbus-Request-Id": "\u00fcn\u00ef"},
+]
+
+
+async def _sent(client: Client, headers: dict[str, str] | None) -> bytes:
+    """The command ``client.publish`` hands to the socket for ``headers``."""
+    out: list[bytes] = []
+
+    async def capture(cmd: bytes, priority: bool = False) -> None:
+        out.append(cmd)
+
+    client._send_command = capture  # type: ignore[method-assign]
+    client._status = Client.CONNECTED
+    client._flush_queue = None
+    await client.publish("s.t", b"payload", reply="_INBOX.r", headers=headers)
+    assert len(out) == 1
+    return out[0]
+
+
+@pytest.mark.parametrize("headers", HEADER_DICTS)
+def test_same_bytes_sent_as_nats_py(
+    headers: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shared.bus
+
+    built: list[bytes] = []
+    real = shared.bus.header_block
+
+    def spy(h: dict[str, str]) -> bytes:
+        built.append(real(h))
+        return built[-1]
+
+    monkeypatch.setattr(shared.bus, "header_block", spy)
+    ours = asyncio.run(_sent(_Client(), dict(headers)))
+    theirs = asyncio.run(_sent(Client(), dict(headers)))
+    assert ours == theirs
+    assert len(built) == 1 and built[0] in ours  # our block went out, not nats-py's build
+
+
+def test_bad_header_name_refused_as_nats_py() -> None:
+    import nats.errors
+
+    for client in (_Client(), Client()):
+        with pytest.raises(nats.errors.BadHeaderError):
+            asyncio.run(_sent(client, {"Bad Name": "v"}))
+
+
+def test_no_headers_sent_as_nats_py() -> None:
+    assert asyncio.run(_sent(_Client(), None)) == asyncio.run(_sent(Client(), None))
