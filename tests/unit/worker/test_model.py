@@ -325,6 +325,45 @@ def test_equal_prefill_chunks_share_one_attention_group() -> None:
         np.testing.assert_allclose(out[row], want, atol=TOL, rtol=0, err_msg=f"row {row}")
 
 
+def test_last_layer_runs_on_the_sampled_rows_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With prompt chunks in the step, the last layer writes every row's K/V but runs q,
+    o_proj and the MLP on each sequence's last row only (the only rows sampled); earlier
+    layers run on every row. The logits still equal the dense reference (a mixed batch:
+    two prompt chunks and a decode row)."""
+    cfg = tiny(attention_bias=True)
+    w = scaled(cfg, 10)
+    pw, model = to_paddle(w), TPModel(cfg, 0, 1)
+    kv = KVCache(cfg, num_blocks=8, block_size=4, tp=1)
+    a, b, c = [5, 6, 7, 8, 9], [10, 11, 12], [13, 14]
+    tables = [[0, 1], [2], [3]]
+    run(model, pw, kv, Batch([c], [0], [tables[2]]))
+    rows: dict[str, list[int]] = {}
+    names = {id(t): n for n, t in pw.items()}
+    linear = mdl._linear
+
+    def spy(
+        x: paddle.Tensor, wt: paddle.Tensor, bias: paddle.Tensor | None = None
+    ) -> paddle.Tensor:
+        rows.setdefault(names.get(id(wt), "?"), []).append(x.shape[0])
+        return linear(x, wt, bias)
+
+    monkeypatch.setattr(mdl, "_linear", spy)
+    out = run(model, pw, kv, Batch([a, b, [15]], [0, 0, 2], tables))
+    for row, seq in enumerate((a, b, c + [15])):
+        want = ref_logits(cfg, w, seq)[-1]
+        np.testing.assert_allclose(out[row], want, atol=TOL, rtol=0, err_msg=f"row {row}")
+    last = cfg.num_hidden_layers - 1
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        sampled = 3 if i == last else 9  # 5 + 3 + 1 rows; 3 sequences
+        for name in ("q_proj", "o_proj"):
+            assert rows[p + f"self_attn.{name}.weight"] == [sampled], (i, name)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            assert rows[p + f"mlp.{name}.weight"] == [sampled], (i, name)
+        for name in ("k_proj", "v_proj"):  # every row's K/V goes to the cache
+            assert rows[p + f"self_attn.{name}.weight"] == [9], (i, name)
+
+
 def test_many_rows_take_the_wide_matmul(monkeypatch: pytest.MonkeyPatch) -> None:
     """From WIDE_ROWS rows on a linear computes x @ w^T: the same logits."""
     cfg = tiny(attention_bias=True)
