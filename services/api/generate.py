@@ -160,8 +160,12 @@ class GenCall:
         idle_timeout: float = IDLE_TIMEOUT_S,
         keep_stop: bool = False,
         skip_special_tokens: bool = True,
+        eos_ids: frozenset[int] | None = None,
     ) -> None:
+        """``eos_ids``: the stop tokens that are eos (``stop_reason`` null); the model's by
+        default, none with ``ignore_eos``."""
         self.bus, self.subjects, self.gen, self.on_version = bus, subjects, gen, on_version
+        eos = frozenset(tokenizer.stop_token_ids) if eos_ids is None else eos_ids
         gen.request_id = gen.request_id or new_request_id()
         gen.batch = True  # our bus takes the engine's batched chunks (one message per step)
         self.choices = [
@@ -170,7 +174,7 @@ class GenCall:
                 IncrementalDecoder(tokenizer, gen.prompt_token_ids, skip_special_tokens),
                 stops,
                 keep_stop=keep_stop,
-                eos_ids=frozenset(tokenizer.stop_token_ids),
+                eos_ids=eos,
             )
             for i in range(gen.n)
         ]

@@ -165,6 +165,9 @@ class Job:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats
     keep_stop: bool = False  # include_stop_str_in_output
     skip_special: bool = True  # skip_special_tokens
+    # the model's eos ids that end a choice as eos (stop_reason null); none with
+    # ignore_eos: an eos then ends a choice only as a stop_token_ids one, named (vLLM V1)
+    eos_ids: frozenset[int] = frozenset()
 
     @property
     def gen(self) -> m.GenRequest:
@@ -522,6 +525,7 @@ class OpenAIRoutes:
             continuous_usage=bool(opts and opts.include_usage and opts.continuous_usage_stats),
             keep_stop=bool(req.include_stop_str_in_output),
             skip_special=req.skip_special_tokens is not False,
+            eos_ids=frozenset(() if req.ignore_eos else self.tokenizer.stop_token_ids),
         )
 
     def _bad_words(self, words: list[str]) -> list[list[int]]:
@@ -831,6 +835,7 @@ class OpenAIRoutes:
                         idle_timeout=s.control_timeout_s,
                         keep_stop=job.keep_stop,
                         skip_special_tokens=job.skip_special,
+                        eos_ids=job.eos_ids,
                     )
                     for gen in job.gens
                 ]

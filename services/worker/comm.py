@@ -189,7 +189,13 @@ def release(group: Any) -> None:
 
     ``ProcessGroupIdMap.destroy()`` drops paddle's C++ reference to *every* process group;
     those still in use (the global group, a live TP group) are held by their Python
-    ``Group`` too and live on: only a group nobody else holds is freed."""
+    ``Group`` too and live on: only a group nobody else holds is freed.
+
+    paddle's legacy ``ProcessGroupMapFromGid`` keeps a raw pointer to every group by gid
+    and never erases it: once freed, a legacy static-graph op addressed by the destroyed
+    group's ring id (``c_allreduce_*``, ``mp_allreduce_sum``) would read freed memory.
+    rollbus runs none: its collectives go through the live ``Group``'s process group
+    (``dist.all_reduce``/``barrier``), and gids are never reused."""
     from paddle.base import core
     from paddle.distributed import collective
 

@@ -229,3 +229,28 @@ async def test_stop_reason_is_in_the_answer_and_the_last_chunk(routes: OpenAIRou
     chunks = [json.loads(e[6:]) for e in out[:-1]]
     last = {ch["index"]: ch for c in chunks for ch in c["choices"] if ch["finish_reason"]}
     assert last[0]["stop_reason"] == 33 and last[1]["stop_reason"] is None
+
+
+def test_with_ignore_eos_an_eos_asked_for_in_stop_token_ids_is_the_stop_reason(
+    routes: OpenAIRoutes,
+) -> None:
+    """vLLM V1's ``check_stop``: with ``ignore_eos`` the eos is no eos stop; listed in
+    ``stop_token_ids`` it ends the choice as any stop token does, and is its
+    ``stop_reason`` (null only for the eos stop ``ignore_eos`` turned off)."""
+    from types import SimpleNamespace
+
+    from services.api.generate import GenCall
+
+    tok = routes.tokenizer  # the byte tokenizer: 257 is <eos>
+    bus: Any = SimpleNamespace(stream=lambda *a, **k: None)
+
+    def reason(body: dict[str, Any]) -> int | str | None:
+        job = routes.parse(body, chat=False)
+        call = GenCall(bus, routes.deps.subjects, tok, job.gen, job.stops, eos_ids=job.eos_ids)
+        d = call.choices[0].push(chunk([104, 257], "stop"))
+        assert d is not None and d.finish_reason == "stop" and d.text == "h"
+        return d.stop_reason
+
+    assert reason({"prompt": "hi", "ignore_eos": True, "stop_token_ids": [257]}) == 257
+    assert reason({"prompt": "hi", "stop_token_ids": [257]}) is None  # the eos stop
+    assert reason({"prompt": "hi"}) is None

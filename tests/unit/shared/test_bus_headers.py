@@ -125,3 +125,35 @@ def test_bad_header_name_refused_as_nats_py() -> None:
 
 def test_no_headers_sent_as_nats_py() -> None:
     assert asyncio.run(_sent(_Client(), None)) == asyncio.run(_sent(Client(), None))
+
+
+def test_hostile_headers_sent_as_nats_py() -> None:
+    """Seeded random header dicts built from what could break a hand-built block: CR and
+    LF (line injection), NUL, Unicode whitespace that ``str.strip`` removes (``\\x85``,
+    ``\\u2028``, ``\\u3000``), non-ASCII, separators, empty and very long values. The bytes
+    sent, or the error raised, are nats-py's own."""
+    import random
+
+    import nats.errors
+
+    pieces = ["\r", "\n", "\r\n", " ", "\t", "\x00", "\x0b", "\x1c", "\x85", "\u2028",
+              "\u3000", "é", "\u2603", ":", "-", "K", "x"]  # fmt: skip
+    rng = random.Random(12)
+
+    async def check() -> None:
+        for case in range(1500):
+            headers: dict[str, str] = {}
+            for _ in range(rng.randint(0, 3)):
+                name = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 4)))
+                headers[name] = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 8)))
+            if case % 100 == 0:
+                headers["Long"] = "v\r\n" * 40_000
+            got: list[bytes | type[Exception]] = []
+            for client in (_Client(), Client()):
+                try:
+                    got.append(await _sent(client, dict(headers)))
+                except nats.errors.BadHeaderError:
+                    got.append(nats.errors.BadHeaderError)
+            assert got[0] == got[1], repr(headers)
+
+    asyncio.run(check())
