@@ -109,7 +109,7 @@ async def via_raw_http(base: str, batch: int) -> float:
     """The non-streamed requests of :func:`via_http` written by a minimal HTTP/1.1 client
     (one connection each, ``Connection: close``, the JSON body read whole): the same
     requests and answers without httpx's own per-request work, which on 2 cores delays
-    the batch's start (README "Generation speed on a CPU", session 10)."""
+    the batch's start (docs/generation-speed-log.md, session 10)."""
     host, port = base.split("//")[1].rsplit(":", 1)
 
     async def one(i: int) -> int:
