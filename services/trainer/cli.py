@@ -8,10 +8,13 @@ content. Progress (bytes, MiB/s) is one ``\\r``-rewritten line on stderr.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import signal
 import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from shared import creds
 from shared.errors import BusUnreachable
@@ -86,8 +89,26 @@ def publish(args: argparse.Namespace, settings: Settings) -> int:
     url = nats_url_of(args, settings)
     pub = CheckpointPublisher(url, bucket=settings.ckpt_bucket, ipc_dir=settings.ipc_dir)
     bar = ProgressLine(f"{args.model}/{args.version}")
+
+    async def run() -> Any:
+        # SIGTERM (a scheduler, `timeout`, `kill`) cancels the publish like Ctrl-C: its
+        # chunks are purged and its claim released, so nothing is left behind and a
+        # retry need not wait for the claim to go stale (the default action would kill
+        # the process on the spot, chunks and claim left in the bucket)
+        task = asyncio.current_task()
+        assert task is not None
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+        return await pub.apublish(args.model, args.version, d, tp=tp, ipc=args.ipc, progress=bar)
+
     try:
-        res = pub.publish(args.model, args.version, d, tp=tp, ipc=args.ipc, progress=bar)
+        res = asyncio.run(run())
+    except asyncio.CancelledError:
+        bar.close()
+        print(
+            f"rollbus publish: stopped (SIGTERM): {args.model}/{args.version} not published",
+            file=sys.stderr,
+        )
+        return 128 + signal.SIGTERM
     except BusUnreachable as e:
         bar.close()
         return _fail("publish", e.message)
