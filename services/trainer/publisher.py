@@ -68,7 +68,7 @@ from shared import safetensors as st
 from shared.bus import Bus
 from shared.creds import default_dir, role_url
 from shared.messages import ControlReply, VersionPublished, json_decode
-from shared.model_config import ModelConfig, read_hf_config
+from shared.model_config import ModelConfig
 from shared.subjects import Subjects, ckpt_object_name, rank_shard_file
 from shared.versions import check_model_name, check_version_name, ipc_version_dir
 
@@ -112,15 +112,7 @@ class VersionInfo:
     publisher: str
 
 
-def load_config(config: Any) -> ModelConfig:
-    if isinstance(config, ModelConfig):
-        return config
-    if isinstance(config, str | Path):
-        p = Path(config)
-        config = read_hf_config(p)
-    if not isinstance(config, Mapping):
-        raise TypeError("config must be a ModelConfig, an HF config dict or a config.json path")
-    return ModelConfig.from_hf(dict(config))
+load_config = names.load_config  # one rule for the SDK and the name mappings
 
 
 def read_model_dir(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
