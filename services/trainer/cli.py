@@ -73,8 +73,10 @@ def _fail(cmd: str, msg: str) -> int:
 def publish(args: argparse.Namespace, settings: Settings) -> int:
     d = Path(args.dir)
     # checked before importing the SDK: errors come back at once
-    if not d.is_dir():
-        return _fail("publish", f"no such directory: {d}")
+    if not d.is_dir():  # a file given where the model dir goes is named as such
+        return _fail(
+            "publish", f"not a directory: {d}" if d.exists() else f"no such directory: {d}"
+        )
     if not (d / "config.json").is_file() or not any(d.glob("*.safetensors")):
         return _fail("publish", f"{d} is not an HF model dir (needs config.json and *.safetensors)")
     from services.trainer.publisher import (
