@@ -139,6 +139,14 @@ def publish(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def _printable(text: str, limit: int = 64) -> str:
+    """An event's free-text field as one short, inert line: anyone who may publish an
+    event chooses it (escape sequences would drive the terminal; 1 MB would be the
+    line)."""
+    clean = "".join(c if c.isprintable() else "?" for c in text)
+    return clean if len(clean) <= limit else clean[: limit - 1] + "…"
+
+
 def versions(args: argparse.Namespace, settings: Settings) -> int:
     from services.trainer.publisher import CheckpointPublisher
 
@@ -159,7 +167,7 @@ def versions(args: argparse.Namespace, settings: Settings) -> int:
         when = datetime.fromtimestamp(v.time, UTC).strftime("%Y-%m-%d %H:%M:%S")
         print(
             f"{v.seq:>6}  {v.version:<24} {v.tp:>3} {v.total_bytes / (1 << 20):>10.1f}  "
-            f"{when:<20} {v.publisher}"
+            f"{when:<20} {_printable(v.publisher)}"
         )
     return 0
 

@@ -366,10 +366,17 @@ class CheckpointPublisher:
             evs = await objstore.list_versions(bus.nc, model)
         finally:
             await bus.close()
-        return [
-            VersionInfo(seq, e.model, e.version, e.tp, e.total_bytes, e.time, e.publisher)
-            for seq, e in evs
-        ]
+        # a version's place is its first announcement (as every engine orders them): a
+        # re-announcement (after the dedup window, or by hand) is not another version
+        seen: set[str] = set()
+        out = []
+        for seq, e in evs:
+            if e.version not in seen:
+                seen.add(e.version)
+                out.append(
+                    VersionInfo(seq, e.model, e.version, e.tp, e.total_bytes, e.time, e.publisher)
+                )
+        return out
 
     # ------------------------------------------------------------------ steps
 
