@@ -677,6 +677,14 @@ class _Claim:
                 self.seq = seq  # our own write, whose answer was lost: we hold it
                 return None
             if isinstance(claim, dict):  # another publisher is at work
+                if seen == -1:  # said once: else the wait (up to 15 s) looks like a hang
+                    log.warning(
+                        "%s: another publisher (%s) holds this version; waiting for it "
+                        "(a claim unchanged for %gs is taken over)",
+                        self.name,
+                        str(claim.get("owner", "?"))[:64],
+                        CLAIM_STALE_S,
+                    )
                 if seq != seen:
                     seen, since = seq, loop.time()
                 if loop.time() - since < CLAIM_STALE_S:

@@ -81,7 +81,7 @@ async def test_concurrent_publishes_of_one_version_leave_one_whole_version(
 
 
 async def test_a_claim_left_by_a_dead_publisher_is_taken_over(
-    nats_url: str, monkeypatch: pytest.MonkeyPatch
+    nats_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     model = f"cd-{uuid.uuid4().hex[:6]}"
     monkeypatch.setattr(publisher, "CLAIM_STALE_S", 1.0)
@@ -97,6 +97,9 @@ async def test_a_claim_left_by_a_dead_publisher_is_taken_over(
     res = await CheckpointPublisher(nats_url).apublish(model, "v1", _state(3), tp=2, config=CFG)
     assert res.uploaded
     await _stored_is_whole(nats_url, model, "v1")
+    # the wait was said (once), naming whose claim: before, `rollbus publish` was silent
+    waits = [r for r in caplog.records if "holds this version; waiting" in r.getMessage()]
+    assert len(waits) == 1 and "(dead)" in waits[0].getMessage()
 
 
 async def test_a_claim_whose_answer_was_lost_is_still_ours(
