@@ -329,7 +329,9 @@ class CheckpointPublisher:
         completed (their meta still names our chunks) and any chunks left — then
         releases its claim: an unpublished version keeps no bytes in the bucket."""
         with contextlib.suppress(Exception):
-            for r in range(tp):
+            # a shard's meta only while the claim is ours: a publisher that took the
+            # version over may be replacing it (its compare-and-set would then fail)
+            for r in range(tp) if await claim.mine() else ():
                 shard = ckpt_object_name(model, version, rank_shard_file(r, tp))
                 seq, info = await objstore.last_meta(nc, self.bucket, shard)
                 if info.get("nuid") in claim.nuids and not info.get("deleted"):

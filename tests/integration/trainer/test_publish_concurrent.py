@@ -178,3 +178,40 @@ async def test_the_upload_ends_while_a_refresh_is_being_written(
             await objstore.put_object(bus.nc, BUCKET, name, b"{}", expect_seq=claim.seq)
     finally:
         await bus.close()
+
+
+async def test_a_publish_failing_at_its_manifest_leaves_no_shard_behind(
+    nats_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every shard stored, then the manifest's write fails (a cut connection, a cancel):
+    the shards it completed are deleted and their chunks purged, the claim released.
+    Before, the completed shards' bytes stayed in the bucket, under no manifest."""
+    model = f"cm-{uuid.uuid4().hex[:6]}"
+    real = objstore.put_object
+
+    async def put(nc: Any, bucket: str, name: str, *a: Any, **kw: Any) -> Any:
+        if name.endswith("manifest.json"):
+            raise objstore.ObjectReadError(f"put {bucket}/{name}: connection cut (test)")
+        return await real(nc, bucket, name, *a, **kw)
+
+    monkeypatch.setattr(objstore, "put_object", put)
+    with pytest.raises(objstore.ObjectReadError):
+        await CheckpointPublisher(nats_url).apublish(model, "v1", _state(4), tp=2, config=CFG)
+    bus = await Bus.connect(nats_url, "check")
+    try:
+        js = bus.nc.jetstream()
+        for r in range(2):
+            _, info = await objstore.last_meta(
+                bus.nc, BUCKET, ckpt_object_name(model, "v1", f"rank{r}-of-2.safetensors")
+            )
+            assert info.get("deleted"), info  # no shard object left
+            st = await js.stream_info(
+                f"OBJ_{BUCKET}", subjects_filter=f"$O.{BUCKET}.C.{info['nuid']}"
+            )
+            assert not st.state.subjects, st.state.subjects  # its chunks purged
+        _, claim = await objstore.last_meta(
+            bus.nc, BUCKET, ckpt_object_name(model, "v1", "manifest.json")
+        )
+        assert claim.get("deleted") and "claim" not in claim  # released
+    finally:
+        await bus.close()
