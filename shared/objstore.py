@@ -48,9 +48,10 @@ import json
 import logging
 import mmap
 import os
+import re
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -114,6 +115,28 @@ def _meta_subject(bucket: str, name: str) -> str:
 
 def _chunk_subject(bucket: str, nuid: str) -> str:
     return f"$O.{bucket}.C.{nuid}"
+
+
+_NUID = re.compile(r"[A-Za-z0-9]{1,64}")
+
+
+def new_nuid(nc: Client) -> str:
+    """A fresh chunk-subject id, as every NATS client makes one."""
+    return str(nc._nuid.next().decode())
+
+
+async def purge_chunks(nc: Client, bucket: str, nuids: Iterable[object]) -> int:
+    """Purge the chunks stored under each of ``nuids`` (those of puts that never wrote
+    their meta: a publisher killed mid-upload); the number of ids purged. An id that is
+    not a plain NUID (the list comes from a meta message anyone with write access could
+    forge) is skipped: it must name one chunk subject, never a wildcard."""
+    js = nc.jetstream()
+    n = 0
+    for nuid in nuids:
+        if isinstance(nuid, str) and _NUID.fullmatch(nuid):
+            await js.purge_stream(_stream(bucket), subject=_chunk_subject(bucket, nuid))
+            n += 1
+    return n
 
 
 # --------------------------------------------------------------------------- replicas
@@ -294,6 +317,7 @@ async def put_object(
     fast: bool = True,
     cas: bool = False,
     expect_seq: int | None = None,
+    nuid: str | None = None,
 ) -> ObjectMeta:
     """Write ``data`` as object ``name``; chunks first (pipelined), meta last.
 
@@ -313,7 +337,9 @@ async def put_object(
     written only if no other writer wrote (or deleted) the object since this put began,
     else :class:`ObjectConflict` (its chunks purged, the other writer's object kept);
     ``expect_seq``: only if the name's last meta message is still the one at that stream
-    sequence (e.g. the writer's own claim, see :func:`put_meta_if`).
+    sequence (e.g. the writer's own claim, see :func:`put_meta_if`). ``nuid``: the
+    chunk subject's id, chosen by the caller (a publisher records it beforehand, so the
+    chunks of a put killed before its meta can be found and purged: :func:`purge_chunks`).
     """
     if (ready is not None or gather is not None) and digest is None:
         raise ValueError(
@@ -324,7 +350,7 @@ async def put_object(
     view = memoryview(data).cast("B")
     size = len(view)
     chunk = max(1024, min(CHUNK_SIZE, nc.max_payload))
-    nuid = nc._nuid.next().decode()  # a fresh chunk subject, as every NATS client does
+    nuid = nuid or new_nuid(nc)
     subj = _chunk_subject(bucket, nuid)
     seq0, info0 = await last_meta(nc, bucket, name)
     old = _object_meta(name, info0)

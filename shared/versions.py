@@ -9,6 +9,7 @@ model dir itself holds the version named in its ``version.txt`` (``v0`` without 
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from urllib.parse import quote
 
@@ -101,6 +102,24 @@ def snapshot_dir(model_dir: Path, version: str) -> Path:
     return d
 
 
+# a path component's budget: NAME_MAX is 255 bytes, and the SDK writes a version under
+# a temporary name of its own first (``.<component>.<random>.tmp``)
+IPC_NAME_MAX = 200
+_IPC_KEEP = 160  # of a longer component, before ``~`` and its hash
+
+
+def ipc_component(name: str) -> str:
+    """``name`` as one path component: percent-quoted (ids may hold ``/``), and, when
+    that is longer than :data:`IPC_NAME_MAX` (a valid 256-character version, or 60
+    non-ASCII characters, quoted three bytes to one), its first characters plus
+    ``~`` and a SHA-256 of the whole name — else the OS refuses it (``File name too
+    long``) and a version valid everywhere else cannot go through ``ipc``."""
+    q = quote(name, safe="")
+    if len(q) <= IPC_NAME_MAX:
+        return q
+    return f"{q[:_IPC_KEEP]}~{hashlib.sha256(name.encode()).hexdigest()[:32]}"
+
+
 def ipc_version_dir(ipc_dir: Path, model: str, version: str) -> Path:
-    """``<ipc_dir>/<model>/<version>/``, each part percent-quoted (ids may hold ``/``)."""
-    return Path(ipc_dir) / quote(model, safe="") / quote(version, safe="")
+    """``<ipc_dir>/<model>/<version>/``, each part as :func:`ipc_component` names it."""
+    return Path(ipc_dir) / ipc_component(model) / ipc_component(version)

@@ -36,6 +36,7 @@ was down from its durable (un-acked) instead, so a deliberate rollback survives 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import re
@@ -75,6 +76,33 @@ class VersionIndex:
     latest: str = ""
     served_seq: int = 0  # the highest sequence of any version this engine has served
     changes: int = 0  # bumped whenever ``seqs`` changes (staleness is cached on it)
+    # versions this engine can never load (an update failed for good: 400/422, e.g.
+    # sharded for another tp): not a staleness bound it could meet, not a target
+    refused: set[str] = field(default_factory=set)
+
+    def refuse(self, version: str) -> None:
+        if version not in self.refused:
+            self.refused.add(version)
+            self.changes += 1
+
+    def loadable(self) -> dict[str, int]:
+        """``seqs`` without the refused versions: what staleness counts."""
+        return {v: q for v, q in self.seqs.items() if v not in self.refused}
+
+    def fallback(self, current: str) -> str | None:
+        """After the target failed for good: the newest other version newer than the
+        served one that is not refused (a fresh start whose newest version is sharded
+        for another tp still catches up to the newest it can load), or None."""
+        self.served(current)
+        best = max(
+            (
+                (q, v)
+                for v, q in self.seqs.items()
+                if q > self.served_seq and v != current and v not in self.refused
+            ),
+            default=None,
+        )
+        return best[1] if best else None
 
     def add(self, version: str, seq: int) -> None:
         old = self.seqs.get(version)
@@ -138,7 +166,7 @@ def staleness_of(engine: Engine) -> tuple[int, str]:
     """``(versions behind, newest announced)`` for the serving version, from the index
     :func:`track` keeps current (auto-update on or off)."""
     idx = index_of(engine)
-    return staleness.versions_behind(idx.seqs, engine.state.weight_version), idx.latest
+    return staleness.versions_behind(idx.loadable(), engine.state.weight_version), idx.latest
 
 
 async def _until_ok(what: str, fn: Callable[[], Awaitable[T]]) -> T:
@@ -293,6 +321,20 @@ async def follow(engine: Engine) -> None:
         if target is None or loop.time() < next_try:
             continue
         rec = await _apply_safely(engine, *target)
+        if rec["action"] == "failed" and not rec.get("retry"):
+            idx.refuse(target[1].version)
+            nxt = idx.fallback(engine.state.weight_version)
+            if nxt is not None:  # the events so far are settled; go on to the next newest
+                log.warning(
+                    "auto-update: %s cannot be loaded here; trying %s", target[1].version, nxt
+                )
+                for msg in held:
+                    with contextlib.suppress(Exception):
+                        await objstore.VersionFeed.ack(msg)
+                held = []
+                target = (idx.seq_of(nxt), VersionPublished(target[1].model, nxt, target[1].tp))
+                backoff, next_try = RETRY_S, 0.0
+                continue
         if rec["action"] == "failed" and rec.get("retry"):
             next_try = loop.time() + backoff
             backoff = min(backoff * 2, RETRY_MAX_S)

@@ -8,10 +8,13 @@ content. Progress (bytes, MiB/s) is one ``\\r``-rewritten line on stderr.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import signal
 import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from shared import creds
 from shared.errors import BusUnreachable
@@ -70,8 +73,10 @@ def _fail(cmd: str, msg: str) -> int:
 def publish(args: argparse.Namespace, settings: Settings) -> int:
     d = Path(args.dir)
     # checked before importing the SDK: errors come back at once
-    if not d.is_dir():
-        return _fail("publish", f"no such directory: {d}")
+    if not d.is_dir():  # a file given where the model dir goes is named as such
+        return _fail(
+            "publish", f"not a directory: {d}" if d.exists() else f"no such directory: {d}"
+        )
     if not (d / "config.json").is_file() or not any(d.glob("*.safetensors")):
         return _fail("publish", f"{d} is not an HF model dir (needs config.json and *.safetensors)")
     from services.trainer.publisher import (
@@ -86,8 +91,26 @@ def publish(args: argparse.Namespace, settings: Settings) -> int:
     url = nats_url_of(args, settings)
     pub = CheckpointPublisher(url, bucket=settings.ckpt_bucket, ipc_dir=settings.ipc_dir)
     bar = ProgressLine(f"{args.model}/{args.version}")
+
+    async def run() -> Any:
+        # SIGTERM (a scheduler, `timeout`, `kill`) cancels the publish like Ctrl-C: its
+        # chunks are purged and its claim released, so nothing is left behind and a
+        # retry need not wait for the claim to go stale (the default action would kill
+        # the process on the spot, chunks and claim left in the bucket)
+        task = asyncio.current_task()
+        assert task is not None
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
+        return await pub.apublish(args.model, args.version, d, tp=tp, ipc=args.ipc, progress=bar)
+
     try:
-        res = pub.publish(args.model, args.version, d, tp=tp, ipc=args.ipc, progress=bar)
+        res = asyncio.run(run())
+    except asyncio.CancelledError:
+        bar.close()
+        print(
+            f"rollbus publish: stopped (SIGTERM): {args.model}/{args.version} not published",
+            file=sys.stderr,
+        )
+        return 128 + signal.SIGTERM
     except BusUnreachable as e:
         bar.close()
         return _fail("publish", e.message)
@@ -116,6 +139,14 @@ def publish(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def _printable(text: str, limit: int = 64) -> str:
+    """An event's free-text field as one short, inert line: anyone who may publish an
+    event chooses it (escape sequences would drive the terminal; 1 MB would be the
+    line)."""
+    clean = "".join(c if c.isprintable() else "?" for c in text)
+    return clean if len(clean) <= limit else clean[: limit - 1] + "…"
+
+
 def versions(args: argparse.Namespace, settings: Settings) -> int:
     from services.trainer.publisher import CheckpointPublisher
 
@@ -136,7 +167,7 @@ def versions(args: argparse.Namespace, settings: Settings) -> int:
         when = datetime.fromtimestamp(v.time, UTC).strftime("%Y-%m-%d %H:%M:%S")
         print(
             f"{v.seq:>6}  {v.version:<24} {v.tp:>3} {v.total_bytes / (1 << 20):>10.1f}  "
-            f"{when:<20} {v.publisher}"
+            f"{when:<20} {_printable(v.publisher)}"
         )
     return 0
 

@@ -28,14 +28,30 @@ two sides: every 2-D ``*_proj.weight`` and ``lm_head.weight`` (paddle keeps both
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from shared.model_config import ModelConfig
+from shared.model_config import ModelConfig, read_hf_config
 from shared.sharding import full_shapes
 
 PREFIXES = ("llama", "qwen2")
+# what every function here takes as ``cfg``: as ``publish(config=)`` does
+Config = ModelConfig | Mapping[str, Any] | str | Path
+
+
+def load_config(config: Config) -> ModelConfig:
+    """A :class:`ModelConfig` from itself, an HF config dict, or a ``config.json`` path
+    (or a model dir): the README's ``names.to_training(state, cfg)`` with the dict of
+    ``json.load(open("config.json"))`` must work, not fail on ``dict.attention_bias``."""
+    if isinstance(config, ModelConfig):
+        return config
+    if isinstance(config, str | Path):
+        config = read_hf_config(Path(config))
+    if not isinstance(config, Mapping):
+        raise TypeError("config must be a ModelConfig, an HF config dict or a config.json path")
+    return ModelConfig.from_hf(dict(config))
 
 
 def default_prefix(cfg: ModelConfig) -> str:
@@ -60,13 +76,14 @@ def training_name(inference_name: str, prefix: str = "llama") -> str:
     raise ValueError(f"no training name for {inference_name!r}")
 
 
-def get_name_mappings_to_training(cfg: ModelConfig, prefix: str | None = None) -> dict[str, str]:
+def get_name_mappings_to_training(cfg: Config, prefix: str | None = None) -> dict[str, str]:
     """Inference (HF) name → training name, for every parameter of ``cfg``."""
+    cfg = load_config(cfg)
     p = prefix or default_prefix(cfg)
     return {name: training_name(name, p) for name in full_shapes(cfg)}
 
 
-def get_name_mappings_to_inference(cfg: ModelConfig, prefix: str | None = None) -> dict[str, str]:
+def get_name_mappings_to_inference(cfg: Config, prefix: str | None = None) -> dict[str, str]:
     """Training name → inference (HF) name: the inverse of the above."""
     return {t: i for i, t in get_name_mappings_to_training(cfg, prefix).items()}
 
@@ -93,7 +110,7 @@ def detect_prefix(names: Mapping[str, Any]) -> str | None:
 
 def to_inference(
     state: Mapping[str, Any],
-    cfg: ModelConfig,
+    cfg: Config,
     prefix: str | None = None,
     *,
     contiguous: bool = True,
@@ -106,6 +123,7 @@ def to_inference(
     Raises ``ValueError`` naming unknown or missing tensors. A dict with no
     ``llama.``/``qwen2.`` name is taken as HF-named and HF-layout and passes through.
     """
+    cfg = load_config(cfg)
     p = prefix or detect_prefix(state)
     if p is None:
         # no training-prefixed name: an HF-named state dict (``lm_head.weight`` alone
@@ -138,7 +156,7 @@ def to_inference(
 
 
 def to_training(
-    state: Mapping[str, np.ndarray], cfg: ModelConfig, prefix: str | None = None
+    state: Mapping[str, np.ndarray], cfg: Config, prefix: str | None = None
 ) -> dict[str, np.ndarray]:
     """The inverse of :func:`to_inference`: HF names/layout → training names/layout."""
     to_train = get_name_mappings_to_training(cfg, prefix)

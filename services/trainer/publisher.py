@@ -68,8 +68,8 @@ from shared import safetensors as st
 from shared.bus import Bus
 from shared.creds import default_dir, role_url
 from shared.messages import ControlReply, VersionPublished, json_decode
-from shared.model_config import ModelConfig, read_hf_config
-from shared.subjects import Subjects, ckpt_object_name
+from shared.model_config import ModelConfig
+from shared.subjects import Subjects, ckpt_object_name, rank_shard_file
 from shared.versions import check_model_name, check_version_name, ipc_version_dir
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
@@ -112,15 +112,7 @@ class VersionInfo:
     publisher: str
 
 
-def load_config(config: Any) -> ModelConfig:
-    if isinstance(config, ModelConfig):
-        return config
-    if isinstance(config, str | Path):
-        p = Path(config)
-        config = read_hf_config(p)
-    if not isinstance(config, Mapping):
-        raise TypeError("config must be a ModelConfig, an HF config dict or a config.json path")
-    return ModelConfig.from_hf(dict(config))
+load_config = names.load_config  # one rule for the SDK and the name mappings
 
 
 def read_model_dir(path: Path) -> tuple[ModelConfig, dict[str, np.ndarray]]:
@@ -287,17 +279,23 @@ class CheckpointPublisher:
             else:
                 await objstore.ensure_bucket(nc, self.bucket)
                 name = ckpt_object_name(model, version, "manifest.json")
-                claim = _Claim(nc, self.bucket, name, self.name)
+                # each shard's chunk subject is chosen now and named in the claim from its
+                # first write: a publisher killed mid-upload leaves chunks without a meta,
+                # which the next publisher of this version purges when it takes over
+                nuids = [objstore.new_nuid(nc) for _ in range(tp)]
+                claim = _Claim(nc, self.bucket, name, self.name, nuids)
                 old = await claim.take()  # the published manifest, or we hold the claim
                 try:
                     if layouts is not None:
                         man, uploaded = await claim.hold_while(
-                            self._upload_layouts(nc, model, version, tp, layouts, progress, old)
+                            self._upload_layouts(
+                                nc, model, version, tp, layouts, progress, old, nuids
+                            )
                         )
                     else:
                         assert man is not None
                         uploaded = await claim.hold_while(
-                            self._upload(nc, model, version, blobs, man, progress, old)
+                            self._upload(nc, model, version, blobs, man, progress, old, nuids)
                         )
                     if uploaded:
                         # last, over our claim only: a version without its manifest does
@@ -309,14 +307,14 @@ class CheckpointPublisher:
                         )
                 except objstore.ObjectConflict:
                     if old is None:
-                        await asyncio.shield(claim.release())
+                        await asyncio.shield(self._abandon(nc, model, version, tp, claim))
                     raise VersionConflict(
                         f"{model}/{version}: another publisher took this version over "
                         "while this one was uploading it"
                     ) from None
                 except BaseException:
                     if old is None:
-                        await asyncio.shield(claim.release())
+                        await asyncio.shield(self._abandon(nc, model, version, tp, claim))
                     raise
             seq = await self._announce(nc, man)
         finally:
@@ -325,6 +323,23 @@ class CheckpointPublisher:
         return PublishResult(
             model, version, tp, man.total_bytes, seq, uploaded, time.perf_counter() - t0, ipc
         )
+
+    async def _abandon(self, nc: Any, model: str, version: str, tp: int, claim: _Claim) -> None:
+        """A failed or cancelled publish removes what it stored — shards whose put
+        completed (their meta still names our chunks) and any chunks left — then
+        releases its claim: an unpublished version keeps no bytes in the bucket."""
+        with contextlib.suppress(Exception):
+            # a shard's meta only while the claim is ours: a publisher that took the
+            # version over may be replacing it (its compare-and-set would then fail)
+            for r in range(tp) if await claim.mine() else ():
+                shard = ckpt_object_name(model, version, rank_shard_file(r, tp))
+                seq, info = await objstore.last_meta(nc, self.bucket, shard)
+                if info.get("nuid") in claim.nuids and not info.get("deleted"):
+                    with contextlib.suppress(objstore.ObjectConflict):
+                        deleted = {**info, "deleted": True, "size": 0, "chunks": 0, "digest": ""}
+                        await objstore.put_meta_if(nc, self.bucket, shard, deleted, seq)
+            await objstore.purge_chunks(nc, self.bucket, claim.nuids)
+        await claim.release()
 
     async def _connect(self) -> Bus:
         return await Bus.connect(self.nats_url, "rollbus-publisher", timeout=self.connect_timeout)
@@ -353,10 +368,17 @@ class CheckpointPublisher:
             evs = await objstore.list_versions(bus.nc, model)
         finally:
             await bus.close()
-        return [
-            VersionInfo(seq, e.model, e.version, e.tp, e.total_bytes, e.time, e.publisher)
-            for seq, e in evs
-        ]
+        # a version's place is its first announcement (as every engine orders them): a
+        # re-announcement (after the dedup window, or by hand) is not another version
+        seen: set[str] = set()
+        out = []
+        for seq, e in evs:
+            if e.version not in seen:
+                seen.add(e.version)
+                out.append(
+                    VersionInfo(seq, e.model, e.version, e.tp, e.total_bytes, e.time, e.publisher)
+                )
+        return out
 
     # ------------------------------------------------------------------ steps
 
@@ -369,6 +391,7 @@ class CheckpointPublisher:
         layouts: list[ShardLayout],
         progress: Progress | None,
         old: mf.Manifest | None,
+        nuids: list[str],
     ) -> tuple[mf.Manifest, bool]:
         """Every rank's shard at once: each is written (one copy per byte, hashed as it
         is copied) on its own thread into a small ring of reused memory (:class:`_Ring`)
@@ -451,6 +474,7 @@ class CheckpointPublisher:
                         digest=digest,
                         gather=lay.gather(memoryview(ring.buf).cast("B")),
                         cas=True,
+                        nuid=nuids[i],
                     )
                     ok = True
                 finally:
@@ -486,6 +510,7 @@ class CheckpointPublisher:
         man: mf.Manifest,
         progress: Progress | None,
         old: mf.Manifest | None,
+        nuids: list[str],
     ) -> bool:
         if old is not None:
             if _digests(old) != _digests(man):
@@ -497,12 +522,18 @@ class CheckpointPublisher:
                 progress(man.total_bytes, man.total_bytes)
             return False
         total, base = man.total_bytes, 0
-        for spec, blob in zip(man.shards, blobs, strict=True):
+        for spec, blob, nuid in zip(man.shards, blobs, nuids, strict=True):
             cb = None
             if progress:
                 cb = (lambda b: lambda n: progress(b + n, total))(base)  # noqa: B023
             await objstore.put_object(
-                nc, self.bucket, ckpt_object_name(model, version, spec.file), blob, cb, cas=True
+                nc,
+                self.bucket,
+                ckpt_object_name(model, version, spec.file),
+                blob,
+                cb,
+                cas=True,
+                nuid=nuid,
             )
             base += len(blob)
         return True
@@ -596,8 +627,11 @@ class _Claim:
     put began.
     """
 
-    def __init__(self, nc: Any, bucket: str, name: str, owner: str) -> None:
+    def __init__(
+        self, nc: Any, bucket: str, name: str, owner: str, nuids: list[str] | None = None
+    ) -> None:
         self.nc, self.bucket, self.name, self.owner = nc, bucket, name, owner
+        self.nuids = list(nuids or [])  # the chunk subjects this publisher writes
         self.id = os.urandom(8).hex()
         self.seq = 0
         self.lock = asyncio.Lock()  # a refresh and the manifest's write never overlap
@@ -621,7 +655,12 @@ class _Claim:
     def _marker(self) -> dict[str, Any]:
         return {
             **self._deleted(),
-            "claim": {"owner": self.owner, "id": self.id, "time": time.time()},
+            "claim": {
+                "owner": self.owner,
+                "id": self.id,
+                "time": time.time(),
+                "nuids": self.nuids,
+            },
         }
 
     async def take(self) -> mf.Manifest | None:
@@ -640,6 +679,14 @@ class _Claim:
                 self.seq = seq  # our own write, whose answer was lost: we hold it
                 return None
             if isinstance(claim, dict):  # another publisher is at work
+                if seen == -1:  # said once: else the wait (up to 15 s) looks like a hang
+                    log.warning(
+                        "%s: another publisher (%s) holds this version; waiting for it "
+                        "(a claim unchanged for %gs is taken over)",
+                        self.name,
+                        str(claim.get("owner", "?"))[:64],
+                        CLAIM_STALE_S,
+                    )
                 if seq != seen:
                     seen, since = seq, loop.time()
                 if loop.time() - since < CLAIM_STALE_S:
@@ -649,9 +696,26 @@ class _Claim:
                 self.seq = await objstore.put_meta_if(
                     self.nc, self.bucket, self.name, self._marker(), seq
                 )
-                return None
             except objstore.ObjectConflict:
                 continue  # someone else moved first (or our write landed): look again
+            if isinstance(claim, dict):  # taken over from a publisher that died
+                await self._purge_dead(claim)
+            return None
+
+    async def _purge_dead(self, claim: dict[str, Any]) -> None:
+        """Purge the chunks a dead holder's puts left without a meta (SIGKILL, power
+        loss): nothing else ever refers to them. Its puts that did write a meta are
+        replaced (and their chunks purged) by ours."""
+        nuids = claim.get("nuids")
+        if not isinstance(nuids, list):
+            return
+        try:
+            n = await objstore.purge_chunks(self.nc, self.bucket, nuids)
+        except Exception as e:  # noqa: BLE001 - the publish goes on; the chunks stay
+            log.warning("%s: cannot purge a dead publisher's chunks: %r", self.name, e)
+            return
+        if n:
+            log.info("%s: purged the chunks of %d shard(s) a dead publisher left", self.name, n)
 
     async def mine(self) -> bool:
         """Whether the last claim is still ours (its sequence then taken): a write whose

@@ -45,7 +45,6 @@ import threading
 import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
-from urllib.parse import quote
 
 import numpy as np
 
@@ -64,7 +63,7 @@ from shared.errors import NOT_FOUND, UNAVAILABLE, UNPROCESSABLE, ControlError
 from shared.model_config import ModelConfig
 from shared.settings import Settings
 from shared.subjects import ckpt_object_name
-from shared.versions import check_version_name, model_dir_version
+from shared.versions import check_version_name, ipc_component, model_dir_version
 
 T = TypeVar("T")
 
@@ -271,7 +270,7 @@ class IpcSource:
         check_version_name(version)
         t0 = time.perf_counter()
         verify = True if verify_checksum is None else verify_checksum  # a manifest exists
-        qmodel, qversion = quote(self.model, safe=""), quote(version, safe="")
+        qmodel, qversion = ipc_component(self.model), ipc_component(version)
         prefix = f"{qmodel}/{qversion}"
         fds: list[int] = []
         try:

@@ -81,7 +81,7 @@ async def test_concurrent_publishes_of_one_version_leave_one_whole_version(
 
 
 async def test_a_claim_left_by_a_dead_publisher_is_taken_over(
-    nats_url: str, monkeypatch: pytest.MonkeyPatch
+    nats_url: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     model = f"cd-{uuid.uuid4().hex[:6]}"
     monkeypatch.setattr(publisher, "CLAIM_STALE_S", 1.0)
@@ -97,6 +97,9 @@ async def test_a_claim_left_by_a_dead_publisher_is_taken_over(
     res = await CheckpointPublisher(nats_url).apublish(model, "v1", _state(3), tp=2, config=CFG)
     assert res.uploaded
     await _stored_is_whole(nats_url, model, "v1")
+    # the wait was said (once), naming whose claim: before, `rollbus publish` was silent
+    waits = [r for r in caplog.records if "holds this version; waiting" in r.getMessage()]
+    assert len(waits) == 1 and "(dead)" in waits[0].getMessage()
 
 
 async def test_a_claim_whose_answer_was_lost_is_still_ours(
@@ -173,5 +176,42 @@ async def test_the_upload_ends_while_a_refresh_is_being_written(
             assert await asyncio.wait_for(claim.hold_while(upload(i)), 30)
             assert await claim.mine()
             await objstore.put_object(bus.nc, BUCKET, name, b"{}", expect_seq=claim.seq)
+    finally:
+        await bus.close()
+
+
+async def test_a_publish_failing_at_its_manifest_leaves_no_shard_behind(
+    nats_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every shard stored, then the manifest's write fails (a cut connection, a cancel):
+    the shards it completed are deleted and their chunks purged, the claim released.
+    Before, the completed shards' bytes stayed in the bucket, under no manifest."""
+    model = f"cm-{uuid.uuid4().hex[:6]}"
+    real = objstore.put_object
+
+    async def put(nc: Any, bucket: str, name: str, *a: Any, **kw: Any) -> Any:
+        if name.endswith("manifest.json"):
+            raise objstore.ObjectReadError(f"put {bucket}/{name}: connection cut (test)")
+        return await real(nc, bucket, name, *a, **kw)
+
+    monkeypatch.setattr(objstore, "put_object", put)
+    with pytest.raises(objstore.ObjectReadError):
+        await CheckpointPublisher(nats_url).apublish(model, "v1", _state(4), tp=2, config=CFG)
+    bus = await Bus.connect(nats_url, "check")
+    try:
+        js = bus.nc.jetstream()
+        for r in range(2):
+            _, info = await objstore.last_meta(
+                bus.nc, BUCKET, ckpt_object_name(model, "v1", f"rank{r}-of-2.safetensors")
+            )
+            assert info.get("deleted"), info  # no shard object left
+            st = await js.stream_info(
+                f"OBJ_{BUCKET}", subjects_filter=f"$O.{BUCKET}.C.{info['nuid']}"
+            )
+            assert not st.state.subjects, st.state.subjects  # its chunks purged
+        _, claim = await objstore.last_meta(
+            bus.nc, BUCKET, ckpt_object_name(model, "v1", "manifest.json")
+        )
+        assert claim.get("deleted") and "claim" not in claim  # released
     finally:
         await bus.close()

@@ -71,3 +71,16 @@ def test_versions_bad_model_name_is_one_clear_line(
     err = capsys.readouterr().err
     assert rc == 2 and "bad model name" in err, err
     assert len(err.strip().splitlines()) == 1, err
+
+
+def test_publish_a_file_instead_of_a_dir_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A file path (``model.safetensors`` given for its dir) said ``no such directory``
+    about a path that exists."""
+    f = create_model_dir(tmp_path / "m") / "config.json"
+    rc = main(["publish", str(f), "--model", "m", "--version", "v1", "--tp", "1",
+               "--nats-url", "nats://127.0.0.1:1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"not a directory: {f}" in err and "no such" not in err, err
+    assert len(err.strip().splitlines()) == 1, err

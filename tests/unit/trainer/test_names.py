@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 from safetensors.numpy import save
 
 from services.engine.autoupdate import VersionIndex, durable_name, newest
+from services.tiny_model import TINY_CONFIG
 from services.trainer import names
 from services.worker.sources import parse_safetensors
 from shared import sharding
@@ -118,3 +122,21 @@ def test_hf_named_state_passes_through_untransposed() -> None:
     back = names.to_inference(hf, CFG)
     assert all(np.array_equal(back[k], hf[k]) for k in hf)
     assert back["lm_head.weight"].shape == (64, 16)
+
+
+def test_mappings_take_an_hf_config_dict_or_path(tmp_path: Path) -> None:
+    """As the README writes it: ``names.to_training(state, cfg)`` with ``cfg`` the dict of
+    ``json.load(open("config.json"))`` (``publish(config=)`` takes one too). Before, only a
+    ``ModelConfig`` worked: ``AttributeError: 'dict' object has no attribute ...``."""
+    hf = dict(TINY_CONFIG)
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    typed = ModelConfig.from_hf(hf)
+    state = sharding.init_weights(typed, 2)
+    want = names.to_training(state, typed)
+    for cfg in (hf, tmp_path / "config.json", str(tmp_path)):
+        got = names.to_training(state, cfg)
+        assert list(got) == list(want)
+        assert all(np.array_equal(got[k], want[k]) for k in want)
+        back = names.to_inference(got, cfg)
+        assert all(np.array_equal(back[k], state[k]) for k in state)
+    assert names.get_name_mappings_to_inference(hf) == names.get_name_mappings_to_inference(typed)

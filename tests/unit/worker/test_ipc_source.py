@@ -194,3 +194,20 @@ def test_missing_shard_of_a_listed_version_is_422_and_unknown_version_404(
     with pytest.raises(ControlError) as e:
         source(ipc_dir)("nope", None, None)
     assert e.value.code == 404 and str(ipc_dir) not in e.value.message
+
+
+@pytest.mark.parametrize("version", ["y" * 256, "ü" * 60])
+def test_a_long_valid_version_goes_through_ipc(tmp_path: Path, version: str) -> None:
+    """A valid version whose quoted name is over NAME_MAX (256 characters; 60 non-ASCII,
+    quoted three bytes each to six characters): before, the SDK failed with ``File name
+    too long`` (blamed on ROLLBUS_IPC_DIR) and no rank could find it."""
+    pub = CheckpointPublisher("nats://unused", ipc_dir=tmp_path / "ipc")
+    cfg = ModelConfig.from_hf(TINY_CONFIG)
+    blobs, man = pub.prepare(MODEL, version, sharding.init_weights(cfg, 3), 2, TINY_CONFIG)
+    assert pub._write_ipc(MODEL, version, blobs, man, None) is True
+    d = ipc_version_dir(tmp_path / "ipc", MODEL, version)
+    assert d.is_dir() and len(d.name) <= 200
+    shard = source(tmp_path / "ipc", 1)(version, None, man.shards[1].tensors)
+    assert shard.timings["verified"] is True  # type: ignore[attr-defined]
+    # another long version with the same first characters is another directory
+    assert ipc_version_dir(tmp_path, MODEL, version + "z") != d
