@@ -192,6 +192,7 @@ class HFTokenizer(_ChatTemplating):
             _qwen2_pipeline(self._tok, tcfg)
         else:
             self._tok = tokenizers.Tokenizer.from_str(raw)
+        _mark_special(self._tok, tcfg, smap)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_token, self.bos_token = (
             _token_text(tcfg.get("eos_token")),
@@ -300,6 +301,25 @@ def _llama_tokenizer(tokenizer_json: str, tcfg: Mapping[str, Any]) -> tokenizers
         steps.append(decoders.Strip(content=" ", left=1))
     tok.decoder = decoders.Sequence(steps)
     return tok
+
+
+def _mark_special(
+    tok: tokenizers.Tokenizer, tcfg: Mapping[str, Any], smap: Mapping[str, Any]
+) -> None:
+    """The special tokens ``tokenizer_config.json`` names (``bos_token`` … and
+    ``additional_special_tokens``) become special added tokens, as transformers adds them:
+    a name that ``tokenizer.json`` keeps as a plain vocabulary entry is then split out of
+    text whole and skipped when decoding, as there. One already added is left as it is."""
+    added = {t.content for t in tok.get_added_tokens_decoder().values()}
+    names: list[str | None] = [
+        _token_text(tcfg.get(k, smap.get(k))) for k in chat_template.SPECIAL_TOKENS
+    ]
+    extra = tcfg.get("additional_special_tokens", smap.get("additional_special_tokens"))
+    if isinstance(extra, list):
+        names += [_token_text(t) for t in extra]
+    new = [n for n in dict.fromkeys(names) if n and n not in added]
+    if new:
+        tok.add_special_tokens([tokenizers.AddedToken(n, special=True) for n in new])
 
 
 def _qwen2_tokenizer(tokenizer_json: str) -> tokenizers.Tokenizer:

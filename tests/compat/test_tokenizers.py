@@ -148,3 +148,27 @@ def test_qwen2_rebuilds_any_tokenizer_json_as_bpe(tmp_path: Path, kind: str) -> 
         ids = theirs(text)["input_ids"]
         assert ours.encode(text) == ids, (kind, text)
         assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_named_special_tokens_are_special(tmp_path: Path, model_type: str) -> None:
+    """Special tokens ``tokenizer_config.json`` names but ``tokenizer.json`` keeps as plain
+    vocabulary entries: transformers adds them as special tokens, so they are skipped when
+    decoding and split out of text whole (``Qwen2Tokenizer``'s byte-level pipeline would
+    otherwise never see ``<s>``)."""
+    from tokenizers import decoders, models, pre_tokenizers
+
+    words = "<unk> <s> </s> the quick brown fox".split()
+    raw = Tokenizer(models.WordLevel({t: i for i, t in enumerate(words)}, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    raw.decoder = decoders.WordPiece()
+    raw.save(str(tmp_path / "tokenizer.json"))
+    tcfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
+            "eos_token": "</s>", "unk_token": "<unk>"}  # fmt: skip
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(tcfg))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type, **CONFIG}))
+    theirs, ours = tf.AutoTokenizer.from_pretrained(str(tmp_path)), load_tokenizer(tmp_path)
+    ids = [3, 1, 4, 2, 5, 0]
+    assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+    for text in ["the <s> fox", "the</s>quick"]:
+        assert ours.encode(text) == theirs(text)["input_ids"], text
