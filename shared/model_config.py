@@ -43,13 +43,13 @@ _REQUIRED = (
 # transformers' per-family defaults for fields a config.json may leave out
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048,
-              "tie_word_embeddings": False, "head_dim": None},
+              "tie_word_embeddings": False, "head_dim": None, "num_key_value_heads": None},
     "qwen2": {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
-              "tie_word_embeddings": False, "head_dim": None},
+              "tie_word_embeddings": False, "head_dim": None, "num_key_value_heads": 32},
     "qwen3": {"rope_theta": 10000.0, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
-              "tie_word_embeddings": False, "head_dim": 128},
+              "tie_word_embeddings": False, "head_dim": 128, "num_key_value_heads": 32},
     "ernie4_5": {"rope_theta": 500000.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
-                 "tie_word_embeddings": True, "head_dim": 128},
+                 "tie_word_embeddings": True, "head_dim": 128, "num_key_value_heads": 2},
 }  # fmt: skip
 
 
@@ -143,6 +143,10 @@ class ModelConfig:
         heads = sizes["num_attention_heads"]
         # absent: the family's default; null: hidden / heads (as transformers' configs)
         head_dim = (config["head_dim"] if "head_dim" in config else d["head_dim"]) or 0
+        # kv heads likewise: absent = the family's default (Qwen2Config's / Qwen3Config's
+        # 32, Ernie4_5Config's 2, llama's = heads), null = heads
+        kv_key = "num_key_value_heads"
+        kv = config[kv_key] if kv_key in config else d[kv_key]
         eos = _ids(config.get("eos_token_id"), "eos_token_id")
         bos = _ids(config.get("bos_token_id"), "bos_token_id")
         max_pos = int(config.get("max_position_embeddings") or d["max_position_embeddings"])
@@ -151,7 +155,7 @@ class ModelConfig:
         try:
             return cls(
                 **sizes,
-                num_key_value_heads=int(config.get("num_key_value_heads") or heads),
+                num_key_value_heads=int(kv or heads),
                 rms_norm_eps=float(_given(config, "rms_norm_eps", d["rms_norm_eps"])),
                 max_position_embeddings=max_pos,
                 attention_bias=model_type == "qwen2" or biased,

@@ -185,13 +185,14 @@ class HFTokenizer(_ChatTemplating):
         gcfg = _read_json(model_dir / "generation_config.json")
         raw = (model_dir / "tokenizer.json").read_text(encoding="utf-8")
         cls = transformers_class(tcfg, mcfg, raw)
-        self._tok = (
-            _llama_tokenizer(raw, tcfg)
-            if cls == "LlamaTokenizer"
-            else tokenizers.Tokenizer.from_str(raw)
-        )
-        if cls == "Qwen2Tokenizer":
+        if cls == "LlamaTokenizer":
+            self._tok = _llama_tokenizer(raw, tcfg)
+        elif cls == "Qwen2Tokenizer":
+            self._tok = _qwen2_tokenizer(raw)
             _qwen2_pipeline(self._tok, tcfg)
+        else:
+            self._tok = tokenizers.Tokenizer.from_str(raw)
+        _mark_special(self._tok, tcfg, smap)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self.eos_token, self.bos_token = (
             _token_text(tcfg.get("eos_token")),
@@ -300,6 +301,52 @@ def _llama_tokenizer(tokenizer_json: str, tcfg: Mapping[str, Any]) -> tokenizers
         steps.append(decoders.Strip(content=" ", left=1))
     tok.decoder = decoders.Sequence(steps)
     return tok
+
+
+def _mark_special(
+    tok: tokenizers.Tokenizer, tcfg: Mapping[str, Any], smap: Mapping[str, Any]
+) -> None:
+    """The special tokens ``tokenizer_config.json`` names (``bos_token`` … and
+    ``additional_special_tokens``) become special added tokens, as transformers adds them:
+    a name that ``tokenizer.json`` keeps as a plain vocabulary entry is then split out of
+    text whole and skipped when decoding, as there. One already added is left as it is."""
+    added = {t.content for t in tok.get_added_tokens_decoder().values()}
+    names: list[str | None] = [
+        _token_text(tcfg.get(k, smap.get(k))) for k in chat_template.SPECIAL_TOKENS
+    ]
+    extra = tcfg.get("additional_special_tokens", smap.get("additional_special_tokens"))
+    if isinstance(extra, list):
+        names += [_token_text(t) for t in extra]
+    new = [n for n in dict.fromkeys(names) if n and n not in added]
+    if new:
+        tok.add_special_tokens([tokenizers.AddedToken(n, special=True) for n in new])
+
+
+def _qwen2_tokenizer(tokenizer_json: str) -> tokenizers.Tokenizer:
+    """The model transformers' ``Qwen2Tokenizer`` builds from a ``tokenizer.json``: a BPE
+    over the file's vocabulary and merges (none for a WordLevel / WordPiece / Unigram
+    file) with its own flags — no unknown token (a piece outside the vocabulary is
+    dropped), no byte fallback — whatever model the file names, so a WordLevel
+    ``tokenizer.json`` beside a ``qwen2`` config encodes as transformers encodes it."""
+    spec = json.loads(tokenizer_json)
+    model = spec.get("model") or {}
+    vocab = model.get("vocab") or {}
+    if isinstance(vocab, list):  # Unigram: [[piece, score], ...], ids in list order
+        vocab = {(v[0] if isinstance(v, list) else v): i for i, v in enumerate(vocab)}
+    merges = (model.get("merges") or []) if model.get("type") == "BPE" else []
+    spec["model"] = {
+        "type": "BPE",
+        "dropout": None,
+        "unk_token": None,
+        "continuing_subword_prefix": "",
+        "end_of_word_suffix": "",
+        "fuse_unk": False,
+        "byte_fallback": False,
+        "ignore_merges": bool(model.get("ignore_merges", False)),
+        "vocab": vocab,
+        "merges": merges,
+    }
+    return tokenizers.Tokenizer.from_str(json.dumps(spec))
 
 
 def _qwen2_pipeline(tok: tokenizers.Tokenizer, tcfg: Mapping[str, Any]) -> None:

@@ -71,9 +71,10 @@ def test_text_and_chat_ids_equal_transformers(dirs: dict[tuple, Path], case: tup
     theirs, ours = tf.AutoTokenizer.from_pretrained(str(d)), load_tokenizer(d)
     for text in TEXTS:
         assert ours.encode(text) == theirs(text)["input_ids"], (type(theirs).__name__, text)
-        assert ours.encode(text, add_special_tokens=False) == theirs(
-            text, add_special_tokens=False
-        )["input_ids"]
+        assert (
+            ours.encode(text, add_special_tokens=False)
+            == theirs(text, add_special_tokens=False)["input_ids"]
+        )
     chat = [*CHATS["multi_turn"][:-1], {"role": "user", "content": TEXTS[1]}]
     want = theirs.apply_chat_template(chat, tokenize=True, add_generation_prompt=True)
     text = ours.apply_chat_template(chat, True)
@@ -111,3 +112,63 @@ def test_sentencepiece_style_llama_tokenizer_equals_transformers(
         ids = theirs(text)["input_ids"]
         assert ours.encode(text) == ids, (type(theirs).__name__, text)
         assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
+
+
+@pytest.mark.parametrize("kind", ["wordlevel", "bpe-unk"])
+def test_qwen2_rebuilds_any_tokenizer_json_as_bpe(tmp_path: Path, kind: str) -> None:
+    """transformers' ``Qwen2Tokenizer`` (what a ``qwen2`` model gets, whatever the file
+    names) rebuilds the model as its own BPE over the file's vocabulary: a WordLevel
+    ``tokenizer.json`` (as a test builds one with ``tokenizers``) loses every word that
+    is not a single byte-level piece, and a BPE's unknown token is dropped, not emitted."""
+    from tokenizers import models, pre_tokenizers, trainers
+
+    specials = ["<unk>", "<s>", "</s>"]
+    if kind == "wordlevel":
+        words = "the quick brown fox a hello world".split()
+        vocab = {t: i for i, t in enumerate(specials + words)}
+        raw = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+        raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    else:  # no byte alphabet: characters outside the corpus are unknown
+        raw = Tokenizer(models.BPE(unk_token="<unk>"))
+        raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        trainer = trainers.BpeTrainer(vocab_size=200, special_tokens=specials)
+        raw.train_from_iterator(["hello world the quick brown fox"] * 10, trainer)
+    raw.add_special_tokens(specials)  # as PreTrainedTokenizerFast.save_pretrained marks them
+    raw.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", raw.token_to_id("<s>"))]
+    )
+    raw.save(str(tmp_path / "tokenizer.json"))
+    tcfg = {"tokenizer_class": "TokenizersBackend", "bos_token": "<s>", "eos_token": "</s>",
+            "unk_token": "<unk>"}  # fmt: skip
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(tcfg))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", **CONFIG}))
+    theirs, ours = tf.AutoTokenizer.from_pretrained(str(tmp_path)), load_tokenizer(tmp_path)
+    assert type(theirs).__name__ == "Qwen2Tokenizer"
+    for text in ["the quick brown fox", " a hello", "héllo wörld 日本語 42", *TEXTS]:
+        ids = theirs(text)["input_ids"]
+        assert ours.encode(text) == ids, (kind, text)
+        assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True), text
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_named_special_tokens_are_special(tmp_path: Path, model_type: str) -> None:
+    """Special tokens ``tokenizer_config.json`` names but ``tokenizer.json`` keeps as plain
+    vocabulary entries: transformers adds them as special tokens, so they are skipped when
+    decoding and split out of text whole (``Qwen2Tokenizer``'s byte-level pipeline would
+    otherwise never see ``<s>``)."""
+    from tokenizers import decoders, models, pre_tokenizers
+
+    words = "<unk> <s> </s> the quick brown fox".split()
+    raw = Tokenizer(models.WordLevel({t: i for i, t in enumerate(words)}, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    raw.decoder = decoders.WordPiece()
+    raw.save(str(tmp_path / "tokenizer.json"))
+    tcfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
+            "eos_token": "</s>", "unk_token": "<unk>"}  # fmt: skip
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(tcfg))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type, **CONFIG}))
+    theirs, ours = tf.AutoTokenizer.from_pretrained(str(tmp_path)), load_tokenizer(tmp_path)
+    ids = [3, 1, 4, 2, 5, 0]
+    assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+    for text in ["the <s> fox", "the</s>quick"]:
+        assert ours.encode(text) == theirs(text)["input_ids"], text

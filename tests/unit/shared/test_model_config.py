@@ -103,7 +103,7 @@ def test_head_dim_absent_is_the_family_default_null_is_hidden_over_heads() -> No
     """As transformers' configs: Qwen3Config / Ernie4_5Config default to 128 when the
     field is absent; an explicit null (and llama, qwen2 always) is hidden / heads."""
     base = {"vocab_size": 10, "hidden_size": 64, "intermediate_size": 8,
-            "num_hidden_layers": 1, "num_attention_heads": 4}  # fmt: skip
+            "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4}  # fmt: skip
     for family, absent in (("llama", 16), ("qwen2", 16), ("qwen3", 128), ("ernie4_5", 128)):
         assert ModelConfig.from_hf({**base, "model_type": family}).head_dim == absent
         nulled = {**base, "model_type": family, "head_dim": None}
@@ -185,3 +185,21 @@ def test_llama_and_qwen3_biases() -> None:
     assert not parse(model_type="qwen3", mlp_bias=True).mlp_bias
     plain = parse(attention_bias=False, mlp_bias=False)
     assert not (plain.attention_bias or plain.o_proj_bias or plain.mlp_bias)
+
+
+def test_num_key_value_heads_absent_is_the_family_default_null_is_heads() -> None:
+    """As transformers' configs: an absent field takes the class default (Qwen2Config's
+    and Qwen3Config's 32, Ernie4_5Config's 2, llama's = num_attention_heads), an explicit
+    null is num_attention_heads. A qwen2 config of 4 heads without the field is refused
+    (transformers would build 32 kv heads for 4 query heads), not served as MHA."""
+    base = {k: v for k, v in BASE.items() if k != "num_key_value_heads"}
+    assert ModelConfig.from_hf({**base, "model_type": "llama"}).num_key_value_heads == 4
+    assert ModelConfig.from_hf({**base, "model_type": "ernie4_5"}).num_key_value_heads == 2
+    wide = {**base, "num_attention_heads": 32, "hidden_size": 64}
+    for family in ("qwen2", "qwen3"):
+        with pytest.raises(ConfigError, match="num_key_value_heads"):
+            ModelConfig.from_hf({**base, "model_type": family})
+        assert ModelConfig.from_hf({**wide, "model_type": family}).num_key_value_heads == 32
+    for family in ("llama", "qwen2", "qwen3", "ernie4_5"):
+        nulled = {**base, "model_type": family, "num_key_value_heads": None}
+        assert ModelConfig.from_hf(nulled).num_key_value_heads == 4, family

@@ -106,6 +106,7 @@ def test_from_hf_qwen2_and_defaults() -> None:
             "intermediate_size": 16,
             "num_hidden_layers": 1,
             "num_attention_heads": 2,
+            "num_key_value_heads": None,  # null: = heads (absent would be Qwen2Config's 32)
             "eos_token_id": [7, 8],
             "rope_scaling": None,
             "torch_dtype": "bfloat16",
