@@ -100,6 +100,9 @@ def test_the_listeners_phase_comes_out_of_the_graceful_timeout(
         return t0
 
     t0 = asyncio.run(stop())
-    # what the phase took (whatever the machine's speed) plus what uvicorn may still wait
-    assert seen["at"] - t0 + seen["grace"] <= grace + 0.05, (seen["at"] - t0, seen["grace"])
+    # what the phase took (whatever the machine's speed) plus what uvicorn may still wait.
+    # The slack is for the process being descheduled between the server's clock reads and
+    # ours (0.09 s seen at load 26 on 2 cores); without the guard the sum is grace + the
+    # phase (≈ 0.8 s here), far past it
+    assert seen["at"] - t0 + seen["grace"] <= grace + 0.3, (seen["at"] - t0, seen["grace"])
     assert config.timeout_graceful_shutdown == grace  # given back
