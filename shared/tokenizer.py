@@ -309,17 +309,33 @@ def _mark_special(
     """The special tokens ``tokenizer_config.json`` names (``bos_token`` … and
     ``additional_special_tokens``) become special added tokens, as transformers adds them:
     a name that ``tokenizer.json`` keeps as a plain vocabulary entry is then split out of
-    text whole and skipped when decoding, as there. One already added is left as it is."""
-    added = {t.content for t in tok.get_added_tokens_decoder().values()}
+    text whole and skipped when decoding, as there. One already added keeps its flags but
+    is made special (transformers skips every named one in decode, special or not)."""
+    added = {t.content: t for t in tok.get_added_tokens_decoder().values()}
     names: list[str | None] = [
         _token_text(tcfg.get(k, smap.get(k))) for k in chat_template.SPECIAL_TOKENS
     ]
     extra = tcfg.get("additional_special_tokens", smap.get("additional_special_tokens"))
     if isinstance(extra, list):
         names += [_token_text(t) for t in extra]
-    new = [n for n in dict.fromkeys(names) if n and n not in added]
+    new = []
+    for n in dict.fromkeys(names):
+        old = added.get(n) if n else None
+        if n and old is None:
+            new.append(tokenizers.AddedToken(n, special=True))
+        elif old is not None and not old.special:  # re-adding it updates its flags
+            new.append(
+                tokenizers.AddedToken(
+                    n,
+                    single_word=old.single_word,
+                    lstrip=old.lstrip,
+                    rstrip=old.rstrip,
+                    normalized=old.normalized,
+                    special=True,
+                )
+            )
     if new:
-        tok.add_special_tokens([tokenizers.AddedToken(n, special=True) for n in new])
+        tok.add_special_tokens(new)
 
 
 def _qwen2_tokenizer(tokenizer_json: str) -> tokenizers.Tokenizer:

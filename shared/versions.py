@@ -114,7 +114,9 @@ def ipc_component(name: str) -> str:
     non-ASCII characters, quoted three bytes to one), its first characters plus
     ``~`` and a SHA-256 of the whole name — else the OS refuses it (``File name too
     long``) and a version valid everywhere else cannot go through ``ipc``."""
-    q = quote(name, safe="")
+    # ``~`` quoted too (quote() keeps it): only a cut name holds one, so no short name
+    # can spell a long one's cut form and share its directory
+    q = quote(name, safe="").replace("~", "%7E")
     if len(q) <= IPC_NAME_MAX:
         return q
     return f"{q[:_IPC_KEEP]}~{hashlib.sha256(name.encode()).hexdigest()[:32]}"

@@ -85,9 +85,11 @@ class VersionIndex:
             self.refused.add(version)
             self.changes += 1
 
-    def loadable(self) -> dict[str, int]:
-        """``seqs`` without the refused versions: what staleness counts."""
-        return {v: q for v, q in self.seqs.items() if v not in self.refused}
+    def loadable(self, serving: str) -> dict[str, int]:
+        """``seqs`` without the refused versions: what staleness counts. The ``serving``
+        one stays even if refused (loaded after all, e.g. by hand once its files were
+        complete): else it is unknown there and every older version counts as behind."""
+        return {v: q for v, q in self.seqs.items() if v not in self.refused or v == serving}
 
     def fallback(self, current: str) -> str | None:
         """After the target failed for good: the newest other version newer than the
@@ -165,8 +167,8 @@ def _learn(engine: Engine, seq: int, version: str) -> None:
 def staleness_of(engine: Engine) -> tuple[int, str]:
     """``(versions behind, newest announced)`` for the serving version, from the index
     :func:`track` keeps current (auto-update on or off)."""
-    idx = index_of(engine)
-    return staleness.versions_behind(idx.loadable(), engine.state.weight_version), idx.latest
+    idx, serving = index_of(engine), engine.state.weight_version
+    return staleness.versions_behind(idx.loadable(serving), serving), idx.latest
 
 
 async def _until_ok(what: str, fn: Callable[[], Awaitable[T]]) -> T:

@@ -329,16 +329,23 @@ class CheckpointPublisher:
         completed (their meta still names our chunks) and any chunks left — then
         releases its claim: an unpublished version keeps no bytes in the bucket."""
         with contextlib.suppress(Exception):
-            # a shard's meta only while the claim is ours: a publisher that took the
-            # version over may be replacing it (its compare-and-set would then fail)
-            for r in range(tp) if await claim.mine() else ():
+            mine = await claim.mine()
+            keep: set[str] = set()
+            for r in range(tp):
                 shard = ckpt_object_name(model, version, rank_shard_file(r, tp))
                 seq, info = await objstore.last_meta(nc, self.bucket, shard)
-                if info.get("nuid") in claim.nuids and not info.get("deleted"):
-                    with contextlib.suppress(objstore.ObjectConflict):
-                        deleted = {**info, "deleted": True, "size": 0, "chunks": 0, "digest": ""}
-                        await objstore.put_meta_if(nc, self.bucket, shard, deleted, seq)
-            await objstore.purge_chunks(nc, self.bucket, claim.nuids)
+                if info.get("nuid") not in claim.nuids or info.get("deleted"):
+                    continue
+                if not mine:
+                    # the claim was taken over (we stalled past CLAIM_STALE_S) and a put
+                    # of ours stored this shard after the new holder's: its published
+                    # manifest may name it now (same bytes), so its chunks stay
+                    keep.add(info["nuid"])
+                    continue
+                with contextlib.suppress(objstore.ObjectConflict):
+                    deleted = {**info, "deleted": True, "size": 0, "chunks": 0, "digest": ""}
+                    await objstore.put_meta_if(nc, self.bucket, shard, deleted, seq)
+            await objstore.purge_chunks(nc, self.bucket, [n for n in claim.nuids if n not in keep])
         await claim.release()
 
     async def _connect(self) -> Bus:

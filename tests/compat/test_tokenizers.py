@@ -172,3 +172,22 @@ def test_named_special_tokens_are_special(tmp_path: Path, model_type: str) -> No
     assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
     for text in ["the <s> fox", "the</s>quick"]:
         assert ours.encode(text) == theirs(text)["input_ids"], text
+
+
+def test_a_named_special_token_added_as_plain_is_skipped_in_decode(tmp_path: Path) -> None:
+    """``tokenizer.json`` adds ``<|endoftext|>`` as a plain (non-special) added token,
+    while ``tokenizer_config.json`` names it ``pad_token``: transformers counts it among
+    the special tokens and skips it in decode, so rollbus must too (it kept it: the
+    token was already added, and left as it was)."""
+    d = make_tokenizer_dir(tmp_path / "q", "qwen2.5")
+    spec = json.loads((d / "tokenizer.json").read_text())
+    for t in spec["added_tokens"]:
+        if t["content"] == "<|endoftext|>":
+            t["special"] = False
+    (d / "tokenizer.json").write_text(json.dumps(spec))
+    (d / "config.json").write_text(json.dumps({"model_type": "qwen2", **CONFIG}))
+    theirs, ours = tf.AutoTokenizer.from_pretrained(str(d)), load_tokenizer(d)
+    text = "<|im_start|>hi 42<|im_end|><|endoftext|> x"
+    ids = theirs(text)["input_ids"]
+    assert ours.encode(text) == ids
+    assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)

@@ -215,3 +215,35 @@ async def test_a_publish_failing_at_its_manifest_leaves_no_shard_behind(
         assert claim.get("deleted") and "claim" not in claim  # released
     finally:
         await bus.close()
+
+
+async def test_a_publisher_that_lost_its_claim_keeps_chunks_a_published_shard_names(
+    nats_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A publisher stalled past CLAIM_STALE_S (alive: SIGSTOP, a partition) whose claim
+    another took over, and which then stores one shard (the same bytes) over the other's
+    before its refresh notices: that shard's meta now names its chunks, in the version
+    the other published. Its abandon must not purge them (the version would be
+    unreadable); only chunks no shard names go."""
+    monkeypatch.setattr(publisher, "CLAIM_STALE_S", 1.0)
+    model = f"cs-{uuid.uuid4().hex[:6]}"
+    name = ckpt_object_name(model, "v1", "manifest.json")
+    pub = CheckpointPublisher(nats_url)
+    bus = await Bus.connect(nats_url, "stalled")
+    try:
+        await objstore.ensure_bucket(bus.nc, BUCKET)
+        nuids = [objstore.new_nuid(bus.nc) for _ in range(2)]
+        stalled = publisher._Claim(bus.nc, BUCKET, name, "stalled", nuids)
+        assert await stalled.take() is None  # then stalls: no refresh
+        res = await pub.apublish(model, "v1", _state(5), tp=2, config=CFG)  # takes it over
+        assert res.uploaded
+        man = await _stored_is_whole(nats_url, model, "v1")
+        shard = ckpt_object_name(model, "v1", man.shards[0].file)
+        data = bytes(await objstore.read_object(bus.nc, BUCKET, shard))
+        # the stalled one resumes: its put of shard 0 began after the other's was stored
+        await objstore.put_object(bus.nc, BUCKET, shard, data, cas=True, nuid=nuids[0])
+        assert not await stalled.mine()
+        await pub._abandon(bus.nc, model, "v1", 2, stalled)  # its refresh failed
+    finally:
+        await bus.close()
+    await _stored_is_whole(nats_url, model, "v1")

@@ -153,3 +153,23 @@ def test_transient_failures_are_retried_bad_versions_are_not() -> None:
         rec = asyncio.run(apply(eng, 2, _ev("b2")))
         assert rec["action"] == "failed" and rec["retry"] is retry, (code, rec)
         assert eng.state.weight_version == "b1" and eng.state.state is State.RUNNING
+
+
+def test_a_refused_version_served_after_all_is_not_behind_older_ones() -> None:
+    """A version auto-update refused (e.g. a snapshot dir still being copied: 422) that
+    the engine serves after all (an operator's update once the copy is done) counts as
+    the serving version: not as if it were unknown, every older version then 'behind'
+    it (a staleness bound would hold every request)."""
+    from services.engine.autoupdate import staleness_of
+
+    class Engine:  # weakly referenced (index_of's key): a plain object
+        state = SimpleNamespace(weight_version="v3")
+
+    engine = Engine()
+    idx = index_of(engine)  # type: ignore[arg-type]
+    for seq, v in enumerate(("v1", "v2", "v3"), 1):
+        idx.add(v, seq)
+    idx.refuse("v3")
+    assert staleness_of(engine)[0] == 0  # type: ignore[arg-type]
+    engine.state.weight_version = "v1"  # serving an older one: the refused one not counted
+    assert staleness_of(engine)[0] == 1  # type: ignore[arg-type]

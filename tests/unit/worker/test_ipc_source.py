@@ -16,7 +16,7 @@ from shared import sharding
 from shared.errors import ControlError
 from shared.model_config import ModelConfig
 from shared.settings import Settings
-from shared.versions import ipc_version_dir
+from shared.versions import check_version_name, ipc_version_dir
 
 MODEL = "tiny-ipc"
 NOBODY = 65534
@@ -211,3 +211,13 @@ def test_a_long_valid_version_goes_through_ipc(tmp_path: Path, version: str) -> 
     assert shard.timings["verified"] is True  # type: ignore[attr-defined]
     # another long version with the same first characters is another directory
     assert ipc_version_dir(tmp_path, MODEL, version + "z") != d
+
+
+def test_a_short_version_never_takes_a_long_ones_ipc_dir(tmp_path: Path) -> None:
+    """A long version's directory is its first characters, ``~`` and a hash: a valid
+    short version spelled exactly so (``~`` is a legal character) must still get a
+    directory of its own, not the long one's (a rank would load the other's files)."""
+    long = "y" * 256
+    short = ipc_version_dir(tmp_path, MODEL, long).name  # 193 characters: a valid version
+    assert check_version_name(short) == short
+    assert ipc_version_dir(tmp_path, MODEL, short) != ipc_version_dir(tmp_path, MODEL, long)

@@ -446,3 +446,52 @@ def test_each_rank_projects_onto_its_share_of_the_vocabulary(vocab: int) -> None
     got = TPModel(cfg, 1, 2, shm=small)._project_vocab(h, paddle.to_tensor(head)).numpy()
     assert not small.sent
     np.testing.assert_allclose(got, full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"qk_norm": True, "head_dim": 32},
+     {"rope_type": "dynamic", "rope_factor": 2.0, "max_position_embeddings": 6}],
+)  # fmt: skip
+def test_last_layer_on_sampled_rows_equals_all_rows_over_steps(
+    monkeypatch: pytest.MonkeyPatch, overrides: dict[str, object]
+) -> None:
+    """Steps mixing prompt chunks that are not a prompt's last, last chunks, decode rows
+    and one prompt shared by two sequences: the logits and every layer's K/V cache (the
+    last layer's included) equal those of the step run on all rows (no tail)."""
+    cfg = tiny(**overrides)
+    pw = to_paddle(scaled(cfg, 3))
+    rng = np.random.default_rng(0)
+    prompts = [list(map(int, rng.integers(0, cfg.vocab_size, n))) for n in (7, 2, 5)]
+    prompts.append(prompts[0])  # n > 1: one prompt, two choices
+    decoded = [list(map(int, rng.integers(0, cfg.vocab_size, 8))) for _ in prompts]
+
+    def steps() -> tuple[list[np.ndarray], list[np.ndarray]]:
+        model, kv = TPModel(cfg, 0, 1), KVCache(cfg, num_blocks=40, block_size=4, tp=1)
+        done, outs = [0] * 4, []
+        for step in range(7):
+            toks, starts, tables = [], [], []
+            for s in range(min(step + 1, 4)):  # staggered arrivals
+                n = len(prompts[s])
+                new = prompts[s][done[s] : done[s] + 3] if done[s] < n else [decoded[s][step]]
+                toks.append(new)
+                starts.append(done[s])
+                tables.append(blocks(10 * s, 10))
+                done[s] += len(new)
+            outs.append(run(model, pw, kv, Batch(toks, starts, tables)))
+        return outs, [c.numpy() for c in kv.keys + kv.values]
+
+    tailed = steps()
+    plan = TPModel._plan
+
+    def no_tail(self: TPModel, kv: KVCache, batch: Batch) -> mdl._Plan:
+        p = plan(self, kv, batch)
+        p.tail = None
+        return p
+
+    monkeypatch.setattr(TPModel, "_plan", no_tail)
+    full = steps()
+    for a, b in zip(tailed[0], full[0], strict=True):
+        np.testing.assert_allclose(a, b, atol=TOL, rtol=0)
+    for a, b in zip(tailed[1], full[1], strict=True):
+        np.testing.assert_array_equal(a, b)
