@@ -77,19 +77,14 @@ class VersionIndex:
     served_seq: int = 0  # the highest sequence of any version this engine has served
     changes: int = 0  # bumped whenever ``seqs`` changes (staleness is cached on it)
     # versions this engine can never load (an update failed for good: 400/422, e.g.
-    # sharded for another tp): not a staleness bound it could meet, not a target
+    # sharded for another tp): never a target again. They still count toward staleness:
+    # the bound counts published versions (strictly on-policy means the trainer's newest)
     refused: set[str] = field(default_factory=set)
 
     def refuse(self, version: str) -> None:
         if version not in self.refused:
             self.refused.add(version)
             self.changes += 1
-
-    def loadable(self, serving: str) -> dict[str, int]:
-        """``seqs`` without the refused versions: what staleness counts. The ``serving``
-        one stays even if refused (loaded after all, e.g. by hand once its files were
-        complete): else it is unknown there and every older version counts as behind."""
-        return {v: q for v, q in self.seqs.items() if v not in self.refused or v == serving}
 
     def fallback(self, current: str) -> str | None:
         """After the target failed for good: the newest other version newer than the
@@ -168,7 +163,7 @@ def staleness_of(engine: Engine) -> tuple[int, str]:
     """``(versions behind, newest announced)`` for the serving version, from the index
     :func:`track` keeps current (auto-update on or off)."""
     idx, serving = index_of(engine), engine.state.weight_version
-    return staleness.versions_behind(idx.loadable(serving), serving), idx.latest
+    return staleness.versions_behind(idx.seqs, serving), idx.latest
 
 
 async def _until_ok(what: str, fn: Callable[[], Awaitable[T]]) -> T:

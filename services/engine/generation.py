@@ -620,7 +620,7 @@ class Generation:
         key = (idx.changes, self.engine.state.weight_version)
         if key != self._behind_key:
             self._behind_key = key
-            self._behind = staleness.versions_behind(idx.loadable(key[1]), key[1])
+            self._behind = staleness.versions_behind(idx.seqs, key[1])
         return self._behind
 
     def staleness_report(self) -> staleness.Staleness:

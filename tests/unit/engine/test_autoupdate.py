@@ -155,11 +155,11 @@ def test_transient_failures_are_retried_bad_versions_are_not() -> None:
         assert eng.state.weight_version == "b1" and eng.state.state is State.RUNNING
 
 
-def test_a_refused_version_served_after_all_is_not_behind_older_ones() -> None:
-    """A version auto-update refused (e.g. a snapshot dir still being copied: 422) that
-    the engine serves after all (an operator's update once the copy is done) counts as
-    the serving version: not as if it were unknown, every older version then 'behind'
-    it (a staleness bound would hold every request)."""
+def test_a_refused_version_still_counts_toward_staleness() -> None:
+    """The staleness bound counts published versions (issue: "more than k published
+    versions behind the newest announced"): a version auto-update refused here (e.g.
+    sharded for another tp) is still the trainer's newest, so an engine serving an older
+    one is behind it; served after all (an operator's update), it is the serving one."""
     from services.engine.autoupdate import staleness_of
 
     class Engine:  # weakly referenced (index_of's key): a plain object
@@ -171,5 +171,5 @@ def test_a_refused_version_served_after_all_is_not_behind_older_ones() -> None:
         idx.add(v, seq)
     idx.refuse("v3")
     assert staleness_of(engine)[0] == 0  # type: ignore[arg-type]
-    engine.state.weight_version = "v1"  # serving an older one: the refused one not counted
+    engine.state.weight_version = "v2"  # the newest it can load: still one behind v3
     assert staleness_of(engine)[0] == 1  # type: ignore[arg-type]
