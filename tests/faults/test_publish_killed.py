@@ -67,23 +67,15 @@ async def _chunks(js: Any, nuid: str) -> int:
     return sum((info.state.subjects or {}).values())
 
 
+def _publish_argv(d: Path, model: str, url: str) -> list[str]:
+    """``rollbus publish`` of ``d`` as version ``v1`` (the killed one and its retry)."""
+    cli = [sys.executable, "-m", "services.cli", "publish", str(d)]
+    return [*cli, "--model", model, "--version", "v1", "--tp", "1", "--nats-url", url]
+
+
 def _publish(d: Path, url: str, tmp: Path, model: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "services.cli",
-            "publish",
-            str(d),
-            "--model",
-            model,
-            "--version",
-            "v1",
-            "--tp",
-            "1",
-            "--nats-url",
-            url,
-        ],
+        _publish_argv(d, model, url),
         env=clean_env(tmp / "data"),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -144,21 +136,7 @@ async def test_sigkill_mid_upload_chunks_purged_by_the_next_publisher(
         assert await objstore.list_versions(nc, model) == []  # never announced
         again = await asyncio.to_thread(
             subprocess.run,
-            [
-                sys.executable,
-                "-m",
-                "services.cli",
-                "publish",
-                str(d),
-                "--model",
-                model,
-                "--version",
-                "v1",
-                "--tp",
-                "1",
-                "--nats-url",
-                nats_url,
-            ],
+            _publish_argv(d, model, nats_url),
             env=clean_env(tmp_path / "data"),
             capture_output=True,
             text=True,
