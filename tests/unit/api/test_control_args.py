@@ -3,7 +3,6 @@ scheme in any case."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -11,21 +10,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from services.api.app import create_app
-from services.api.deps import Deps, bearer_ok
-from shared import messages as m
+from services.api.deps import bearer_ok
 from shared.settings import Settings
-
-
-@pytest.fixture
-def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, dict[str, Any]]]:
-    seen: list[tuple[str, dict[str, Any]]] = []
-
-    async def control(self: Deps, method: str, data: bytes, rid: str, **kw: Any) -> m.ControlReply:
-        seen.append((method, json.loads(data or b"{}")))
-        return m.ControlReply(rid, 200, "", {})
-
-    monkeypatch.setattr(Deps, "control", control)
-    return seen
 
 
 @pytest.fixture(autouse=True)

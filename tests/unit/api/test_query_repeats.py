@@ -4,7 +4,6 @@ asked for version ``a,b``) nor decided by the last one."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -12,24 +11,14 @@ import pytest
 from starlette.testclient import TestClient
 
 from services.api.app import create_app
-from services.api.deps import Deps
-from shared import messages as m
 from shared.settings import Settings
 
 
-@pytest.fixture
-def calls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, dict[str, Any]]]:
+@pytest.fixture(autouse=True)
+def _model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "config.json").write_text('{"max_position_embeddings": 128}')
     monkeypatch.setenv("ROLLBUS_MODEL", str(tmp_path))
     monkeypatch.setenv("ROLLBUS_DATA_DIR", str(tmp_path / "data"))
-    seen: list[tuple[str, dict[str, Any]]] = []
-
-    async def control(self: Deps, method: str, data: bytes, rid: str, **kw: Any) -> m.ControlReply:
-        seen.append((method, json.loads(data or b"{}")))
-        return m.ControlReply(rid, 200, "", {})
-
-    monkeypatch.setattr(Deps, "control", control)
-    return seen
 
 
 @pytest.mark.parametrize(
