@@ -161,6 +161,28 @@ async def reader_loop(s: S, c: httpx.AsyncClient) -> None:
         await asyncio.sleep(rng.uniform(0, 0.05))
 
 
+async def raced(s: S, c: httpx.AsyncClient, path: str, cyc: int) -> None:
+    """POST a sleep/wakeup while control reads race it; anything but 200 is recorded."""
+    r, *_ = await asyncio.gather(
+        call(s, c, "POST", path),
+        call(s, c, "GET", "/v1/status?fresh=true"),
+        call(s, c, "GET", "/v1/is_paused"),
+    )
+    if r is None or r.status_code != 200:
+        what = path.split("?")[0].rsplit("/", 1)[1]
+        got = None if r is None else (r.status_code, r.text[:200])
+        s.unexpected.append(f"cycle {cyc} {what} {got}")
+
+
+async def update(s: S, c: httpx.AsyncClient, v: str, what: str) -> None:
+    """update_weights to v; the soak's expected version follows only a 200."""
+    r = await call(s, c, "POST", "/v1/update_weights", json={"version": v})
+    if r is not None and r.status_code == 200:
+        s.version = v
+    else:
+        s.unexpected.append(f"{what} {None if r is None else r.text[:200]}")
+
+
 async def status(c: httpx.AsyncClient) -> dict[str, Any]:
     r = await c.get("/v1/status?fresh=true", timeout=30)
     return r.json()
@@ -230,15 +252,7 @@ async def main(tp: int, cycles: int, time_box: float, tmp: Path, streams: int) -
                 # every 6th cycle by tags: weight (the group goes), then kv_cache
                 split = cyc % 6 == 5
                 # sleep races with control reads
-                r, *_ = await asyncio.gather(
-                    call(s, c, "POST", "/v1/sleep?tags=weight" if split else "/v1/sleep"),
-                    call(s, c, "GET", "/v1/status?fresh=true"),
-                    call(s, c, "GET", "/v1/is_paused"),
-                )
-                if r is None or r.status_code != 200:
-                    s.unexpected.append(
-                        f"cycle {cyc} sleep {None if r is None else (r.status_code, r.text[:200])}"
-                    )
+                await raced(s, c, "/v1/sleep?tags=weight" if split else "/v1/sleep", cyc)
                 if split:
                     await call(s, c, "POST", "/v1/sleep?tags=kv_cache")
                 st = await status(c)
@@ -249,13 +263,7 @@ async def main(tp: int, cycles: int, time_box: float, tmp: Path, streams: int) -
                     v = versions[nupd % 2]
                     nupd += 1
                     s.epoch += 1
-                    r = await call(s, c, "POST", "/v1/update_weights", json={"version": v})
-                    if r is not None and r.status_code == 200:
-                        s.version = v
-                    else:
-                        s.unexpected.append(
-                            f"cycle {cyc} update asleep {None if r is None else r.text[:200]}"
-                        )
+                    await update(s, c, v, f"cycle {cyc} update asleep")
                 if split:  # the group comes back with the KV cache; the weights still sleep
                     await call(s, c, "POST", "/v1/wakeup?tags=kv_cache")
                     st = await status(c)
@@ -264,15 +272,7 @@ async def main(tp: int, cycles: int, time_box: float, tmp: Path, streams: int) -
                         s.unexpected.append(
                             f"cycle {cyc} kv awake: state={st['state']} comm_group={cg}"
                         )
-                r, *_ = await asyncio.gather(
-                    call(s, c, "POST", "/v1/wakeup?tags=weight" if split else "/v1/wakeup"),
-                    call(s, c, "GET", "/v1/status?fresh=true"),
-                    call(s, c, "GET", "/v1/is_paused"),
-                )
-                if r is None or r.status_code != 200:
-                    s.unexpected.append(
-                        f"cycle {cyc} wakeup {None if r is None else (r.status_code, r.text[:200])}"
-                    )
+                await raced(s, c, "/v1/wakeup?tags=weight" if split else "/v1/wakeup", cyc)
                 if upd_asleep:
                     s.epoch += 1
                 st = await status(c)
@@ -291,13 +291,7 @@ async def main(tp: int, cycles: int, time_box: float, tmp: Path, streams: int) -
                     nupd += 1
                     await call(s, c, "POST", "/v1/pause?mode=keep")
                     s.epoch += 1
-                    r = await call(s, c, "POST", "/v1/update_weights", json={"version": v})
-                    if r is not None and r.status_code == 200:
-                        s.version = v
-                    else:
-                        s.unexpected.append(
-                            f"cycle {cyc} update {None if r is None else r.text[:200]}"
-                        )
+                    await update(s, c, v, f"cycle {cyc} update")
                     s.epoch += 1
                 await call(s, c, "POST", "/v1/resume")
                 await asyncio.sleep(rng.uniform(0.2, 1.0))  # let streams produce comparable outputs
