@@ -155,6 +155,19 @@ def test_transient_failures_are_retried_bad_versions_are_not() -> None:
         assert eng.state.weight_version == "b1" and eng.state.state is State.RUNNING
 
 
+def test_a_version_failed_for_good_is_refused_and_names_the_next() -> None:
+    """The ``auto_update`` event of a refusal says which version is tried instead:
+    never one refused already (e.g. before a restart, restored from the stored state)."""
+    eng = FakeEngine("b1", fail={"stage": (422, "rank 0: sharded for tp=4")})
+    _known(eng)
+    rec = asyncio.run(apply(eng, 3, _ev("b3")))
+    assert rec["retry"] is False and rec["next"] == "b2", rec
+    assert index_of(eng).refused == {"b3"} and eng.events[-1]["next"] == "b2"
+    index_of(eng).restore_refused(["b2"])
+    rec = asyncio.run(apply(eng, 3, _ev("b3")))
+    assert rec["next"] is None, rec
+
+
 def test_a_refused_version_still_counts_toward_staleness() -> None:
     """The staleness bound counts published versions (issue: "more than k published
     versions behind the newest announced"): a version auto-update refused here (e.g.
