@@ -154,43 +154,42 @@ def permissions(
     return {
         "api": {
             "publish": {
-                "allow": [f"{ANY}.ctl.>", f"{ANY}.gen", f"{ANY}.gen.cancel", "$SRV.>", *fleet_rw],
+                "allow": [
+                    f"{ANY}.ctl.>", f"{ANY}.gen", f"{ANY}.gen.cancel", "$SRV.>", *fleet_rw
+                ],
                 "deny": not_ckpt,
             },
             "subscribe": [_inbox("api")],
         },
         "engine": {
-            "publish": {
-                "deny": not_ckpt,
-                "allow": [
-                    f"{ANY}.worker.>",
-                    f"{ANY}.events.>",
-                    # its replies (streamed generation chunks, control replies) by grant, not
-                    # only by allow_responses: a reply survives the engine's reconnect to
-                    # another node (a reply permission lives on the connection that got the
-                    # request); `_INBOX.>` is the nats CLI's
-                    _inbox("api"),
-                    _inbox("operator"),
-                    _inbox("trainer"),
-                    "_INBOX.>",
-                    *_stream_read(EVENTS_STREAM),
-                    *_stream_admin(EVENTS_STREAM),
-                    *_stream_read(CKPT_STREAM),
-                    *_stream_admin(CKPT_STREAM),
-                    # it creates the checkpoint bucket at start (fixed subjects), never writes it
-                    f"$JS.API.STREAM.INFO.{obj}",
-                    # an object's meta, never its chunks: whether an announced version's
-                    # manifest is there yet (auto-update waits for it without pausing)
-                    f"$JS.API.DIRECT.GET.{obj}.$O.{bucket}.M.>",
-                    *_stream_admin(obj),
-                    f"$KV.{kv_bucket}.>",
-                    *_stream_read(kv),
-                    *_stream_admin(kv),
-                    *_stream_write(kv),
-                    *fleet_rw,
-                    *_stream_admin(f"KV_{FLEET_BUCKET}"),
-                ],
-            },
+            "publish": {"deny": not_ckpt, "allow": [
+                f"{ANY}.worker.>",
+                f"{ANY}.events.>",
+                # its replies (streamed generation chunks, control replies) by grant, not
+                # only by allow_responses: a reply survives the engine's reconnect to
+                # another node (a reply permission lives on the connection that got the
+                # request); `_INBOX.>` is the nats CLI's
+                _inbox("api"),
+                _inbox("operator"),
+                _inbox("trainer"),
+                "_INBOX.>",
+                *_stream_read(EVENTS_STREAM),
+                *_stream_admin(EVENTS_STREAM),
+                *_stream_read(CKPT_STREAM),
+                *_stream_admin(CKPT_STREAM),
+                # it creates the checkpoint bucket at start (fixed subjects), never writes it
+                f"$JS.API.STREAM.INFO.{obj}",
+                # an object's meta, never its chunks: whether an announced version's
+                # manifest is there yet (auto-update waits for it without pausing)
+                f"$JS.API.DIRECT.GET.{obj}.$O.{bucket}.M.>",
+                *_stream_admin(obj),
+                f"$KV.{kv_bucket}.>",
+                *_stream_read(kv),
+                *_stream_admin(kv),
+                *_stream_write(kv),
+                *fleet_rw,
+                *_stream_admin(f"KV_{FLEET_BUCKET}"),
+            ]},
             "subscribe": [
                 _inbox("engine"),
                 f"{ANY}.ctl.>",
@@ -371,11 +370,7 @@ def start(
     conf = store_dir / "server.conf"
     conf.unlink(missing_ok=True)
     text = server_config(
-        users,
-        bucket=bucket,
-        tls_cert=tls_cert,
-        tls_key=tls_key,
-        tls_ca=tls_ca,
+        users, bucket=bucket, tls_cert=tls_cert, tls_key=tls_key, tls_ca=tls_ca,
         response_window=response_window,
     )
     fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # holds the passwords
