@@ -20,10 +20,18 @@ place; an event applies only if its version differs from the served one and its
 sequence is above the highest sequence of any version this engine has served. The
 engine never moves back.
 
+Before pausing, the engine looks whether the version's files are there for this
+instance (:func:`pending`: the places a rank would look, none of them read in full). If
+not — an event ahead of its upload, a snapshot dir still being copied — it does not
+pause: it looks again after ``WAIT_S`` doubling up to ``WAIT_MAX_S``, says so once (one
+``auto_update`` event, ``action: waiting``, and one warning), and updates once they
+are there. Generation is not disturbed meanwhile.
+
 An event is acked only once it is applied, ignored as not newer, or failed for good
-(400/422: the version itself is bad — recorded as an ``auto_update`` event). Any other
-failure (404: its files or objects are not there yet; 409, 5xx, a rank not answering)
-keeps it: it is retried with backoff
+(400/422: the version itself is bad — recorded as an ``auto_update`` event naming the
+``next`` version tried instead; the refused set is part of the engine's stored state,
+``services.engine.persist``). Any other failure (404: its files or objects are not
+there yet; 409, 5xx, a rank not answering) keeps it: it is retried with backoff
 (``RETRY_S`` doubling up to ``RETRY_MAX_S``) until it applies or a newer event replaces
 it; an engine that dies meanwhile gets it again from its durable. A sleeping engine is
 updated too: its ranks validate and record the version, and wakeup loads it. A failed

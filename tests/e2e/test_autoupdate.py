@@ -1,5 +1,7 @@
-"""Auto-update against a real stack: never back, kept while asleep or failing, and a
-sleeping engine that accepts update_weights (a deleted version never forces a restart)."""
+"""Auto-update against a real stack: never back, kept while asleep or failing, a
+sleeping engine that accepts update_weights (a deleted version never forces a restart),
+and an event whose files are not there yet (or still being copied) waited for without
+a pause."""
 
 from __future__ import annotations
 
@@ -218,7 +220,7 @@ def test_an_event_whose_files_are_not_there_waits_without_pausing(ustack: Stack)
     why = waited_undisturbed(ustack, "w1", before)
     assert "no versions/w1" in why and "manifest.json in bucket" in why, why
     assert ustack.status()["weight_version"] == serving_before
-    want = publish(ustack, "w1", seed=97, ipc=True)  # the files land (its event: a dup)
+    want = publish(ustack, "w1", seed=97)  # its objects land (its event: a duplicate)
     wait_for(lambda: serving(ustack, "w1"))
     assert digests(ustack) == want
     assert [e["action"] for e in auto_events(ustack, "w1")] == ["waiting", "updated"]
