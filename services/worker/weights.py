@@ -115,7 +115,8 @@ class SnapshotSource:
             # 422 auto-update would refuse for good); rule in shared/presence.py
             raise ControlError(
                 NOT_FOUND,
-                f"version {version!r} is not complete yet in {self._rel(d)}: {why} "
+                f"rank {self.rank}: version {version!r} is not complete yet in "
+                f"{self._rel(d)}: {why} "
                 "(still being copied?)",
             )
         shard_file = d / rank_shard_file(self.rank, self.tp)
