@@ -179,6 +179,9 @@ def permissions(
                 *_stream_admin(CKPT_STREAM),
                 # it creates the checkpoint bucket at start (fixed subjects), never writes it
                 f"$JS.API.STREAM.INFO.{obj}",
+                # an object's meta, never its chunks: whether an announced version's
+                # manifest is there yet (auto-update waits for it without pausing)
+                f"$JS.API.DIRECT.GET.{obj}.$O.{bucket}.M.>",
                 *_stream_admin(obj),
                 f"$KV.{kv_bucket}.>",
                 *_stream_read(kv),

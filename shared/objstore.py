@@ -271,6 +271,27 @@ async def get_meta(nc: Client, bucket: str, name: str, wait: float = 10.0) -> Ob
     return meta
 
 
+async def object_present(nc: Client, bucket: str, name: str, timeout: float = 1.0) -> bool | None:
+    """Whether object ``name`` exists (its last meta message describes one: not deleted,
+    not a publisher's claim), by one direct get of that meta subject — a right that
+    reads metas only, never chunks (the engine's: ``$JS.API.DIRECT.GET.OBJ_<b>.$O.<b>.M.>``).
+    None when that cannot be told (no answer within ``timeout`` — no permission, no
+    stream, no server —, an answer that does not parse)."""
+    subject = f"$JS.API.DIRECT.GET.{_stream(bucket)}.{_meta_subject(bucket, name)}"
+    try:
+        msg = await nc.request(subject, b"", timeout=timeout)
+    except (NatsError, TimeoutError):
+        return None
+    status = (msg.headers or {}).get("Status")
+    if not msg.data:
+        return False if status == "404" else None
+    try:
+        info = json.loads(msg.data)
+        return _object_meta(name, info if isinstance(info, dict) else {}) is not None
+    except (ValueError, ObjectCorrupt):
+        return None
+
+
 class ObjectConflict(Exception):
     """A compare-and-set write of an object's meta lost: another writer wrote it first."""
 

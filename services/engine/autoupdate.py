@@ -20,10 +20,18 @@ place; an event applies only if its version differs from the served one and its
 sequence is above the highest sequence of any version this engine has served. The
 engine never moves back.
 
+Before pausing, the engine looks whether the version's files are there for this
+instance (:func:`pending`: the places a rank would look, none of them read in full). If
+not — an event ahead of its upload, a snapshot dir still being copied — it does not
+pause: it looks again after ``WAIT_S`` doubling up to ``WAIT_MAX_S``, says so once (one
+``auto_update`` event, ``action: waiting``, and one warning), and updates once they
+are there. Generation is not disturbed meanwhile.
+
 An event is acked only once it is applied, ignored as not newer, or failed for good
-(400/422: the version itself is bad — recorded as an ``auto_update`` event). Any other
-failure (404: its files or objects are not there yet; 409, 5xx, a rank not answering)
-keeps it: it is retried with backoff
+(400/422: the version itself is bad — recorded as an ``auto_update`` event naming the
+``next`` version tried instead; the refused set is part of the engine's stored state,
+``services.engine.persist``). Any other failure (404: its files or objects are not
+there yet; 409, 5xx, a rank not answering) keeps it: it is retried with backoff
 (``RETRY_S`` doubling up to ``RETRY_MAX_S``) until it applies or a newer event replaces
 it; an engine that dies meanwhile gets it again from its durable. A sleeping engine is
 updated too: its ranks validate and record the version, and wakeup loads it. A failed
@@ -40,17 +48,19 @@ import contextlib
 import hashlib
 import logging
 import re
-import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from services.engine import control, staleness
 from services.engine.state import State
 from shared import messages as m
-from shared import objstore
+from shared import objstore, presence
 from shared.errors import BAD_REQUEST, UNPROCESSABLE, ControlError
 from shared.messages import VersionPublished
+from shared.subjects import ckpt_object_name
+from shared.versions import check_version_name, ipc_version_dir, model_dir_version
 
 if TYPE_CHECKING:
     from services.engine.main import Engine
@@ -65,6 +75,13 @@ RETRY_MAX_S = 60.0
 # kept and retried: the announced version's files may appear later (a snapshot dir
 # copied after the event, a replica catching up)
 PERMANENT = frozenset({BAD_REQUEST, UNPROCESSABLE})
+# an announced version whose files are not there yet (see :func:`pending`) is looked for
+# again after WAIT_S, doubling up to WAIT_MAX_S — no pause meanwhile, so the wait costs
+# generation nothing, and a look is cheap (a few stats, one NATS round trip): a short
+# bound, so a version is taken within WAIT_MAX_S of its files landing
+WAIT_S = 0.25
+WAIT_MAX_S = 2.0
+MAX_REFUSED = 256  # refused versions kept in the stored state (the newest ones)
 
 
 @dataclass
@@ -85,6 +102,19 @@ class VersionIndex:
         if version not in self.refused:
             self.refused.add(version)
             self.changes += 1
+
+    def still_refused(self) -> list[str]:
+        """The refused versions that may still be a target (none at or below the served
+        sequence ever is), oldest first, at most :data:`MAX_REFUSED`: what the engine's
+        stored state keeps (``services.engine.persist``), so a restored engine does not
+        try them again. A version whose sequence is not known yet is kept."""
+        keep = [v for v in self.refused if not 0 < self.seq_of(v) <= self.served_seq]
+        return sorted(keep, key=lambda v: (self.seq_of(v), v))[-MAX_REFUSED:]
+
+    def restore_refused(self, versions: list[str]) -> None:
+        """The refused versions of a stored state (an engine restored from it)."""
+        for v in versions:
+            self.refuse(v)
 
     def fallback(self, current: str) -> str | None:
         """After the target failed for good: the newest other version newer than the
@@ -135,13 +165,12 @@ def newest(
     return max(events, key=lambda e: (index.seq_of(e[1].version) or e[0], e[0]), default=None)
 
 
-_indexes: weakref.WeakKeyDictionary[Any, VersionIndex] = weakref.WeakKeyDictionary()
-
-
 def index_of(engine: Engine) -> VersionIndex:
-    idx = _indexes.get(engine)
+    """The engine's version index (kept on the engine: it lives as long as the engine)."""
+    idx: VersionIndex | None = getattr(engine, "_version_index", None)
     if idx is None:
-        idx = _indexes[engine] = VersionIndex()
+        idx = VersionIndex()
+        setattr(engine, "_version_index", idx)  # noqa: B010 - Engine does not declare it
     return idx
 
 
@@ -201,11 +230,48 @@ async def track(engine: Engine) -> None:
             pass
 
 
+async def pending(engine: Engine, version: str) -> str | None:
+    """Why ``version``'s files are not there yet for this instance, or None: they are
+    (or that cannot be told — the update then decides, as before). Looked at where a
+    rank would look (its strategy, then the fallbacks, see ``services.worker.sources``):
+    with ``ipc`` the ipc dir (``manifest.json``: the SDK renames a complete dir into
+    place), the snapshot dir ``versions/V`` (complete for every rank: the rule of
+    :mod:`shared.presence`), the object store (the version's ``manifest.json`` object:
+    the SDK writes it after every shard). Present in any of them = go."""
+    s = engine.settings
+    model = s.served_model_name
+    if version == model_dir_version(s.model_dir):
+        return None
+    try:
+        check_version_name(version)
+    except ControlError:
+        return None  # the update says why (400)
+    why: list[str] = []
+    if s.load_strategy == "ipc":
+        if (ipc_version_dir(s.ipc_dir, model, version) / presence.MANIFEST).exists():
+            return None
+        why.append("no ipc dir with a manifest.json")
+    d = Path(s.model_dir) / "versions" / version
+    if d.is_dir():
+        wait = await asyncio.to_thread(presence.snapshot_pending, d, s.tp, range(s.tp))
+        if wait is None:
+            return None
+        why.append(f"versions/{version}: {wait}")
+    else:
+        why.append(f"no versions/{version}")
+    name = ckpt_object_name(model, version, presence.MANIFEST)
+    if await objstore.object_present(engine.bus.nc, s.ckpt_bucket, name) is not False:
+        return None
+    why.append(f"no {name} in bucket {s.ckpt_bucket}")
+    return "; ".join(why)
+
+
 async def apply(engine: Engine, seq: int, ev: VersionPublished) -> dict[str, Any]:
     """One auto-update cycle for event ``(seq, ev)``; returns what was recorded.
 
     ``action``: ``updated``, ``ignored`` (not newer), ``failed`` (``retry`` says whether
-    it is worth another attempt)."""
+    it is worth another attempt; a version failed for good is refused here, and
+    ``next`` names the version to try instead, or None)."""
     idx = index_of(engine)
     _learn(engine, seq, ev.version)
     s = engine.settings
@@ -238,6 +304,9 @@ async def apply(engine: Engine, seq: int, ev: VersionPublished) -> dict[str, Any
                     error_message=e.message,
                     retry=e.code not in PERMANENT,
                 )
+                if e.code in PERMANENT:
+                    idx.refuse(ev.version)
+                    rec["next"] = idx.fallback(current)
             finally:
                 if not was_paused:
                     try:
@@ -256,6 +325,29 @@ async def _apply_safely(engine: Engine, seq: int, ev: VersionPublished) -> dict[
     except Exception as e:  # noqa: BLE001 - a bus hiccup: kept and retried
         log.warning("auto-update to %s failed: %r", ev.version, e)
         return {"version": ev.version, "seq": seq, "action": "failed", "retry": True}
+
+
+async def _pending_safely(engine: Engine, version: str) -> str | None:
+    """:func:`pending` for a version that would apply (None for any other: the update
+    ignores it); None when the look itself fails (the update decides, as before)."""
+    if not index_of(engine).is_newer(version, engine.state.weight_version):
+        return None
+    try:
+        return await pending(engine, version)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # noqa: BLE001 - go ahead: the update says what is wrong
+        log.debug("auto-update: cannot look for the files of %s: %r", version, e)
+        return None
+
+
+async def _keep(held: list[Any]) -> None:
+    """Held events are kept: not redelivered meanwhile, not lost."""
+    for msg in held:
+        try:
+            await msg.in_progress()
+        except Exception:  # noqa: BLE001 - redelivered later at worst
+            pass
 
 
 async def follow(engine: Engine) -> None:
@@ -282,6 +374,7 @@ async def follow(engine: Engine) -> None:
         target = None
     held: list[Any] = []
     backoff, next_try = RETRY_S, 0.0
+    wait_s, waiting = WAIT_S, ""  # the version whose files are awaited (said once)
     feed_errors = 0
     loop = asyncio.get_running_loop()
     while True:
@@ -317,10 +410,24 @@ async def follow(engine: Engine) -> None:
             target, backoff, next_try = top, RETRY_S, 0.0  # a newer one replaces a retry
         if target is None or loop.time() < next_try:
             continue
+        version = target[1].version
+        why = await _pending_safely(engine, version)
+        if why is not None:  # not even paused: generation goes on undisturbed
+            if waiting != version:
+                waiting, wait_s = version, WAIT_S
+                log.warning("auto-update: waiting for the files of %s: %s", version, why)
+                rec = {"version": version, "seq": target[0], "action": "waiting", "reason": why}
+                await engine.event("auto_update", rec)
+            next_try = loop.time() + wait_s
+            wait_s = min(wait_s * 2, WAIT_MAX_S)
+            await _keep(held)
+            continue
+        if waiting == version:
+            log.info("auto-update: the files of %s are there", version)
         rec = await _apply_safely(engine, *target)
         if rec["action"] == "failed" and not rec.get("retry"):
-            idx.refuse(target[1].version)
-            nxt = idx.fallback(engine.state.weight_version)
+            await engine.persist.save()  # a restored engine does not try it again
+            nxt = rec.get("next")
             if nxt is not None:  # the events so far are settled; go on to the next newest
                 log.warning(
                     "auto-update: %s cannot be loaded here; trying %s", target[1].version, nxt
@@ -335,11 +442,7 @@ async def follow(engine: Engine) -> None:
         if rec["action"] == "failed" and rec.get("retry"):
             next_try = loop.time() + backoff
             backoff = min(backoff * 2, RETRY_MAX_S)
-            for msg in held:  # kept: not redelivered meanwhile, not lost
-                try:
-                    await msg.in_progress()
-                except Exception:  # noqa: BLE001 - redelivered later at worst
-                    pass
+            await _keep(held)
             continue
         for msg in held:
             try:

@@ -3,10 +3,11 @@ instance, see ``shared.statekv``), and what a restarted engine or restarted rank
 with it.
 
 * :class:`Record` — state (running / paused / sleeping / updating), the freed tags, the
-  serving version, the pause mode and, while ``update_weights`` runs, the update in
-  progress (id, version, previous version). Saved on every state change and after
-  every mutating control call (:meth:`Persister.save`); a write that fails (NATS down)
-  is retried every second until it lands.
+  serving version, the pause mode, the versions auto-update refused for good and, while
+  ``update_weights`` runs, the update in progress (id, version, previous version).
+  Saved on every state change and after every mutating control call
+  (:meth:`Persister.save`); a write that fails (NATS down) is retried every second
+  until it lands.
 * :func:`restore` — at engine start: the record, if any, becomes the engine's state. An
   update that was in progress is resolved: the engine comes back paused on the
   *previous* version and :func:`reconcile` rolls every rank back to it.
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from services.engine import control
+from services.engine import autoupdate, control
 from services.engine.ranks import RankError
 from services.engine.state import State
 from shared import messages as m
@@ -77,6 +78,9 @@ class Record(msgspec.Struct):
     pause_mode: str = ""
     update: Update | None = None
     saved_at: float = 0.0
+    # versions auto-update refused for good here (400/422): a restored engine does not
+    # try them again (services.engine.autoupdate; they still count toward staleness)
+    refused: list[str] = msgspec.field(default_factory=list)
 
 
 def encode(rec: Record) -> bytes:
@@ -102,6 +106,7 @@ def snapshot(eng: Engine, update: Update | None = None) -> Record:
         pause_mode=st.pause_mode,
         update=update if st.state is State.UPDATING else None,
         saved_at=time.time(),
+        refused=autoupdate.index_of(eng).still_refused(),
     )
 
 
@@ -119,6 +124,7 @@ def apply(eng: Engine, rec: Record) -> Update | None:
         state = State.SLEEPING if st.asleep else State.PAUSED
         st.pause_mode = st.pause_mode or "abort"
     st.state = state
+    autoupdate.index_of(eng).restore_refused(rec.refused)
     if state is not State.RUNNING:  # at start: nothing scheduled yet, no step in flight
         eng.scheduler.admit = eng.scheduler.run = False
     return rec.update
@@ -161,7 +167,12 @@ class Persister:
         last = self._written
         if last is not None and _same(rec, last) and self._pending is None:
             return
-        if last is None or (rec.update, rec.weight_version) != (last.update, last.weight_version):
+        # written at once: what a restart must know (what to roll back, what not to try)
+        if last is None or (rec.update, rec.weight_version, rec.refused) != (
+            last.update,
+            last.weight_version,
+            last.refused,
+        ):
             self._pending = None  # this one is newer
             await self._write(rec)
         else:
@@ -224,12 +235,13 @@ class Persister:
 
 
 def _same(a: Record, b: Record) -> bool:
-    return (a.state, a.weight_version, a.asleep, a.pause_mode, a.update) == (
+    return (a.state, a.weight_version, a.asleep, a.pause_mode, a.update, a.refused) == (
         b.state,
         b.weight_version,
         b.asleep,
         b.pause_mode,
         b.update,
+        b.refused,
     )
 
 

@@ -36,9 +36,9 @@ import paddle.utils.dlpack
 
 from services.worker import hf_files
 from shared import manifest as mf
+from shared import presence, sharding
 from shared import safetensors as st
-from shared import sharding
-from shared.errors import BAD_REQUEST, UNPROCESSABLE, ControlError
+from shared.errors import BAD_REQUEST, NOT_FOUND, UNPROCESSABLE, ControlError
 from shared.model_config import ModelConfig
 from shared.redact import public_path
 from shared.subjects import rank_shard_file
@@ -107,14 +107,21 @@ class SnapshotSource:
                 UNPROCESSABLE, f"rank {self.rank}: version {version!r}: {e.strerror or e}"
             ) from None
 
-    def _load(
-        self, version: str, verify_checksum: bool | None, expected: Expected
-    ) -> LoadedShard:
+    def _load(self, version: str, verify_checksum: bool | None, expected: Expected) -> LoadedShard:
         t0 = time.perf_counter()
         d = snapshot_dir(self.model_dir, version)
+        if d != self.model_dir and (why := presence.snapshot_pending(d, self.tp, [self.rank])):
+            # a dir still being copied is not there yet (404: retried), not broken (a
+            # 422 auto-update would refuse for good); rule in shared/presence.py
+            raise ControlError(
+                NOT_FOUND,
+                f"rank {self.rank}: version {version!r} is not complete yet in "
+                f"{self._rel(d)}: {why} "
+                "(still being copied?)",
+            )
         shard_file = d / rank_shard_file(self.rank, self.tp)
         manifest_file = d / "manifest.json"
-        if manifest_file.is_file() or shard_file.exists():
+        if presence.sharded(d, self.tp):
             return self._load_sharded(
                 version, d, shard_file, manifest_file, verify_checksum, expected, t0
             )
@@ -198,9 +205,7 @@ class SnapshotSource:
             where = f"rank {self.rank}: {self._rel(f)}"
             try:
                 # only this rank's slices' bytes, converted to the compute dtype
-                part, nread = hf_files.read_slices(
-                    f, wanted - set(arrays), plan, self.dtype, where
-                )
+                part, nread = hf_files.read_slices(f, wanted - set(arrays), plan, self.dtype, where)
                 arrays.update(part)
                 nbytes += nread
             except (OSError, ValueError) as e:

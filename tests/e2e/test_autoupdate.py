@@ -1,5 +1,7 @@
-"""Auto-update against a real stack: never back, kept while asleep or failing, and a
-sleeping engine that accepts update_weights (a deleted version never forces a restart)."""
+"""Auto-update against a real stack: never back, kept while asleep or failing, a
+sleeping engine that accepts update_weights (a deleted version never forces a restart),
+and an event whose files are not there yet (or still being copied) waited for without
+a pause."""
 
 from __future__ import annotations
 
@@ -18,11 +20,13 @@ import pytest
 from nats.js.errors import NotFoundError
 
 from services.engine.autoupdate import durable_name
-from shared import objstore
+from services.trainer.shards import write_sharded_dir
+from shared import objstore, sharding
 from shared.messages import VersionPublished
+from shared.model_config import ModelConfig
 from shared.subjects import CKPT_STREAM, ckpt_published
 from shared.versions import ipc_version_dir
-from tests.e2e.stack import Stack, start_stack
+from tests.e2e.stack import Stack, model_config, start_stack
 from tests.e2e.test_checkpoints import _raw, events, model_of, post, publish, wait_for
 from tests.e2e.test_control import digests
 
@@ -187,3 +191,76 @@ def test_a_deleted_durable_is_made_again_and_updates_go_on(ustack: Stack) -> Non
     want = publish(ustack, "g1", seed=95, ipc=True)
     wait_for(lambda: serving(ustack, "g1"))
     assert digests(ustack) == want
+
+
+def announce_only(stack: Stack, version: str) -> int:
+    """Only the version event (a trainer-role client's, or one ahead of its upload):
+    the files are not there."""
+    ev = VersionPublished(model_of(stack), version, 2)
+    return int(asyncio.run(_raw(stack.nats_url, lambda nc: objstore.publish_version(nc, ev))))
+
+
+def waited_undisturbed(stack: Stack, version: str, states_before: int) -> str:
+    """Auto-update waits for ``version``'s files: said once, never paused for them (in
+    keep mode every attempt used to freeze generation: pause → 404 → resume, for ever).
+    Returns the reason it gave."""
+    wait_for(lambda: any(e["action"] == "waiting" for e in auto_events(stack, version)))
+    time.sleep(4)  # several looks (0.25 s doubling to 2 s): still one event, no pause
+    got = auto_events(stack, version)
+    assert [e["action"] for e in got] == ["waiting"], got
+    assert events(stack, "state")[states_before:] == []  # never paused, never resumed
+    assert stack.status()["state"] == "running"
+    return str(got[0]["reason"])
+
+
+def test_an_event_whose_files_are_not_there_waits_without_pausing(ustack: Stack) -> None:
+    before = len(events(ustack, "state"))
+    serving_before = ustack.status()["weight_version"]
+    announce_only(ustack, "w1")
+    why = waited_undisturbed(ustack, "w1", before)
+    assert "no versions/w1" in why and "manifest.json in bucket" in why, why
+    assert ustack.status()["weight_version"] == serving_before
+    want = publish(ustack, "w1", seed=97)  # its objects land (its event: a duplicate)
+    wait_for(lambda: serving(ustack, "w1"))
+    assert digests(ustack) == want
+    assert [e["action"] for e in auto_events(ustack, "w1")] == ["waiting", "updated"]
+
+
+def test_a_snapshot_dir_mid_copy_waits_a_complete_broken_one_is_refused(
+    ustack: Stack, tmp_path: Path
+) -> None:
+    """A version dir caught mid-copy (a shard shorter than its manifest says) is not
+    there yet: 404 over HTTP, waited for by auto-update (before: 422, refused for good).
+    Complete but with a wrong byte it is still a 422, refused."""
+    cfg = ModelConfig.from_hf(model_config(ustack.model_dir))
+    src = tmp_path / "src"
+    man = write_sharded_dir(src, cfg, sharding.init_weights(cfg, 7), 2, model_of(ustack), "m1")
+    dst = ustack.model_dir / "versions" / "m1"
+    dst.mkdir(parents=True)
+    shard1 = (src / man.shards[1].file).read_bytes()
+    for name in ("manifest.json", man.shards[0].file):
+        shutil.copy(src / name, dst / name)
+    (dst / man.shards[1].file).write_bytes(shard1[: len(shard1) // 2])  # being copied
+    assert post(ustack, "/v1/pause").status_code == 200
+    r = post(ustack, "/v1/update_weights", json={"version": "m1"})
+    assert r.status_code == 404 and "not complete yet" in r.text, r.text
+    assert post(ustack, "/v1/resume").status_code == 200
+    before = len(events(ustack, "state"))
+    announce_only(ustack, "m1")
+    why = waited_undisturbed(ustack, "m1", before)
+    assert f"rank1-of-2.safetensors has {len(shard1) // 2} of {len(shard1)} bytes" in why, why
+    (dst / man.shards[1].file).write_bytes(shard1)  # the copy ends
+    wait_for(lambda: serving(ustack, "m1"))
+    assert [e["action"] for e in auto_events(ustack, "m1")] == ["waiting", "updated"]
+
+    bad = ustack.model_dir / "versions" / "m2"
+    shutil.copytree(dst, bad)
+    flipped = bytearray(shard1)
+    flipped[-1] ^= 1  # complete, one byte wrong: broken for good
+    (bad / man.shards[1].file).write_bytes(bytes(flipped))
+    announce_only(ustack, "m2")
+    wait_for(lambda: any(e["action"] == "failed" for e in auto_events(ustack, "m2")))
+    fail = next(e for e in auto_events(ustack, "m2") if e["action"] == "failed")
+    assert fail["error_code"] == 422 and fail["retry"] is False, fail
+    assert "SHA-256" in fail["error_message"], fail
+    assert serving(ustack, "m1")

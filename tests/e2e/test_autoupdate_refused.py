@@ -2,21 +2,25 @@
 422, for good): a fresh start catches up to the newest version it *can* load (before, it
 stayed on ``v0``). The refused one still counts toward staleness — the bound counts
 published versions — so with ``MAX_STALENESS=0`` new requests wait for a newer loadable
-version (tests/e2e/test_staleness.py shows them start once one is published).
+version (tests/e2e/test_staleness.py shows them start once one is published). An engine
+restarted from its stored state still knows what it refused: it does not try it again.
 A real TP=1 stack on the session's nats-server, versions published with the SDK."""
 
 from __future__ import annotations
 
+import os
+import signal
 import uuid
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
 from services.tiny_model import create_model_dir
 from services.trainer.publisher import CheckpointPublisher
 from tests.e2e.stack import model_config, running_stack
-from tests.e2e.test_checkpoints import training_state, wait_for
+from tests.e2e.test_checkpoints import events, training_state, wait_for
 
 
 def test_fresh_start_skips_a_version_it_cannot_load_and_stays_behind_it(
@@ -41,3 +45,27 @@ def test_fresh_start_skips_a_version_it_cannot_load_and_stays_behind_it(
         wait_for(lambda: s.status()["weight_version"] == "good", 60)
         st = s.status()["staleness"]
         assert st["behind"] == 1 and st["stale"] and st["newest"] == "tp2", st
+
+        def failed(version: str) -> list[dict[str, Any]]:
+            got = [e["data"] for e in events(s, "auto_update")]
+            return [e for e in got if e["version"] == version and e["action"] == "failed"]
+
+        wait_for(lambda: bool(failed("tp2")))
+        old = s.status()["engine_pid"]
+        os.kill(old, signal.SIGKILL)  # the launcher restarts it: it restores its state
+
+        def restored() -> bool:
+            try:
+                st = s.status()
+            except Exception:  # noqa: BLE001 - 503 while it restarts
+                return False
+            return bool(st["engine_pid"] != old and st["ranks_ready"])
+
+        wait_for(restored, 90)
+        pub.publish(name, "tp2b", training_state(d, 3), tp=2, config=cfg)  # type: ignore[arg-type]
+        wait_for(lambda: bool(failed("tp2b")), 60)
+        # the refusal names no next version: tp2 was refused before the restart (before,
+        # forgotten: tried again, one more pause and 422)
+        assert failed("tp2b")[0]["next"] is None, failed("tp2b")
+        assert len(failed("tp2")) == 1 and s.status()["weight_version"] == "good"
+        assert s.status()["staleness"]["behind"] == 2  # both still count

@@ -177,7 +177,9 @@ def _sharded_version(stack: Stack, name: str, seed: int) -> Path:
 def test_all_or_nothing_when_one_rank_fails(stack: Stack) -> None:
     d = _sharded_version(stack, "broken", seed=7)
     shard = d / "rank1-of-2.safetensors"
-    shard.write_bytes(shard.read_bytes()[:1000])  # truncated on rank 1 only
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1  # corrupt on rank 1 only (a short file is one still being copied: 404)
+    shard.write_bytes(bytes(data))
     post(stack, "/v1/pause")
     before = digests(stack)
     r = post(stack, "/v1/update_weights", json={"version": "broken"})
@@ -187,9 +189,9 @@ def test_all_or_nothing_when_one_rank_fails(stack: Stack) -> None:
     st = stack.status()
     assert st["weight_version"] == "v0" and {x["version"] for x in st["ranks"]} == {"v0"}
     assert digests(stack) == before  # rank 0 staged fine but did not switch
-    shard.unlink()  # missing shard: same outcome
+    shard.unlink()  # missing shard (not copied yet: 404), same outcome
     r = post(stack, "/v1/update_weights", json={"version": "broken"})
-    assert r.status_code == 422 and "rank 1" in r.json()["error_message"]
+    assert r.status_code == 404 and "rank 1" in r.json()["error_message"], r.text
     assert digests(stack) == before
 
 

@@ -201,6 +201,10 @@ FORBIDDEN_PUBLISH = {
     ],
     "engine": [
         f"$O.{BUCKET}.C.forged",
+        # it reads objects' metas, never their chunks (the weights) nor batched gets
+        f"$JS.API.DIRECT.GET.OBJ_{BUCKET}.$O.{BUCKET}.C.x",
+        f"$JS.API.DIRECT.GET.OBJ_{BUCKET}",
+        f"$JS.API.STREAM.MSG.GET.OBJ_{BUCKET}",
         "rollbus.ckpt.tiny.published",
         "rollbus.ckpt.worker.published",
         "rollbus.ckpt.events.published",
@@ -432,6 +436,10 @@ async def test_allowed_checkpoint_paths(server: Server) -> None:
         assert buf[: len(data)] == data
 
         enc = engine.nc
+        # auto-update looks for an announced version's manifest (its meta only): there,
+        # not there — a definite answer, not a timeout (None)
+        assert await objstore.object_present(enc, BUCKET, f"tiny/{server.kind}/x", 10) is True
+        assert await objstore.object_present(enc, BUCKET, "tiny/none/x", 10) is False
         await objstore.ensure_ckpt_stream(enc, "tiny")
         seen: list[int] = []
 

@@ -155,6 +155,19 @@ def test_transient_failures_are_retried_bad_versions_are_not() -> None:
         assert eng.state.weight_version == "b1" and eng.state.state is State.RUNNING
 
 
+def test_a_version_failed_for_good_is_refused_and_names_the_next() -> None:
+    """The ``auto_update`` event of a refusal says which version is tried instead:
+    never one refused already (e.g. before a restart, restored from the stored state)."""
+    eng = FakeEngine("b1", fail={"stage": (422, "rank 0: sharded for tp=4")})
+    _known(eng)
+    rec = asyncio.run(apply(eng, 3, _ev("b3")))
+    assert rec["retry"] is False and rec["next"] == "b2", rec
+    assert index_of(eng).refused == {"b3"} and eng.events[-1]["next"] == "b2"
+    index_of(eng).restore_refused(["b2"])
+    rec = asyncio.run(apply(eng, 3, _ev("b3")))
+    assert rec["next"] is None, rec
+
+
 def test_a_refused_version_still_counts_toward_staleness() -> None:
     """The staleness bound counts published versions (issue: "more than k published
     versions behind the newest announced"): a version auto-update refused here (e.g.
@@ -173,3 +186,70 @@ def test_a_refused_version_still_counts_toward_staleness() -> None:
     assert staleness_of(engine)[0] == 0  # type: ignore[arg-type]
     engine.state.weight_version = "v2"  # the newest it can load: still one behind v3
     assert staleness_of(engine)[0] == 1  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- pending()
+
+
+class Store:
+    """The bucket as a direct get of an object's meta answers (a core NATS request)."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+        self.asked: list[str] = []
+
+    async def request(self, subject: str, data: bytes, timeout: float) -> Any:
+        import base64
+        import json
+
+        self.asked.append(subject)
+        name = base64.urlsafe_b64decode(subject.rsplit(".", 1)[1]).decode()
+        if name in self.names:
+            meta = {"name": name, "nuid": "n", "size": 1, "chunks": 1}
+            return SimpleNamespace(data=json.dumps(meta).encode(), headers={})
+        return SimpleNamespace(data=b"", headers={"Status": "404"})
+
+
+def test_pending_looks_where_a_rank_would_and_any_place_will_do(tmp_path: Any) -> None:
+    """Not there yet = in none of the places the strategy's ranks look (ipc dir, a
+    complete ``versions/V``, the object store's manifest); there in any = go."""
+    from services.engine.autoupdate import pending
+    from services.tiny_model import TINY_CONFIG, create_model_dir
+    from services.trainer.shards import write_sharded_dir
+    from shared import sharding
+    from shared.model_config import ModelConfig
+
+    model_dir = create_model_dir(tmp_path / "m", TINY_CONFIG, seed=0)
+    store = Store()
+    eng = SimpleNamespace(
+        bus=SimpleNamespace(nc=store),
+        settings=SimpleNamespace(
+            served_model_name="m",
+            model_dir=model_dir,
+            load_strategy="ipc",
+            ipc_dir=tmp_path / "shm",
+            tp=2,
+            ckpt_bucket="b",
+        ),
+    )
+    look = lambda v: asyncio.run(pending(eng, v))  # type: ignore[arg-type]  # noqa: E731
+    assert look("v0") is None  # the model dir's own version: always there
+    why = look("s1")
+    assert why == (
+        "no ipc dir with a manifest.json; no versions/s1; no m/s1/manifest.json in bucket b"
+    ), why
+    cfg = ModelConfig.from_hf(TINY_CONFIG)
+    d = model_dir / "versions" / "s1"
+    man = write_sharded_dir(d, cfg, sharding.init_weights(cfg, 1), 2, "m", "s1")
+    assert look("s1") is None
+    f = d / man.shards[1].file
+    f.write_bytes(f.read_bytes()[:100])  # being copied: rank 1's shard is short
+    assert "versions/s1: rank1-of-2.safetensors has 100 of" in str(look("s1"))
+    store.names.add("m/s1/manifest.json")  # the object store has it: a rank falls back there
+    assert look("s1") is None
+    ipc = tmp_path / "shm" / "m" / "s2"
+    ipc.mkdir(parents=True)
+    assert look("s2") is not None  # an ipc dir without its manifest is not there yet
+    (ipc / "manifest.json").write_text("{}")
+    asked = len(store.asked)
+    assert look("s2") is None and len(store.asked) == asked  # found first: no NATS look

@@ -270,3 +270,28 @@ def test_persister_writes_versions_at_once_other_changes_in_the_background() -> 
         writer.cancel()
 
     asyncio.run(go())
+
+
+def test_refused_versions_are_stored_and_restored() -> None:
+    """Versions auto-update refused for good are part of the stored state: an engine
+    restored from it does not try them again (before, they were forgotten). Those at
+    or below the served sequence can never be a target again and are dropped."""
+    from services.engine.autoupdate import index_of
+
+    old = b'{"state": "running", "weight_version": "v1"}'  # written before the field
+    assert persist.decode(old).refused == []
+    eng = engine(Ranks(["v1"]), weight_version="v1")
+    idx = index_of(eng)  # type: ignore[arg-type]
+    for seq, v in enumerate(("v1", "bad1", "v2", "bad2"), 1):
+        idx.add(v, seq)
+    idx.refuse("bad1")
+    idx.refuse("bad2")
+    idx.refuse("unseen")  # refused before its event was learned: kept
+    rec = persist.decode(persist.encode(persist.snapshot(eng)))
+    assert rec.refused == ["unseen", "bad1", "bad2"]
+    idx.served("v2")
+    assert persist.snapshot(eng).refused == ["unseen", "bad2"]
+    back = engine(Ranks(["v1"]), weight_version="v1")
+    persist.apply(back, rec)
+    assert index_of(back).refused == {"unseen", "bad1", "bad2"}  # type: ignore[arg-type]
+    assert index_of(back).fallback("v1") is None  # type: ignore[arg-type]

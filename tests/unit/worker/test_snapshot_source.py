@@ -27,9 +27,11 @@ def model_dir(tmp_path: Path) -> Path:
 
 
 def expected(model_dir: Path, rank: int) -> dict[str, mf.TensorSpec]:
-    return mf.decode((model_dir / "versions" / "s1" / "manifest.json").read_bytes()).shard(
-        rank
-    ).tensors
+    return (
+        mf.decode((model_dir / "versions" / "s1" / "manifest.json").read_bytes())
+        .shard(rank)
+        .tensors
+    )
 
 
 def refused(
@@ -99,3 +101,21 @@ def test_open_confined_takes_one_plain_component(tmp_path: Path) -> None:
                 open_confined(name, fd, frozenset({os.geteuid()}), "w", False)
     finally:
         os.close(fd)
+
+
+def test_a_dir_still_being_copied_is_not_there_yet_not_broken(model_dir: Path) -> None:
+    """Mid-copy (a shard shorter than its manifest says, or not there yet) is a 404,
+    which auto-update retries; before, a 422 that refused the version for good. A
+    complete shard with wrong bytes or a wrong size is still a 422."""
+    f = model_dir / "versions" / "s1" / "rank1-of-2.safetensors"
+    full = f.read_bytes()
+    with open(f, "r+b") as fh:
+        fh.truncate(len(full) - 100)
+    msg = refused(model_dir, 1, code=404)
+    assert "not complete yet in versions/s1" in msg and "rank1-of-2.safetensors has" in msg
+    f.unlink()
+    assert "is not there yet" in refused(model_dir, 1, code=404)
+    f.write_bytes(full + b"\0")
+    assert "size" in refused(model_dir, 1)  # longer than the manifest: broken
+    f.write_bytes(full)
+    SnapshotSource(CFG, model_dir, 1, 2)("s1", None, expected(model_dir, 1))

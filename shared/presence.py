@@ -1,0 +1,127 @@
+"""Whether a version's files are all there yet: the "not yet present" rule. Pure (files).
+
+A version's files can be announced before they are complete: a snapshot dir copied
+after the event (``cp -r``, ``rsync``), an event published by hand. Such a version is
+*not present yet* (404, retried by auto-update, which does not even pause for it) —
+never *broken* (422, refused for good). The rule that separates them, for a snapshot
+dir ``<model>/versions/V/``:
+
+* not present yet: the dir holds no weight file at all; or a file its
+  ``manifest.json`` or ``model.safetensors.index.json`` names does not exist; or a
+  weight file is **shorter** than what describes it — the manifest's ``size``, or its
+  own safetensors header (fewer than 8 bytes, a header length past the end of the file,
+  a tensor's byte range past the end of the file). A copy only ever appends, so each of
+  these is what a copy in progress looks like.
+* broken (the load decides, 422): everything else — a manifest or index that does not
+  parse or does not validate, a file **longer** than stated, a header that is not valid
+  JSON, a SHA-256, shape or name mismatch. A file truncated for good therefore waits
+  (404 naming the file and its size) instead of being refused: it cannot be told from
+  one still being written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Iterable
+from pathlib import Path
+
+from shared import manifest as mf
+from shared import safetensors as st
+from shared.errors import ControlError
+from shared.subjects import rank_shard_file
+
+MANIFEST = "manifest.json"
+
+
+def short_file(path: Path, name: str, want: int | None = None) -> str | None:
+    """Why the weight file ``path`` is not fully written yet, or None: missing, shorter
+    than ``want`` (a manifest's size) or than its own safetensors header says. A file
+    that is long enough but malformed is None here: its load says what is wrong."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return f"{name} is not there yet"
+    except OSError:
+        return None  # unreadable for another reason: the load names it (422)
+    try:
+        size = os.fstat(fd).st_size
+        if want is not None:
+            return f"{name} has {size} of {want} bytes" if size < want else None
+        if size < 8:
+            return f"{name} has {size} bytes"
+        (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+        if n > st.MAX_HEADER_BYTES:
+            return None  # never a header: broken
+        if n > size - 8:
+            return f"{name} has {size} bytes, its header alone {8 + n}"
+        try:
+            head = json.loads(os.pread(fd, n, 8))
+        except (ValueError, UnicodeDecodeError):
+            return None  # the header's bytes are all there: broken
+        ends = [
+            e
+            for t in (head.values() if isinstance(head, dict) else ())
+            if isinstance(t, dict)
+            and isinstance(offs := t.get("data_offsets"), list)
+            and len(offs) == 2
+            and isinstance(e := offs[1], int)
+        ]
+        need = 8 + n + max(ends, default=0)
+        return f"{name} has {size} of {need} bytes" if size < need else None
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _manifest(d: Path) -> mf.Manifest | None:
+    try:
+        with open(d / MANIFEST, "rb") as f:
+            if os.fstat(f.fileno()).st_size > mf.MAX_MANIFEST_BYTES:
+                return None
+            return mf.decode(f.read(mf.MAX_MANIFEST_BYTES), MANIFEST)
+    except (OSError, ControlError):
+        return None  # broken, or no manifest: the load decides
+
+
+def sharded(d: Path, tp: int) -> bool:
+    """A pre-sharded dir (``manifest.json`` or any ``rank<r>-of-<tp>.safetensors``), as
+    opposed to an HF checkpoint dir."""
+    return (d / MANIFEST).is_file() or any((d / rank_shard_file(r, tp)).exists() for r in range(tp))
+
+
+def snapshot_pending(d: Path, tp: int, ranks: Iterable[int]) -> str | None:
+    """Why the snapshot version dir ``d`` is not complete yet for ``ranks`` (a rank:
+    its own shard; the engine: every rank), or None (complete — or broken, which the
+    load reports). See the module doc for the rule."""
+    ranks = list(ranks)
+    if (d / MANIFEST).is_file():
+        man = _manifest(d)
+        if man is None:
+            return None
+        for r in ranks:
+            try:
+                spec = mf.validate(man, r, tp, None, d.name)
+            except ControlError:
+                return None  # a manifest that cannot be right: broken
+            if why := short_file(d / spec.file, spec.file, spec.size):
+                return why
+        return None
+    if sharded(d, tp):
+        for r in ranks:
+            name = rank_shard_file(r, tp)
+            if why := short_file(d / name, name):
+                return why
+        return None
+    try:
+        files = st.checkpoint_files(d)
+    except (OSError, ValueError):
+        return None  # a bad index: broken
+    if not files:
+        return "no weight file (manifest.json, *.safetensors) yet"
+    for f in files:
+        if why := short_file(f, f.name):
+            return why
+    return None
