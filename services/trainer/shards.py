@@ -306,8 +306,8 @@ def serialize(
     layouts = plan_shards(cfg, state, tp)
     if layouts is None:
         if check_finite:  # a rare dtype: a pass of its own
-            for r, lay in enumerate(shard_state(cfg, state, tp)):
-                for n, a in lay.items():
+            for r, shard in enumerate(shard_state(cfg, state, tp)):
+                for n, a in shard.items():
                     native = np.ascontiguousarray(a, a.dtype.newbyteorder("="))
                     if what := _nonfinite(native, st.dtype_name(a.dtype)):
                         raise NonFiniteWeight(n, r, what)
