@@ -48,7 +48,7 @@ def _hf(bad: str | None, value: float) -> dict[str, np.ndarray]:
     return w
 
 
-async def _nothing_stored(url: str, model: str, version: str, tp: int) -> None:
+async def _nothing_stored(url: str, model: str, version: str, tp: int, nuids: list[str]) -> None:
     bus = await Bus.connect(url, "check")
     try:
         js = bus.nc.jetstream()
@@ -56,11 +56,10 @@ async def _nothing_stored(url: str, model: str, version: str, tp: int) -> None:
             name = ckpt_object_name(model, version, f"rank{r}-of-{tp}.safetensors")
             _, info = await objstore.last_meta(bus.nc, BUCKET, name)
             assert not info or info.get("deleted"), info  # no shard object
-            if info:
-                st = await js.stream_info(
-                    f"OBJ_{BUCKET}", subjects_filter=f"$O.{BUCKET}.C.{info['nuid']}"
-                )
-                assert not st.state.subjects, st.state.subjects  # its chunks purged
+        assert len(nuids) == tp
+        for nuid in nuids:  # the chunk subjects the publish wrote to (or would have)
+            st = await js.stream_info(f"OBJ_{BUCKET}", subjects_filter=f"$O.{BUCKET}.C.{nuid}")
+            assert not st.state.subjects, st.state.subjects  # no chunk left
         _, claim = await objstore.last_meta(
             bus.nc, BUCKET, ckpt_object_name(model, version, "manifest.json")
         )
@@ -79,15 +78,23 @@ async def _nothing_stored(url: str, model: str, version: str, tp: int) -> None:
     ],
 )
 async def test_a_non_finite_state_dict_is_refused_and_nothing_is_left(
-    nats_url: str, bad: str, value: float, what: str
+    nats_url: str, bad: str, value: float, what: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    nuids: list[str] = []
+    real = objstore.new_nuid
+
+    def new_nuid(nc: Any) -> str:
+        nuids.append(real(nc))
+        return nuids[-1]
+
+    monkeypatch.setattr(objstore, "new_nuid", new_nuid)
     cfg = ModelConfig.from_hf(CFG)
     train = names.to_training(_hf(bad, value), cfg)
     model, pub = f"nf-{uuid.uuid4().hex[:6]}", CheckpointPublisher(nats_url)
     with pytest.raises(NonFiniteWeight, match=f"tensor {bad} holds {what}") as e:
         await pub.apublish(model, "v1", train, tp=2, config=CFG)
     assert e.value.tensor == bad
-    await _nothing_stored(nats_url, model, "v1", 2)
+    await _nothing_stored(nats_url, model, "v1", 2, nuids)
     # the opt-out publishes the very same state dict (the claim was released)
     res = await pub.apublish(model, "v1", train, tp=2, config=CFG, allow_nonfinite=True)
     assert res.uploaded and res.seq > 0
