@@ -92,6 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     pub.add_argument(
         "--ipc", action="store_true", help="write to shared memory (same-host ranks, ipc strategy)"
     )
+    pub.add_argument(
+        "--allow-nonfinite",
+        action="store_true",
+        help="publish even if a weight holds NaN/Inf (refused by default)",
+    )
 
     ver = sub.add_parser("versions", help="list published versions of a model")
     ver.add_argument("--model", required=True)
@@ -100,7 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     cr = sub.add_parser("creds", help="print a NATS URL carrying a role's credentials")
     cr.add_argument("role", help="api, engine, worker, trainer or operator")
     cr.add_argument(
-        "--all", action="store_true", dest="all_servers",
+        "--all",
+        action="store_true",
+        dest="all_servers",
         help="every server of a comma-separated NATS_URL (the nats CLI's form)",
     )
     _settings_flags(cr)

@@ -640,6 +640,19 @@ class Bus:
         """Requests waiting for replies now (0 when idle: nothing leaks)."""
         return len(self._pending)
 
+    def counts(self) -> dict[str, int]:
+        """This bus's counters as ``/v1/status`` shows them (engine and API alike):
+        requests waiting for replies (``pending``, 0 when idle), late or unknown replies
+        dropped (``dropped``), messages on a served subject dropped as no request
+        (``dropped_requests``: a bare publish, a forged reply subject) and requests
+        dropped unrun past their caller's deadline (``expired``)."""
+        return {
+            "pending": self.pending,
+            "dropped": self.dropped_replies,
+            "dropped_requests": self.dropped_requests,
+            "expired": self.expired_requests,
+        }
+
     # ------------------------------------------------------------------ replies
 
     async def _on_reply(self, msg: Msg) -> None:

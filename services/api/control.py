@@ -280,8 +280,7 @@ def routes(deps: Deps) -> list[Route]:
         if reply.error_code == 200 and reply.result is not None:
             body = reply.result
             if deps.bus is not None:  # the API's own process and bus, beside the engine's
-                bus = {"pending": deps.bus.pending, "dropped": deps.bus.dropped_replies}
-                body["api"] = {"pid": os.getpid(), "bus": bus}
+                body["api"] = {"pid": os.getpid(), "bus": deps.bus.counts()}
             return _echo(request, JSONResponse(body))
         return _echo(request, reply_response(reply))
 

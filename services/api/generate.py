@@ -43,6 +43,17 @@ def decode_chunk(data: bytes) -> m.GenChunk:
     return chunk
 
 
+def eos_ids_of(tokenizer: Tokenizer) -> frozenset[int]:
+    """The stop ids that end a choice as *eos* (``stop_reason`` null): the tokenizer's own
+    eos id only. The other eos ids the model names (``generation_config.json``'s,
+    ``config.json``'s) end it as stop tokens, named in ``stop_reason`` — as vLLM, which
+    adds them to the request's ``stop_token_ids`` (``update_from_generation_config``) and
+    names a stop token's id there (``check_stop``): an RL loop can tell ``<|eot_id|>``
+    from ``<|end_of_text|>``."""
+    eos = tokenizer.eos_token_id
+    return frozenset() if eos is None else frozenset({eos})
+
+
 @dataclass
 class Delta:
     index: int
@@ -162,10 +173,10 @@ class GenCall:
         skip_special_tokens: bool = True,
         eos_ids: frozenset[int] | None = None,
     ) -> None:
-        """``eos_ids``: the stop tokens that are eos (``stop_reason`` null); the model's by
-        default, none with ``ignore_eos``."""
+        """``eos_ids``: the stop tokens that are eos (``stop_reason`` null): by default
+        :func:`eos_ids_of`, none with ``ignore_eos``."""
         self.bus, self.subjects, self.gen, self.on_version = bus, subjects, gen, on_version
-        eos = frozenset(tokenizer.stop_token_ids) if eos_ids is None else eos_ids
+        eos = eos_ids_of(tokenizer) if eos_ids is None else eos_ids
         gen.request_id = gen.request_id or new_request_id()
         gen.batch = True  # our bus takes the engine's batched chunks (one message per step)
         self.choices = [

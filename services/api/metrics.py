@@ -15,11 +15,6 @@ _GAUGES = (
     ("is_paused", "rollbus_is_paused", "1 when generation is paused"),
     ("ranks_alive", "rollbus_ranks_alive", "1 when every rank answers"),
     (
-        "dropped_replies",
-        "rollbus_bus_dropped_replies",
-        "Late or unknown replies dropped by the API's bus",
-    ),
-    (
         "version_mismatch",
         "rollbus_rank_version_mismatch",
         "Ranks serving another weight version than the engine",
@@ -46,7 +41,6 @@ _GAUGES = (
 class Metrics:
     is_paused: Gauge
     ranks_alive: Gauge
-    dropped_replies: Gauge
     version_mismatch: Gauge
     health_problems: Gauge
     staleness: Gauge
@@ -99,6 +93,14 @@ class Metrics:
         )
         for attr, name, doc in _GAUGES:
             setattr(self, attr, Gauge(name, doc, registry=r))
+        # a count that only grows is a counter (exposed as ``…_total``), moved to the
+        # bus's own total at each scrape (it was a gauge: rate() and increase() refused it)
+        self.dropped_replies = Counter(
+            "rollbus_bus_dropped_replies",
+            "Late or unknown replies dropped by the API's bus",
+            registry=r,
+        )
+        self._dropped_last = 0
         self.task_failures = Counter(
             "rollbus_task_failures",
             "Supervised long-running tasks that failed (and were restarted)",
@@ -139,7 +141,11 @@ class Metrics:
         dropped: int,
         callback_errors: dict[str, int] | None = None,
     ) -> None:
-        self.dropped_replies.set(dropped)
+        # a total below the last one is a new bus (counting from 0): all of it is new
+        self.dropped_replies.inc(
+            dropped if dropped < self._dropped_last else dropped - self._dropped_last
+        )
+        self._dropped_last = dropped
         for name, n in (callback_errors or {}).items():
             self._count(self.callback_errors, "api", name, n)
         if not health:

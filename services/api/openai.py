@@ -42,7 +42,7 @@ from starlette.types import Send
 from services.api import schema
 from services.api.body import BadRequest, parse_json, read_body
 from services.api.deps import Deps, bearer_ok
-from services.api.generate import Calls, Delta, GenCall
+from services.api.generate import Calls, Delta, GenCall, eos_ids_of
 from shared import messages as m
 from shared.chat_template import RESERVED as RESERVED_TEMPLATE_ARGS
 from shared.errors import TOO_MANY_REQUESTS, UNAUTHORIZED, ControlError
@@ -165,8 +165,9 @@ class Job:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats
     keep_stop: bool = False  # include_stop_str_in_output
     skip_special: bool = True  # skip_special_tokens
-    # the model's eos ids that end a choice as eos (stop_reason null); none with
-    # ignore_eos: an eos then ends a choice only as a stop_token_ids one, named (vLLM V1)
+    # the stop ids that end a choice as eos (stop_reason null: the tokenizer's eos, not
+    # generation_config.json's others, see eos_ids_of); none with ignore_eos: an eos then
+    # ends a choice only as a stop_token_ids one, named (vLLM V1)
     eos_ids: frozenset[int] = frozenset()
 
     @property
@@ -525,7 +526,7 @@ class OpenAIRoutes:
             continuous_usage=bool(opts and opts.include_usage and opts.continuous_usage_stats),
             keep_stop=bool(req.include_stop_str_in_output),
             skip_special=req.skip_special_tokens is not False,
-            eos_ids=frozenset(() if req.ignore_eos else self.tokenizer.stop_token_ids),
+            eos_ids=frozenset() if req.ignore_eos else eos_ids_of(self.tokenizer),
         )
 
     def _bad_words(self, words: list[str]) -> list[list[int]]:

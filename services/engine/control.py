@@ -280,13 +280,8 @@ async def status(eng: Engine, args: m.StatusArgs | None = None) -> dict[str, Any
         "ranks": ranks,
         # every rank alive and the engine's own check (ranks brought to its state)
         "ranks_ready": all(r.get("alive") for r in ranks) and eng.ranks_alive,
-        # requests waiting for replies (0 when idle) and late replies dropped
-        "bus": {
-            "pending": eng.bus.pending,
-            "dropped": eng.bus.dropped_replies,
-            # requests that came after their caller's deadline: dropped, never run
-            "expired": eng.bus.expired_requests,
-        },
+        # requests waiting for replies (0 when idle), replies and requests dropped
+        "bus": eng.bus.counts(),
         # versions behind the newest announced, the bound, requests it holds
         "staleness": eng.scheduler.staleness_report().to_dict(),
         **eng.scheduler.counts(),

@@ -22,15 +22,19 @@ def publish(
     config: Any = None,
     instance: str = "default",
     ipc: bool = False,
+    allow_nonfinite: bool = False,
 ) -> Any:
     """``publish(model, version, state_dict | dir, tp=...)``: one call, as in the design.
 
     A state dict without ``config`` is sharded by the config the rollout instance serves.
+    A NaN/Inf weight is refused (``NonFiniteWeight``) unless ``allow_nonfinite``.
     Returns the :class:`~services.trainer.publisher.PublishResult`."""
     from services.trainer.publisher import CheckpointPublisher
 
     pub = CheckpointPublisher(nats_url, instance=instance)
-    return pub.publish(model, version, source, tp=tp, config=config, ipc=ipc)
+    return pub.publish(
+        model, version, source, tp=tp, config=config, ipc=ipc, allow_nonfinite=allow_nonfinite
+    )
 
 
 def __getattr__(name: str) -> Any:

@@ -100,7 +100,15 @@ def publish(args: argparse.Namespace, settings: Settings) -> int:
         task = asyncio.current_task()
         assert task is not None
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
-        return await pub.apublish(args.model, args.version, d, tp=tp, ipc=args.ipc, progress=bar)
+        return await pub.apublish(
+            args.model,
+            args.version,
+            d,
+            tp=tp,
+            ipc=args.ipc,
+            progress=bar,
+            allow_nonfinite=args.allow_nonfinite,
+        )
 
     try:
         res = asyncio.run(run())

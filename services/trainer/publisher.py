@@ -183,9 +183,19 @@ class CheckpointPublisher:
         config: Any = None,
         ipc: bool = False,
         progress: Progress | None = None,
+        allow_nonfinite: bool = False,
     ) -> PublishResult:
         return asyncio.run(
-            self.apublish(model, version, source, tp=tp, config=config, ipc=ipc, progress=progress)
+            self.apublish(
+                model,
+                version,
+                source,
+                tp=tp,
+                config=config,
+                ipc=ipc,
+                progress=progress,
+                allow_nonfinite=allow_nonfinite,
+            )
         )
 
     def versions(self, model: str) -> list[VersionInfo]:
@@ -205,11 +215,12 @@ class CheckpointPublisher:
         source: Path | str | Mapping[str, Any],
         tp: int,
         config: Any = None,
+        allow_nonfinite: bool = False,
     ) -> tuple[list[bytes], mf.Manifest]:
         """Map names, shard and serialize: (safetensors bytes per rank, manifest)."""
         check_model_name(model)
         cfg, state = self._load(version, source, config)
-        return serialize(cfg, state, tp, model, version)
+        return serialize(cfg, state, tp, model, version, check_finite=not allow_nonfinite)
 
     def _load(
         self, version: str, source: Path | str | Mapping[str, Any], config: Any
@@ -240,10 +251,13 @@ class CheckpointPublisher:
         config: Any = None,
         ipc: bool = False,
         progress: Progress | None = None,
+        allow_nonfinite: bool = False,
     ) -> PublishResult:
         t0 = time.perf_counter()
         with _quick_gil_handoff():
-            return await self._apublish(model, version, source, tp, config, ipc, progress, t0)
+            return await self._apublish(
+                model, version, source, tp, config, ipc, progress, t0, not allow_nonfinite
+            )
 
     async def _apublish(
         self,
@@ -255,6 +269,7 @@ class CheckpointPublisher:
         ipc: bool,
         progress: Progress | None,
         t0: float,
+        finite: bool,
     ) -> PublishResult:
         # before the bus and any upload: a bad id is refused with nothing written
         check_model_name(model)
@@ -269,7 +284,7 @@ class CheckpointPublisher:
             blobs: list[bytes] = []
             man: mf.Manifest | None = None
             if layouts is None:
-                blobs, man = serialize(cfg, state, tp, model, version)
+                blobs, man = serialize(cfg, state, tp, model, version, check_finite=finite)
             bus = bus or await self._connect()  # one connection for the whole publish
             nc = bus.nc
             await objstore.ensure_ckpt_stream(nc, model)
@@ -289,7 +304,7 @@ class CheckpointPublisher:
                     if layouts is not None:
                         man, uploaded = await claim.hold_while(
                             self._upload_layouts(
-                                nc, model, version, tp, layouts, progress, old, nuids
+                                nc, model, version, tp, layouts, progress, old, nuids, finite
                             )
                         )
                     else:
@@ -399,11 +414,14 @@ class CheckpointPublisher:
         progress: Progress | None,
         old: mf.Manifest | None,
         nuids: list[str],
+        finite: bool = True,
     ) -> tuple[mf.Manifest, bool]:
         """Every rank's shard at once: each is written (one copy per byte, hashed as it
         is copied) on its own thread into a small ring of reused memory (:class:`_Ring`)
         while the part already written is being sent; the manifest (with those SHA-256)
-        goes last (the caller writes it). ``old``: the version's published manifest."""
+        goes last (the caller writes it). ``old``: the version's published manifest.
+        ``finite``: each block is checked for NaN/Inf as it is hashed (no pass of its
+        own); a non-finite tensor fails the upload, whose chunks the caller purges."""
         loop = asyncio.get_running_loop()
         total = sum(lay.size for lay in layouts)
         shas = [hashlib.sha256() for _ in layouts]
@@ -412,7 +430,7 @@ class CheckpointPublisher:
             if old is not None:  # compare content first: hash without uploading
                 await asyncio.gather(
                     *(
-                        loop.run_in_executor(pool, _fill_scratch, lay, sha)
+                        loop.run_in_executor(pool, _fill_scratch, lay, sha, finite)
                         for lay, sha in zip(layouts, shas, strict=True)
                     )
                 )
@@ -446,7 +464,14 @@ class CheckpointPublisher:
                 # header and transposed/strided tensors are copied into the ring
                 fill = loop.run_in_executor(
                     pool,
-                    lambda: lay.fill(ring.buf, shas[i], on_filled, ring.room, skip_direct=True),
+                    lambda: lay.fill(
+                        ring.buf,
+                        shas[i],
+                        on_filled,
+                        ring.room,
+                        skip_direct=True,
+                        check_finite=finite,
+                    ),
                 )
                 fill.add_done_callback(lambda _: wake.set())
 
@@ -1031,11 +1056,11 @@ class _RingCache:
 RING_KEEP = 8
 
 
-def _fill_scratch(lay: ShardLayout, sha: Any) -> None:
+def _fill_scratch(lay: ShardLayout, sha: Any, finite: bool) -> None:
     """Hash ``lay``'s bytes through a scratch buffer (nothing kept)."""
     buf = mmap.mmap(-1, max(1, lay.size))
     try:
-        lay.fill(buf, sha)
+        lay.fill(buf, sha, check_finite=finite)
     finally:
         with contextlib.suppress(BufferError):
             buf.close()

@@ -39,6 +39,54 @@ FILL_BLOCK = 4 << 20  # copy (and hash) in blocks this large, while they are in 
 TILE = 256  # a transposed source is copied in TILE × TILE tiles
 
 
+class NonFiniteWeight(ValueError):
+    """A tensor holds NaN or ±Inf: refused by the publisher unless asked to publish it."""
+
+    def __init__(self, name: str, rank: int, what: str) -> None:
+        self.tensor, self.rank = name, rank
+        super().__init__(
+            f"tensor {name} holds {what} (in rank {rank}'s shard): a checkpoint with "
+            "non-finite weights is not published (allow_nonfinite=True, or "
+            "`rollbus publish --allow-nonfinite`, publishes it anyway)"
+        )
+
+
+# the sign bit off, a 2-byte float's bits at or above its exponent mask are ±Inf or NaN
+# (numpy has no bf16, and its float16 isfinite is ~20× slower than this)
+_EXP16 = {"float16": 0x7C00, "bfloat16": 0x7F80}
+
+
+def _nonfinite(block: np.ndarray, kind: str) -> str | None:
+    """None when every element of ``block`` is finite, else what was found ("NaN" or
+    "Inf"). ``kind``: :func:`shared.safetensors.dtype_name` of its dtype."""
+    mask = _EXP16.get(kind)
+    if mask is not None:
+        if not block.size:
+            return None
+        low = np.bitwise_and(block.view(np.uint16), 0x7FFF)
+        if int(low.max()) < mask:
+            return None
+        return "NaN" if (low > mask).any() else "Inf"
+    # one read, nothing written (measured cheaper than isfinite(...).all()): NaN and Inf
+    # carry through a sum, so a finite sum is a finite block; a non-finite one may be an
+    # overflow of finite values, which the exact test tells apart
+    with np.errstate(over="ignore"):
+        total = np.add.reduce(block, axis=None)
+    if np.isfinite(total) or np.isfinite(block).all():
+        return None
+    return "NaN" if np.isnan(block).any() else "Inf"
+
+
+def _hash_checked(
+    buf: memoryview, a: int, n: int, sha: Any, dtype: np.dtype[Any], kind: str
+) -> str | None:
+    """``sha.update(buf[a:a+n])``, then with ``kind`` the same bytes (whole ``dtype``
+    elements) checked by :func:`_nonfinite` while still in cache: no pass of its own."""
+    if sha is not None:
+        sha.update(buf[a : a + n])
+    return _nonfinite(np.frombuffer(buf, dtype, n // dtype.itemsize, a), kind) if kind else None
+
+
 @dataclass
 class ShardLayout:
     """One rank's safetensors file, planned but not yet written: its header and, for each
@@ -59,6 +107,7 @@ class ShardLayout:
         on_filled: Callable[[int], None] | None = None,
         room: Callable[[int], None] | None = None,
         skip_direct: bool = False,
+        check_finite: bool = False,
     ) -> None:
         """Write the file into ``buf`` (``size`` bytes, writable) in order; hash each block
         right after copying it when ``sha`` is given; ``on_filled(n)`` after every block:
@@ -68,7 +117,11 @@ class ShardLayout:
 
         ``skip_direct``: the bytes of a C-contiguous source (:meth:`segments`) are not
         copied into ``buf`` (the sender takes them from the source); they are still hashed
-        (from the source) and reported by ``on_filled`` in blocks, in order."""
+        (from the source) and reported by ``on_filled`` in blocks, in order.
+
+        ``check_finite``: the bytes are also checked for NaN/Inf as they are hashed
+        (:func:`_hash_checked`: no pass of its own); the first found raises
+        :class:`NonFiniteWeight` naming the tensor, before its block is reported."""
         view = memoryview(buf).cast("B")
         if room is not None:
             room(len(self.header))
@@ -76,13 +129,14 @@ class ShardLayout:
         if sha is not None:
             sha.update(self.header)
         done = len(self.header)
-        for _, src, off in self.parts:
+        for name, src, off in self.parts:
+            kind = st.dtype_name(src.dtype) if check_finite else ""
             if skip_direct and src.flags.c_contiguous:
                 raw = _bytes_of(src)
                 for a in range(0, len(raw), FILL_BLOCK):
                     n = min(FILL_BLOCK, len(raw) - a)
-                    if sha is not None:
-                        sha.update(raw[a : a + n])
+                    if what := _hash_checked(raw, a, n, sha, src.dtype, kind):
+                        raise NonFiniteWeight(name, self.rank, what)
                     done += n
                     if on_filled is not None:
                         on_filled(done)
@@ -110,8 +164,8 @@ class ShardLayout:
                 else:
                     np.copyto(dst, src)
                     n = src.nbytes
-                if sha is not None:
-                    sha.update(view[done : done + n])
+                if what := _hash_checked(view, done, n, sha, src.dtype, kind):
+                    raise NonFiniteWeight(name, self.rank, what)
                 done += n
                 if on_filled is not None:
                     on_filled(done)
@@ -239,19 +293,31 @@ def _shard_view(cfg: ModelConfig, name: str, full: np.ndarray, r: int, tp: int) 
 
 
 def serialize(
-    cfg: ModelConfig, state: dict[str, np.ndarray], tp: int, model: str, version: str
+    cfg: ModelConfig,
+    state: dict[str, np.ndarray],
+    tp: int,
+    model: str,
+    version: str,
+    check_finite: bool = False,
 ) -> tuple[list[bytes], mf.Manifest]:
     """Safetensors bytes per rank and the manifest describing them (each byte copied
-    once, from the source tensors straight into the file, hashed while in cache)."""
+    once, from the source tensors straight into the file, hashed while in cache).
+    ``check_finite``: :class:`NonFiniteWeight` for the first NaN/Inf found."""
     layouts = plan_shards(cfg, state, tp)
     if layouts is None:
+        if check_finite:  # a rare dtype: a pass of its own
+            for r, shard in enumerate(shard_state(cfg, state, tp)):
+                for n, a in shard.items():
+                    native = np.ascontiguousarray(a, a.dtype.newbyteorder("="))
+                    if what := _nonfinite(native, st.dtype_name(a.dtype)):
+                        raise NonFiniteWeight(n, r, what)
         return _serialize_slow(cfg, state, tp, model, version)
     blobs: list[bytes] = []
     specs: list[mf.ShardSpec] = []
     for lay in layouts:
         buf = bytearray(lay.size)
         sha = hashlib.sha256()
-        lay.fill(buf, sha)
+        lay.fill(buf, sha, check_finite=check_finite)
         blobs.append(buf)  # type: ignore[arg-type]  # a bytearray: bytes-like, no copy
         specs.append(mf.ShardSpec(lay.rank, lay.file, lay.size, sha.hexdigest(), lay.tensors))
     return blobs, mf.Manifest(

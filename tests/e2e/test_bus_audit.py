@@ -134,3 +134,33 @@ def test_a_raw_gen_body_that_is_no_json_object_gets_a_json_refusal(
     assert chunk["error_code"] == 400 and chunk["finish_reason"] == "error", chunk
     assert "int" not in chunk["error_message"] or body == b"123", chunk
     assert stack.status()["state"] == "running"
+
+
+def test_status_counts_dropped_requests_for_the_engine_and_the_api(stack: Stack) -> None:
+    """A message on a served subject that is no request (a bare publish: no reply subject,
+    no request id) is dropped before any handler runs, and counted: `/v1/status` shows it
+    as `bus.dropped_requests` beside the dropped replies (it showed nowhere), for the
+    API's bus too; `/metrics` exposes the dropped replies as a counter."""
+    before = stack.status()
+
+    async def bare() -> None:
+        nc = await nats.connect(stack.nats_url)
+        try:
+            for _ in range(3):
+                await nc.publish(Subjects(stack.instance).ctl("pause"), b"{}")
+            await nc.flush()
+        finally:
+            await nc.close()
+
+    asyncio.run(bare())
+    n = before["bus"]["dropped_requests"]
+    deadline = time.monotonic() + 10
+    while (after := stack.status())["bus"]["dropped_requests"] < n + 3:
+        assert time.monotonic() < deadline, after["bus"]
+        time.sleep(0.1)
+    assert after["state"] == before["state"]  # the pause never ran
+    assert set(after["api"]["bus"]) == {"pending", "dropped", "dropped_requests", "expired"}
+    with stack.client() as c:
+        text = c.get("/metrics").text
+    assert "# TYPE rollbus_bus_dropped_replies_total counter" in text
+    assert "\nrollbus_bus_dropped_replies_total " in text

@@ -73,3 +73,17 @@ def test_an_engine_that_does_not_answer_is_a_health_problem() -> None:
         "rollbus_health_problems",
         "rollbus_task_failures",
     }
+
+
+def test_dropped_replies_is_a_counter_that_never_goes_back() -> None:
+    """A count that only grows is exposed as a Prometheus counter (``…_total``: rate()
+    and increase() work on it); it was a gauge. A new bus (its total from 0 again) counts
+    on top."""
+    m = Metrics()
+    for total in (3, 5, 1):
+        m.refresh(health(100, 0), total)
+    assert value(m, "rollbus_bus_dropped_replies_total") == 5 + 1
+    text = m.render().decode()
+    kinds = {f.name: f.type for f in text_string_to_metric_families(text)}
+    assert kinds["rollbus_bus_dropped_replies"] == "counter"
+    assert "# TYPE rollbus_bus_dropped_replies gauge" not in text
