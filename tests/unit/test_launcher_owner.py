@@ -3,9 +3,9 @@ whose server and launcher both run (``DATA_DIR/nats/owner.json``), never a lefto
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from services.launcher import EmbeddedOwner, running_embedded
@@ -43,7 +43,9 @@ def test_join_only_a_server_whose_launcher_runs(tmp_path: Path) -> None:
     # a zombie (not reaped yet) is no live server
     z = subprocess.Popen([sys.executable, "-c", "pass"])
     try:
-        time.sleep(0.5)  # exited, not waited for
+        # until it has exited, without reaping it (a fixed sleep was too short on a loaded
+        # host: an interpreter's start alone can take longer)
+        os.waitid(os.P_PID, z.pid, os.WEXITED | os.WNOWAIT)
         EmbeddedOwner("nats://x:1", 1, z.pid, z.pid, "a").write(tmp_path)
         assert running_embedded(tmp_path) is None
     finally:
