@@ -74,6 +74,10 @@ SETTLE_POLL_S = 0.1  # how often a settle after a failed step looks for ranks go
 GONE_POLL_S = 0.25  # a step not answered this long looks for ranks gone this often
 COALESCE_STEPS = 16  # a coalesced request's held tokens go out at least this often (steps)
 NATS_MAX_PAYLOAD = 1 << 20  # nats-server's default, when the bus cannot tell its own
+# an idle start's quiet gap is at least this share of a step: a client's burst spreads as
+# its host slows, and so do the steps (a busy shared host: 16 httpx requests over ≈ 40 ms
+# against 3 ms), while a group that misses the first step costs the batch a whole step
+QUIET_STEP_SHARE = 0.05
 
 T = TypeVar("T")
 
@@ -430,13 +434,17 @@ class Generation:
     def gather_window(self) -> tuple[float, float, float]:
         """(most, quiet, held) seconds an idle start waits: ``ROLLBUS_ADMIT_WAIT_MS``, at
         most half a step's round trip (a later arrival costs the batch about one step);
-        it ends once no request has come for ``ROLLBUS_ADMIT_QUIET_MS`` — unless a sender
+        it ends once no request has come for ``ROLLBUS_ADMIT_QUIET_MS`` (or
+        ``QUIET_STEP_SHARE`` of a step when that is longer: see there) — unless a sender
         said it holds more (``GenRequest.more``: a burst the API is still tokenizing and
         sending): those are waited for up to ``ROLLBUS_ADMIT_WAIT_MS`` (``held``)."""
         s = self.engine.settings
         held = getattr(s, "admit_wait_ms", 0.0) / 1e3
         most = min(held, self.step_avg / 2) if self.step_avg else held
-        return most, min(getattr(s, "admit_quiet_ms", 0.0) / 1e3, most), held
+        quiet = getattr(s, "admit_quiet_ms", 0.0) / 1e3
+        if quiet > 0:  # 0: start as soon as no sender holds more, as set
+            quiet = max(quiet, QUIET_STEP_SHARE * self.step_avg)
+        return most, min(quiet, most), held
 
     def _more_coming(self, now: float, held: float) -> bool:
         return any(n > 0 and now - t < held for n, t in self._coming.values())

@@ -8,6 +8,8 @@ import asyncio
 import time
 from typing import Any
 
+import pytest
+
 from services.engine.generation import Generation
 from shared import messages as m
 from tests.unit.engine.test_step_lock import engine
@@ -95,3 +97,26 @@ async def test_requests_the_sender_still_holds_are_waited_for() -> None:
     t0 = time.monotonic()
     await asyncio.wait_for(gen.gather(), 2.0)
     assert time.monotonic() - t0 >= 0.29
+
+
+async def test_the_quiet_gap_grows_with_the_step_time() -> None:
+    """A busy host spreads a client's burst (httpx's 16 requests over ≈ 40 ms at load 8,
+    ``GenRequest.more`` 0 between its clumps) and slows the steps alike: the quiet gap is
+    at least ``QUIET_STEP_SHARE`` of a step, so a burst with gaps of tens of ms between
+    arrivals still starts in one step, at 5 % of a step's wait."""
+    gen = gen_with(4000, quiet_ms=1)
+    assert gen.gather_window() == (4.0, 0.001, 4.0)  # no step yet: the setting alone
+    gen.step_avg = 6.0  # a slow step: quiet 0.3 s (5 %), at most 3 s (half)
+    assert gen.gather_window() == (3.0, pytest.approx(0.3), 4.0)
+    zero = gen_with(4000, quiet_ms=0)
+    zero.step_avg = 6.0
+    assert zero.gather_window()[1] == 0.0  # 0: no quiet gap, as set
+    arrive(gen, 0)
+    task: asyncio.Task[Any] = asyncio.create_task(gen.gather())
+    for i in range(1, 4):
+        await asyncio.sleep(0.05)  # 50 times ADMIT_QUIET_MS, a sixth of the gap
+        assert not task.done()
+        arrive(gen, i)
+    await asyncio.wait_for(task, 2.0)
+    plan = gen.sched.schedule()
+    assert plan is not None and len(plan.step.rows) == 4
