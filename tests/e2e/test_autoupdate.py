@@ -264,3 +264,32 @@ def test_a_snapshot_dir_mid_copy_waits_a_complete_broken_one_is_refused(
     assert fail["error_code"] == 422 and fail["retry"] is False, fail
     assert "SHA-256" in fail["error_message"], fail
     assert serving(ustack, "m1")
+
+
+def test_a_manifest_still_being_copied_is_waited_for_not_refused(
+    ustack: Stack, tmp_path: Path
+) -> None:
+    """``cp -r`` creates ``manifest.json`` empty, then writes it: a dir caught in between
+    (every shard complete) is a copy in progress — 404, waited for without a pause —,
+    never a 422 that auto-update refuses for good (and stores as refused)."""
+    cfg = ModelConfig.from_hf(model_config(ustack.model_dir))
+    src = tmp_path / "src"
+    write_sharded_dir(src, cfg, sharding.init_weights(cfg, 11), 2, model_of(ustack), "c1")
+    dst = ustack.model_dir / "versions" / "c1"
+    shutil.copytree(src, dst)
+    manifest = (dst / "manifest.json").read_bytes()
+    (dst / "manifest.json").write_bytes(b"")  # created, not written yet
+    assert post(ustack, "/v1/pause").status_code == 200
+    r = post(ustack, "/v1/update_weights", json={"version": "c1"})
+    assert r.status_code == 404 and "not complete yet" in r.text, r.text
+    assert post(ustack, "/v1/resume").status_code == 200
+    before = len(events(ustack, "state"))
+    announce_only(ustack, "c1")
+    why = waited_undisturbed(ustack, "c1", before)
+    assert "manifest.json has 0 bytes" in why, why
+    (dst / "manifest.json").write_bytes(manifest[: len(manifest) // 2])  # being written
+    time.sleep(3)
+    assert [e["action"] for e in auto_events(ustack, "c1")] == ["waiting"]
+    (dst / "manifest.json").write_bytes(manifest)  # the copy ends
+    wait_for(lambda: serving(ustack, "c1"))
+    assert [e["action"] for e in auto_events(ustack, "c1")] == ["waiting", "updated"]
