@@ -30,8 +30,9 @@ are there. Generation is not disturbed meanwhile.
 An event is acked only once it is applied, ignored as not newer, or failed for good
 (400/422: the version itself is bad — recorded as an ``auto_update`` event naming the
 ``next`` version tried instead; the refused set is part of the engine's stored state,
-``services.engine.persist``). Any other failure (404: its files or objects are not
-there yet; 409, 5xx, a rank not answering) keeps it: it is retried with backoff
+``services.engine.persist``; a refused version's event again is ignored, no pause).
+Any other failure (404: its files or objects are not there yet; 409, 5xx, a rank not
+answering) keeps it: it is retried with backoff
 (``RETRY_S`` doubling up to ``RETRY_MAX_S``) until it applies or a newer event replaces
 it; an engine that dies meanwhile gets it again from its durable. A sleeping engine is
 updated too: its ranks validate and record the version, and wakeup loads it. A failed
@@ -280,6 +281,15 @@ async def apply(engine: Engine, seq: int, ev: VersionPublished) -> dict[str, Any
         rec: dict[str, Any] = {"version": ev.version, "seq": seq, "previous": current}
         if not idx.is_newer(ev.version, current):
             rec.update(action="ignored", reason=f"not newer than the served version {current!r}")
+        elif ev.version in idx.refused:
+            # its event again (redelivered after a restart, re-announced, published
+            # again): versions are immutable, so no pause for the same 400/422; the
+            # next one newer than the served version is tried instead, as at a refusal
+            rec.update(
+                action="ignored",
+                reason="refused here before (400/422)",
+                next=idx.fallback(current),
+            )
         else:
             asleep = engine.state.state is State.SLEEPING
             if asleep:
@@ -330,7 +340,8 @@ async def _apply_safely(engine: Engine, seq: int, ev: VersionPublished) -> dict[
 async def _pending_safely(engine: Engine, version: str) -> str | None:
     """:func:`pending` for a version that would apply (None for any other: the update
     ignores it); None when the look itself fails (the update decides, as before)."""
-    if not index_of(engine).is_newer(version, engine.state.weight_version):
+    idx = index_of(engine)
+    if version in idx.refused or not idx.is_newer(version, engine.state.weight_version):
         return None
     try:
         return await pending(engine, version)
@@ -427,6 +438,7 @@ async def follow(engine: Engine) -> None:
         rec = await _apply_safely(engine, *target)
         if rec["action"] == "failed" and not rec.get("retry"):
             await engine.persist.save()  # a restored engine does not try it again
+        if rec["action"] != "updated":  # refused now or before: maybe another to try
             nxt = rec.get("next")
             if nxt is not None:  # the events so far are settled; go on to the next newest
                 log.warning(
