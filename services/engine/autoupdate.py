@@ -27,7 +27,9 @@ pause: it looks again after ``WAIT_S`` doubling up to ``WAIT_MAX_S``, says so on
 ``auto_update`` event, ``action: waiting``, and one warning), and updates once they
 are there. Generation is not disturbed meanwhile.
 
-An event is acked only once it is applied, ignored as not newer, or failed for good
+An event is acked only once it is applied, ignored as not newer, superseded (a newer
+event became the target: un-acked, events ahead of files that never come would pile up
+to the durable's max_ack_pending and stall the feed), or failed for good
 (400/422: the version itself is bad — recorded as an ``auto_update`` event naming the
 ``next`` version tried instead; the refused set is part of the engine's stored state,
 ``services.engine.persist``; a refused version's event again is ignored, no pause).
@@ -45,10 +47,10 @@ was down from its durable (un-acked) instead, so a deliberate rollback survives 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 import re
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -361,6 +363,20 @@ async def _keep(held: list[Any]) -> None:
             pass
 
 
+async def _settle(held: list[tuple[str, Any]], keep: str = "") -> list[tuple[str, Any]]:
+    """Ack the held events, but those of version ``keep``; returns those."""
+    kept = []
+    for version, msg in held:
+        if version == keep:
+            kept.append((version, msg))
+            continue
+        try:
+            await objstore.VersionFeed.ack(msg)
+        except Exception:  # noqa: BLE001 - redelivered, then ignored as not newer
+            pass
+    return kept
+
+
 async def follow(engine: Engine) -> None:
     """Auto-update loop (see the module doc). Runs until cancelled."""
     nc = engine.bus.nc
@@ -383,9 +399,10 @@ async def follow(engine: Engine) -> None:
     target = None if getattr(engine, "restored", False) else newest(past, idx)
     if target and not idx.is_newer(target[1].version, engine.state.weight_version):
         target = None
-    held: list[Any] = []
+    held: list[tuple[str, Any]] = []  # (version, message) of every event not settled
     backoff, next_try = RETRY_S, 0.0
     wait_s, waiting = WAIT_S, ""  # the version whose files are awaited (said once)
+    since = 0.0  # when that wait began
     feed_errors = 0
     loop = asyncio.get_running_loop()
     while True:
@@ -415,10 +432,15 @@ async def follow(engine: Engine) -> None:
             continue  # `held` stays: acks go to the durable, not to the subscription
         for seq, ev, msg in batch:
             _learn(engine, seq, ev.version)
-            held.append(msg)
+            held.append((ev.version, msg))
         top = newest([(seq, ev) for seq, ev, _ in batch], idx)
         if top and (target is None or idx.seq_of(top[1].version) > idx.seq_of(target[1].version)):
             target, backoff, next_try = top, RETRY_S, 0.0  # a newer one replaces a retry
+            # the events of the versions it supersedes are settled: acked now, not when
+            # it applies — un-acked, events ahead of their files (never coming) pile up
+            # to the durable's max_ack_pending (1000), past which JetStream delivers no
+            # newer event: auto-update would wait for an old version for ever
+            held = await _settle(held, keep=top[1].version)
         if target is None or loop.time() < next_try:
             continue
         version = target[1].version
@@ -427,12 +449,20 @@ async def follow(engine: Engine) -> None:
             if waiting != version:
                 waiting, wait_s = version, WAIT_S
                 log.warning("auto-update: waiting for the files of %s: %s", version, why)
-                rec = {"version": version, "seq": target[0], "action": "waiting", "reason": why}
+                rec: dict[str, Any] = {
+                    "version": version,
+                    "seq": target[0],
+                    "action": "waiting",
+                    "reason": why,
+                }
                 await engine.event("auto_update", rec)
+                since = time.time()
+            engine.auto_update_waiting = {"version": version, "reason": why, "since": since}
             next_try = loop.time() + wait_s
             wait_s = min(wait_s * 2, WAIT_MAX_S)
-            await _keep(held)
+            await _keep([msg for _, msg in held])
             continue
+        engine.auto_update_waiting = None
         if waiting == version:
             log.info("auto-update: the files of %s are there", version)
         rec = await _apply_safely(engine, *target)
@@ -444,21 +474,13 @@ async def follow(engine: Engine) -> None:
                 log.warning(
                     "auto-update: %s cannot be loaded here; trying %s", target[1].version, nxt
                 )
-                for msg in held:
-                    with contextlib.suppress(Exception):
-                        await objstore.VersionFeed.ack(msg)
-                held = []
+                held = await _settle(held)
                 target = (idx.seq_of(nxt), VersionPublished(target[1].model, nxt, target[1].tp))
                 backoff, next_try = RETRY_S, 0.0
                 continue
         if rec["action"] == "failed" and rec.get("retry"):
             next_try = loop.time() + backoff
             backoff = min(backoff * 2, RETRY_MAX_S)
-            await _keep(held)
+            await _keep([msg for _, msg in held])
             continue
-        for msg in held:
-            try:
-                await objstore.VersionFeed.ack(msg)
-            except Exception:  # noqa: BLE001 - redelivered, then ignored as not newer
-                pass
-        held, target = [], None
+        held, target = await _settle(held), None
