@@ -9,7 +9,8 @@ dir ``<model>/versions/V/``:
 * not present yet: the dir holds no weight file at all; or its ``manifest.json`` or
   ``model.safetensors.index.json`` is a JSON document cut short (empty — ``cp`` creates
   it, then writes it —, or its parse fails at its very end); or a file its
-  ``manifest.json`` or ``model.safetensors.index.json`` names does not exist; or a
+  ``manifest.json`` or ``model.safetensors.index.json`` names, or an HF shard's
+  ``-0000k-of-0000n`` siblings need, does not exist; or a
   weight file is **shorter** than what describes it — the manifest's ``size``, or its
   own safetensors header (fewer than 8 bytes, a header length past the end of the file,
   a tensor's byte range past the end of the file). A copy only ever appends, so each of
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from collections.abc import Iterable
 from pathlib import Path
@@ -113,6 +115,28 @@ def _manifest(data: bytes | None) -> mf.Manifest | None:
         return None  # broken: the load decides
 
 
+# an HF sharded checkpoint's file names: model-00001-of-00003.safetensors
+NUMBERED = re.compile(r"(.+)-(\d{5})-of-(\d{5})\.safetensors")
+
+
+def numbered_missing(files: list[Path]) -> str | None:
+    """A file of an HF sharded checkpoint (``<p>-0000k-of-0000n.safetensors``) that
+    its siblings' names say must exist and does not: a dir without its index yet
+    (``cp`` copies in directory order) is then a copy in progress, not a checkpoint
+    that lacks tensors."""
+    seen = set()
+    for f in files:
+        if (m := NUMBERED.fullmatch(f.name)) is None or (m.group(1), m.group(3)) in seen:
+            continue
+        seen.add((m.group(1), m.group(3)))
+        prefix, total = m.group(1), int(m.group(3))
+        for k in range(1, total + 1):
+            name = f"{prefix}-{k:05d}-of-{total:05d}.safetensors"
+            if not (f.parent / name).exists():
+                return f"{name} is not there yet"
+    return None
+
+
 def sharded(d: Path, tp: int) -> bool:
     """A pre-sharded dir (``manifest.json`` or any ``rank<r>-of-<tp>.safetensors``), as
     opposed to an HF checkpoint dir."""
@@ -154,6 +178,8 @@ def snapshot_pending(d: Path, tp: int, ranks: Iterable[int]) -> str | None:
         return None  # a bad index: broken
     if not files:
         return "no weight file (manifest.json, *.safetensors) yet"
+    if why := numbered_missing(files):
+        return why
     for f in files:
         if why := short_file(f, f.name):
             return why

@@ -118,3 +118,15 @@ def test_a_file_whose_header_is_not_json_is_broken_not_pending(tmp_path: Path) -
     assert short_file(f, "x") is None
     f.write_bytes((64).to_bytes(8, "little") + b"{")  # the header itself is cut
     assert short_file(f, "x") == "x has 9 bytes, its header alone 72"
+
+
+def test_hf_shard_names_say_which_file_is_still_to_come(tmp_path: Path) -> None:
+    src = create_model_dir(tmp_path / "m", TINY_CONFIG, seed=0)
+    d = tmp_path / "v"
+    d.mkdir()
+    shutil.copy(src / "model.safetensors", d / "model-00002-of-00003.safetensors")
+    assert snapshot_pending(d, 1, [0]) == "model-00001-of-00003.safetensors is not there yet"
+    shutil.copy(src / "model.safetensors", d / "model-00001-of-00003.safetensors")
+    assert snapshot_pending(d, 1, [0]) == "model-00003-of-00003.safetensors is not there yet"
+    shutil.copy(src / "model.safetensors", d / "model-00003-of-00003.safetensors")
+    assert snapshot_pending(d, 1, [0]) is None
