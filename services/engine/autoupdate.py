@@ -383,6 +383,7 @@ async def follow(engine: Engine) -> None:
     model = engine.settings.served_model_name
     feed = objstore.VersionFeed(nc, model, durable_name(engine.settings.instance, model))
     idx = index_of(engine)
+    engine.auto_update_waiting = None  # a restarted loop looks again before saying so
 
     async def setup() -> list[tuple[int, VersionPublished]]:
         await objstore.ensure_ckpt_stream(nc, model)
