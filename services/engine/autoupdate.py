@@ -27,9 +27,9 @@ pause: it looks again after ``WAIT_S`` doubling up to ``WAIT_MAX_S``, says so on
 ``auto_update`` event, ``action: waiting``, and one warning), and updates once they
 are there. Generation is not disturbed meanwhile.
 
-An event is acked only once it is applied, ignored as not newer, superseded (a newer
-event became the target: un-acked, events ahead of files that never come would pile up
-to the durable's max_ack_pending and stall the feed), or failed for good
+An event is acked only once it is applied, ignored as not newer, superseded (any event
+but the current target's: un-acked, events ahead of files that never come would pile
+up to the durable's max_ack_pending and stall the feed), or failed for good
 (400/422: the version itself is bad — recorded as an ``auto_update`` event naming the
 ``next`` version tried instead; the refused set is part of the engine's stored state,
 ``services.engine.persist``; a refused version's event again is ignored, no pause).
@@ -437,11 +437,13 @@ async def follow(engine: Engine) -> None:
         top = newest([(seq, ev) for seq, ev, _ in batch], idx)
         if top and (target is None or idx.seq_of(top[1].version) > idx.seq_of(target[1].version)):
             target, backoff, next_try = top, RETRY_S, 0.0  # a newer one replaces a retry
-            # the events of the versions it supersedes are settled: acked now, not when
-            # it applies — un-acked, events ahead of their files (never coming) pile up
-            # to the durable's max_ack_pending (1000), past which JetStream delivers no
-            # newer event: auto-update would wait for an old version for ever
-            held = await _settle(held, keep=top[1].version)
+        if target is not None and batch:
+            # every event but the target's is settled (superseded, or older): acked now,
+            # not when the target applies — un-acked, events ahead of their files (never
+            # coming) pile up to the durable's max_ack_pending (1000), past which
+            # JetStream delivers no newer event: auto-update would wait for an old
+            # version for ever
+            held = await _settle(held, keep=target[1].version)
         if target is None or loop.time() < next_try:
             continue
         version = target[1].version
