@@ -6,15 +6,19 @@ after the event (``cp -r``, ``rsync``), an event published by hand. Such a versi
 never *broken* (422, refused for good). The rule that separates them, for a snapshot
 dir ``<model>/versions/V/``:
 
-* not present yet: the dir holds no weight file at all; or a file its
-  ``manifest.json`` or ``model.safetensors.index.json`` names does not exist; or a
+* not present yet: the dir holds no weight file at all; or its ``manifest.json`` or
+  ``model.safetensors.index.json`` is a JSON document cut short (empty — ``cp`` creates
+  it, then writes it —, or its parse fails at its very end); or a file its
+  ``manifest.json`` or ``model.safetensors.index.json`` names, or an HF shard's
+  ``-0000k-of-0000n`` siblings need, does not exist; or a
   weight file is **shorter** than what describes it — the manifest's ``size``, or its
   own safetensors header (fewer than 8 bytes, a header length past the end of the file,
   a tensor's byte range past the end of the file). A copy only ever appends, so each of
   these is what a copy in progress looks like.
 * broken (the load decides, 422): everything else — a manifest or index that does not
-  parse or does not validate, a file **longer** than stated, a header that is not valid
-  JSON, a SHA-256, shape or name mismatch. A file truncated for good therefore waits
+  parse before its end (garbage, trailing bytes) or does not validate, a file
+  **longer** than stated, a header that is not valid JSON, a SHA-256, shape or name
+  mismatch. A file truncated for good therefore waits
   (404 naming the file and its size) instead of being refused: it cannot be told from
   one still being written.
 """
@@ -23,9 +27,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from collections.abc import Iterable
 from pathlib import Path
+
+import msgspec
 
 from shared import manifest as mf
 from shared import safetensors as st
@@ -76,14 +83,58 @@ def short_file(path: Path, name: str, want: int | None = None) -> str | None:
         os.close(fd)
 
 
-def _manifest(d: Path) -> mf.Manifest | None:
+def cut_json(data: bytes) -> bool:
+    """Whether ``data`` is a JSON document cut short: empty, or its parse runs out of
+    input (``{``, ``{"a": 1``, ``{"na``) — a prefix of a document, what a JSON file
+    still being copied looks like (``cp`` creates it empty, then writes it). Garbage
+    (an invalid byte before the end), trailing bytes, a document that parses: not cut."""
     try:
-        with open(d / MANIFEST, "rb") as f:
-            if os.fstat(f.fileno()).st_size > mf.MAX_MANIFEST_BYTES:
+        msgspec.json.decode(data)
+    except msgspec.DecodeError as e:
+        return str(e).startswith("Input data was truncated")
+    return False
+
+
+def _read_json(path: Path, limit: int) -> bytes | None:
+    """The bytes of a small JSON file, or None (unreadable, larger than ``limit``)."""
+    try:
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size > limit:
                 return None
-            return mf.decode(f.read(mf.MAX_MANIFEST_BYTES), MANIFEST)
-    except (OSError, ControlError):
-        return None  # broken, or no manifest: the load decides
+            return f.read(limit)
+    except OSError:
+        return None
+
+
+def _manifest(data: bytes | None) -> mf.Manifest | None:
+    if data is None:
+        return None
+    try:
+        return mf.decode(data, MANIFEST)
+    except ControlError:
+        return None  # broken: the load decides
+
+
+# an HF sharded checkpoint's file names: model-00001-of-00003.safetensors
+NUMBERED = re.compile(r"(.+)-(\d{5})-of-(\d{5})\.safetensors")
+
+
+def numbered_missing(files: list[Path]) -> str | None:
+    """A file of an HF sharded checkpoint (``<p>-0000k-of-0000n.safetensors``) that
+    its siblings' names say must exist and does not: a dir without its index yet
+    (``cp`` copies in directory order) is then a copy in progress, not a checkpoint
+    that lacks tensors."""
+    seen = set()
+    for f in files:
+        if (m := NUMBERED.fullmatch(f.name)) is None or (m.group(1), m.group(3)) in seen:
+            continue
+        seen.add((m.group(1), m.group(3)))
+        prefix, total = m.group(1), int(m.group(3))
+        for k in range(1, total + 1):
+            name = f"{prefix}-{k:05d}-of-{total:05d}.safetensors"
+            if not (f.parent / name).exists():
+                return f"{name} is not there yet"
+    return None
 
 
 def sharded(d: Path, tp: int) -> bool:
@@ -98,7 +149,10 @@ def snapshot_pending(d: Path, tp: int, ranks: Iterable[int]) -> str | None:
     load reports). See the module doc for the rule."""
     ranks = list(ranks)
     if (d / MANIFEST).is_file():
-        man = _manifest(d)
+        data = _read_json(d / MANIFEST, mf.MAX_MANIFEST_BYTES)
+        if data is not None and cut_json(data):
+            return f"{MANIFEST} has {len(data)} bytes, not a whole JSON document yet"
+        man = _manifest(data)
         if man is None:
             return None
         for r in ranks:
@@ -115,12 +169,17 @@ def snapshot_pending(d: Path, tp: int, ranks: Iterable[int]) -> str | None:
             if why := short_file(d / name, name):
                 return why
         return None
+    index = _read_json(d / st.INDEX_FILE, st.MAX_INDEX_BYTES)
+    if index is not None and cut_json(index):
+        return f"{st.INDEX_FILE} has {len(index)} bytes, not a whole JSON document yet"
     try:
         files = st.checkpoint_files(d)
     except (OSError, ValueError):
         return None  # a bad index: broken
     if not files:
         return "no weight file (manifest.json, *.safetensors) yet"
+    if why := numbered_missing(files):
+        return why
     for f in files:
         if why := short_file(f, f.name):
             return why

@@ -27,11 +27,14 @@ pause: it looks again after ``WAIT_S`` doubling up to ``WAIT_MAX_S``, says so on
 ``auto_update`` event, ``action: waiting``, and one warning), and updates once they
 are there. Generation is not disturbed meanwhile.
 
-An event is acked only once it is applied, ignored as not newer, or failed for good
+An event is acked only once it is applied, ignored as not newer, superseded (any event
+but the current target's: un-acked, events ahead of files that never come would pile
+up to the durable's max_ack_pending and stall the feed), or failed for good
 (400/422: the version itself is bad — recorded as an ``auto_update`` event naming the
 ``next`` version tried instead; the refused set is part of the engine's stored state,
-``services.engine.persist``). Any other failure (404: its files or objects are not
-there yet; 409, 5xx, a rank not answering) keeps it: it is retried with backoff
+``services.engine.persist``; a refused version's event again is ignored, no pause).
+Any other failure (404: its files or objects are not there yet; 409, 5xx, a rank not
+answering) keeps it: it is retried with backoff
 (``RETRY_S`` doubling up to ``RETRY_MAX_S``) until it applies or a newer event replaces
 it; an engine that dies meanwhile gets it again from its durable. A sleeping engine is
 updated too: its ranks validate and record the version, and wakeup loads it. A failed
@@ -44,10 +47,10 @@ was down from its durable (un-acked) instead, so a deliberate rollback survives 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 import re
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -280,6 +283,15 @@ async def apply(engine: Engine, seq: int, ev: VersionPublished) -> dict[str, Any
         rec: dict[str, Any] = {"version": ev.version, "seq": seq, "previous": current}
         if not idx.is_newer(ev.version, current):
             rec.update(action="ignored", reason=f"not newer than the served version {current!r}")
+        elif ev.version in idx.refused:
+            # its event again (redelivered after a restart, re-announced, published
+            # again): versions are immutable, so no pause for the same 400/422; the
+            # next one newer than the served version is tried instead, as at a refusal
+            rec.update(
+                action="ignored",
+                reason="refused here before (400/422)",
+                next=idx.fallback(current),
+            )
         else:
             asleep = engine.state.state is State.SLEEPING
             if asleep:
@@ -330,7 +342,8 @@ async def _apply_safely(engine: Engine, seq: int, ev: VersionPublished) -> dict[
 async def _pending_safely(engine: Engine, version: str) -> str | None:
     """:func:`pending` for a version that would apply (None for any other: the update
     ignores it); None when the look itself fails (the update decides, as before)."""
-    if not index_of(engine).is_newer(version, engine.state.weight_version):
+    idx = index_of(engine)
+    if version in idx.refused or not idx.is_newer(version, engine.state.weight_version):
         return None
     try:
         return await pending(engine, version)
@@ -350,12 +363,27 @@ async def _keep(held: list[Any]) -> None:
             pass
 
 
+async def _settle(held: list[tuple[str, Any]], keep: str = "") -> list[tuple[str, Any]]:
+    """Ack the held events, but those of version ``keep``; returns those."""
+    kept = []
+    for version, msg in held:
+        if version == keep:
+            kept.append((version, msg))
+            continue
+        try:
+            await objstore.VersionFeed.ack(msg)
+        except Exception:  # noqa: BLE001 - redelivered, then ignored as not newer
+            pass
+    return kept
+
+
 async def follow(engine: Engine) -> None:
     """Auto-update loop (see the module doc). Runs until cancelled."""
     nc = engine.bus.nc
     model = engine.settings.served_model_name
     feed = objstore.VersionFeed(nc, model, durable_name(engine.settings.instance, model))
     idx = index_of(engine)
+    engine.auto_update_waiting = None  # a restarted loop looks again before saying so
 
     async def setup() -> list[tuple[int, VersionPublished]]:
         await objstore.ensure_ckpt_stream(nc, model)
@@ -372,9 +400,10 @@ async def follow(engine: Engine) -> None:
     target = None if getattr(engine, "restored", False) else newest(past, idx)
     if target and not idx.is_newer(target[1].version, engine.state.weight_version):
         target = None
-    held: list[Any] = []
+    held: list[tuple[str, Any]] = []  # (version, message) of every event not settled
     backoff, next_try = RETRY_S, 0.0
     wait_s, waiting = WAIT_S, ""  # the version whose files are awaited (said once)
+    since = 0.0  # when that wait began
     feed_errors = 0
     loop = asyncio.get_running_loop()
     while True:
@@ -404,10 +433,17 @@ async def follow(engine: Engine) -> None:
             continue  # `held` stays: acks go to the durable, not to the subscription
         for seq, ev, msg in batch:
             _learn(engine, seq, ev.version)
-            held.append(msg)
+            held.append((ev.version, msg))
         top = newest([(seq, ev) for seq, ev, _ in batch], idx)
         if top and (target is None or idx.seq_of(top[1].version) > idx.seq_of(target[1].version)):
             target, backoff, next_try = top, RETRY_S, 0.0  # a newer one replaces a retry
+        if target is not None and batch:
+            # every event but the target's is settled (superseded, or older): acked now,
+            # not when the target applies — un-acked, events ahead of their files (never
+            # coming) pile up to the durable's max_ack_pending (1000), past which
+            # JetStream delivers no newer event: auto-update would wait for an old
+            # version for ever
+            held = await _settle(held, keep=target[1].version)
         if target is None or loop.time() < next_try:
             continue
         version = target[1].version
@@ -416,37 +452,38 @@ async def follow(engine: Engine) -> None:
             if waiting != version:
                 waiting, wait_s = version, WAIT_S
                 log.warning("auto-update: waiting for the files of %s: %s", version, why)
-                rec = {"version": version, "seq": target[0], "action": "waiting", "reason": why}
+                rec: dict[str, Any] = {
+                    "version": version,
+                    "seq": target[0],
+                    "action": "waiting",
+                    "reason": why,
+                }
                 await engine.event("auto_update", rec)
+                since = time.time()
+            engine.auto_update_waiting = {"version": version, "reason": why, "since": since}
             next_try = loop.time() + wait_s
             wait_s = min(wait_s * 2, WAIT_MAX_S)
-            await _keep(held)
+            await _keep([msg for _, msg in held])
             continue
+        engine.auto_update_waiting = None
         if waiting == version:
             log.info("auto-update: the files of %s are there", version)
         rec = await _apply_safely(engine, *target)
         if rec["action"] == "failed" and not rec.get("retry"):
             await engine.persist.save()  # a restored engine does not try it again
+        if rec["action"] != "updated":  # refused now or before: maybe another to try
             nxt = rec.get("next")
             if nxt is not None:  # the events so far are settled; go on to the next newest
                 log.warning(
                     "auto-update: %s cannot be loaded here; trying %s", target[1].version, nxt
                 )
-                for msg in held:
-                    with contextlib.suppress(Exception):
-                        await objstore.VersionFeed.ack(msg)
-                held = []
+                held = await _settle(held)
                 target = (idx.seq_of(nxt), VersionPublished(target[1].model, nxt, target[1].tp))
                 backoff, next_try = RETRY_S, 0.0
                 continue
         if rec["action"] == "failed" and rec.get("retry"):
             next_try = loop.time() + backoff
             backoff = min(backoff * 2, RETRY_MAX_S)
-            await _keep(held)
+            await _keep([msg for _, msg in held])
             continue
-        for msg in held:
-            try:
-                await objstore.VersionFeed.ack(msg)
-            except Exception:  # noqa: BLE001 - redelivered, then ignored as not newer
-                pass
-        held, target = [], None
+        held, target = await _settle(held), None

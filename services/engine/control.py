@@ -284,6 +284,9 @@ async def status(eng: Engine, args: m.StatusArgs | None = None) -> dict[str, Any
         "bus": eng.bus.counts(),
         # versions behind the newest announced, the bound, requests it holds
         "staleness": eng.scheduler.staleness_report().to_dict(),
+        # the announced version auto-update waits for the files of (no pause), or None:
+        # why the engine is not on the newest although running
+        "auto_update_waiting": eng.auto_update_waiting,
         **eng.scheduler.counts(),
     }
 

@@ -103,6 +103,9 @@ class Engine:
         # auto-update resumes from its durable, with no catch-up to the newest version
         self.restored = False
         self.latest_published = ""
+        # the version auto-update waits for the files of (no pause meanwhile): {version,
+        # reason, since}, else None — /v1/status's `auto_update_waiting`
+        self.auto_update_waiting: dict[str, Any] | None = None
         self.max_model_len = 0
         self.supervisor = Supervisor("engine")
         # what each rank said in the watcher's last round (version, compute-thread
@@ -185,8 +188,9 @@ class Engine:
                         await asyncio.wait_for(self.lock.acquire(), wait)
                     except TimeoutError:
                         raise ControlError(
-                            CONFLICT, f"{method}: another control operation is in progress "
-                            f"(waited {wait:g}s)"
+                            CONFLICT,
+                            f"{method}: another control operation is in progress "
+                            f"(waited {wait:g}s)",
                         ) from None
                 elif self.lock.locked():
                     raise ControlError(
@@ -244,8 +248,7 @@ class Engine:
             "0.1.0",
             f"rollbus engine ({self.settings.instance})",
             # fleet discovery ($SRV.PING) and its model filter
-            metadata={"instance": self.settings.instance,
-                      "model": self.settings.served_model_name},
+            metadata={"instance": self.settings.instance, "model": self.settings.served_model_name},
         )
         for method in METHODS:
             await self.bus.serve(
@@ -332,7 +335,9 @@ class Engine:
         self.state.weight_version = versions.pop()
         log.error(
             "version %r cannot be loaded (%s): serving the ranks' %r instead",
-            lost, err.message, self.state.weight_version,
+            lost,
+            err.message,
+            self.state.weight_version,
         )
         await self.event("version_lost", {"lost": lost, "version": self.state.weight_version})
         await self.persist.save()

@@ -209,7 +209,11 @@ def waited_undisturbed(stack: Stack, version: str, states_before: int) -> str:
     got = auto_events(stack, version)
     assert [e["action"] for e in got] == ["waiting"], got
     assert events(stack, "state")[states_before:] == []  # never paused, never resumed
-    assert stack.status()["state"] == "running"
+    st = stack.status()
+    assert st["state"] == "running"
+    # status says why it is running behind the newest: waiting for these files
+    assert st["auto_update_waiting"]["version"] == version, st
+    assert st["auto_update_waiting"]["reason"] == got[0]["reason"], st
     return str(got[0]["reason"])
 
 
@@ -223,6 +227,7 @@ def test_an_event_whose_files_are_not_there_waits_without_pausing(ustack: Stack)
     want = publish(ustack, "w1", seed=97)  # its objects land (its event: a duplicate)
     wait_for(lambda: serving(ustack, "w1"))
     assert digests(ustack) == want
+    assert ustack.status()["auto_update_waiting"] is None
     assert [e["action"] for e in auto_events(ustack, "w1")] == ["waiting", "updated"]
 
 
@@ -264,3 +269,49 @@ def test_a_snapshot_dir_mid_copy_waits_a_complete_broken_one_is_refused(
     assert fail["error_code"] == 422 and fail["retry"] is False, fail
     assert "SHA-256" in fail["error_message"], fail
     assert serving(ustack, "m1")
+
+
+def test_a_manifest_still_being_copied_is_waited_for_not_refused(
+    ustack: Stack, tmp_path: Path
+) -> None:
+    """``cp -r`` creates ``manifest.json`` empty, then writes it: a dir caught in between
+    (every shard complete) is a copy in progress — 404, waited for without a pause —,
+    never a 422 that auto-update refuses for good (and stores as refused)."""
+    cfg = ModelConfig.from_hf(model_config(ustack.model_dir))
+    src = tmp_path / "src"
+    write_sharded_dir(src, cfg, sharding.init_weights(cfg, 11), 2, model_of(ustack), "c1")
+    dst = ustack.model_dir / "versions" / "c1"
+    shutil.copytree(src, dst)
+    manifest = (dst / "manifest.json").read_bytes()
+    (dst / "manifest.json").write_bytes(b"")  # created, not written yet
+    assert post(ustack, "/v1/pause").status_code == 200
+    r = post(ustack, "/v1/update_weights", json={"version": "c1"})
+    assert r.status_code == 404 and "not complete yet" in r.text, r.text
+    assert post(ustack, "/v1/resume").status_code == 200
+    before = len(events(ustack, "state"))
+    announce_only(ustack, "c1")
+    why = waited_undisturbed(ustack, "c1", before)
+    assert "manifest.json has 0 bytes" in why, why
+    (dst / "manifest.json").write_bytes(manifest[: len(manifest) // 2])  # being written
+    time.sleep(3)
+    assert [e["action"] for e in auto_events(ustack, "c1")] == ["waiting"]
+    (dst / "manifest.json").write_bytes(manifest)  # the copy ends
+    wait_for(lambda: serving(ustack, "c1"))
+    assert [e["action"] for e in auto_events(ustack, "c1")] == ["waiting", "updated"]
+
+
+def test_many_events_ahead_of_their_files_do_not_stall_the_feed(ustack: Stack) -> None:
+    """Events whose files never come (announced ahead of an upload that failed) are
+    superseded by each newer one: settled (acked) then, so they never pile up to the
+    durable's max_ack_pending (1000) — past which JetStream delivers no newer event and
+    auto-update would wait for an old version for ever, blind to one that is there."""
+    names = [f"gone{i}" for i in range(1100)]
+
+    async def flood(nc: Any) -> None:
+        for v in names:
+            await objstore.publish_version(nc, VersionPublished(model_of(ustack), v, 2))
+
+    asyncio.run(_raw(ustack.nats_url, flood))
+    want = publish(ustack, "after-flood", seed=99)
+    wait_for(lambda: serving(ustack, "after-flood"), 120)
+    assert digests(ustack) == want

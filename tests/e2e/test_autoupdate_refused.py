@@ -8,6 +8,7 @@ A real TP=1 stack on the session's nats-server, versions published with the SDK.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import uuid
@@ -15,12 +16,16 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import msgspec
 import pytest
 
 from services.tiny_model import create_model_dir
 from services.trainer.publisher import CheckpointPublisher
+from shared import objstore
+from shared.messages import VersionPublished
+from shared.subjects import ckpt_published
 from tests.e2e.stack import model_config, running_stack
-from tests.e2e.test_checkpoints import events, training_state, wait_for
+from tests.e2e.test_checkpoints import _raw, events, training_state, wait_for
 
 
 def test_fresh_start_skips_a_version_it_cannot_load_and_stays_behind_it(
@@ -69,3 +74,26 @@ def test_fresh_start_skips_a_version_it_cannot_load_and_stays_behind_it(
         assert failed("tp2b")[0]["next"] is None, failed("tp2b")
         assert len(failed("tp2")) == 1 and s.status()["weight_version"] == "good"
         assert s.status()["staleness"]["behind"] == 2  # both still count
+
+        # tp2's event again (re-announced past the dedup window, or redelivered to an
+        # engine that died before acking it): ignored, no pause (before: tried again —
+        # a pause, the same 422, a resume)
+        states = len(events(s, "state"))
+        ev = VersionPublished(name, "tp2", 2)
+
+        async def again(nc: Any) -> Any:
+            return await nc.jetstream().publish(
+                ckpt_published(name),
+                msgspec.json.encode(ev),
+                headers={objstore.MSG_ID: f"{name}/tp2/{uuid.uuid4().hex}"},
+            )
+
+        asyncio.run(_raw(nats_url, again))
+
+        def ignored() -> list[dict[str, Any]]:
+            got = [e["data"] for e in events(s, "auto_update")]
+            return [e for e in got if e["version"] == "tp2" and e["action"] == "ignored"]
+
+        wait_for(lambda: bool(ignored()), 60)
+        assert "refused" in ignored()[0]["reason"], ignored()
+        assert len(failed("tp2")) == 1 and events(s, "state")[states:] == []

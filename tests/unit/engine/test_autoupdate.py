@@ -168,6 +168,20 @@ def test_a_version_failed_for_good_is_refused_and_names_the_next() -> None:
     assert rec["next"] is None, rec
 
 
+def test_a_refused_version_announced_again_is_not_tried_again() -> None:
+    """A version refused for good (here, or before a restart: the stored ``refused``)
+    is never a target again: its event once more — redelivered to an engine that died
+    before acking it, re-announced past the dedup window, published again — is ignored,
+    without a pause (before: pause, the same 422, resume, each time)."""
+    eng = FakeEngine("b1", fail={"stage": (422, "rank 0: sharded for tp=4")})
+    _known(eng)
+    index_of(eng).restore_refused(["b3"])  # refused before the restart
+    rec = asyncio.run(apply(eng, 3, _ev("b3")))
+    assert rec["action"] == "ignored" and "refused" in rec["reason"], rec
+    assert rec["next"] == "b2", rec  # the newest other one is tried instead
+    assert not eng.ranks.calls and eng.state.state is State.RUNNING
+
+
 def test_a_refused_version_still_counts_toward_staleness() -> None:
     """The staleness bound counts published versions (issue: "more than k published
     versions behind the newest announced"): a version auto-update refused here (e.g.

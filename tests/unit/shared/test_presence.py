@@ -40,8 +40,39 @@ def test_presharded_dir_mid_copy_waits_a_complete_one_does_not(tmp_path: Path) -
     flipped[-1] ^= 1  # right size, wrong bytes: broken (the load's SHA-256 says 422)
     rank1.write_bytes(bytes(flipped))
     assert snapshot_pending(d, 2, range(2)) is None
-    (d / "manifest.json").write_text("{")  # a manifest that does not parse: broken
+    (d / "manifest.json").write_text("[1, 2] x")  # a manifest that does not parse: broken
     assert snapshot_pending(d, 2, range(2)) is None
+    (d / "manifest.json").write_text("nope")
+    assert snapshot_pending(d, 2, range(2)) is None
+
+
+def test_a_json_file_cut_short_is_being_copied_not_broken(tmp_path: Path) -> None:
+    """``cp`` creates manifest.json (or the index) empty, then writes it: caught in
+    between, or part-written, it is a copy in progress (404, waited for) — before, a 422
+    that auto-update refused for good, also after a restart (the refused set is stored)."""
+    d = tmp_path / "s1"
+    write_sharded_dir(d, CFG, sharding.init_weights(CFG, 1), 2, "m", "s1")
+    man = (d / "manifest.json").read_bytes()
+    for n in (0, 1, len(man) // 2, len(man.rstrip()) - 1):
+        (d / "manifest.json").write_bytes(man[:n])
+        assert snapshot_pending(d, 2, range(2)) == (
+            f"manifest.json has {n} bytes, not a whole JSON document yet"
+        ), n
+    (d / "manifest.json").write_bytes(man)
+    assert snapshot_pending(d, 2, range(2)) is None
+
+    src = create_model_dir(tmp_path / "m", TINY_CONFIG, seed=0)
+    h = tmp_path / "v"
+    h.mkdir()
+    shutil.copy(src / "model.safetensors", h / "a.safetensors")
+    index = json.dumps({"weight_map": {"x": "a.safetensors"}}).encode()
+    for n in (0, len(index) - 1):
+        (h / INDEX_FILE).write_bytes(index[:n])
+        assert snapshot_pending(h, 1, [0]) == (
+            f"{INDEX_FILE} has {n} bytes, not a whole JSON document yet"
+        ), n
+    (h / INDEX_FILE).write_bytes(index)
+    assert snapshot_pending(h, 1, [0]) is None
 
 
 def test_presharded_without_manifest_judged_by_the_header(tmp_path: Path) -> None:
@@ -87,3 +118,15 @@ def test_a_file_whose_header_is_not_json_is_broken_not_pending(tmp_path: Path) -
     assert short_file(f, "x") is None
     f.write_bytes((64).to_bytes(8, "little") + b"{")  # the header itself is cut
     assert short_file(f, "x") == "x has 9 bytes, its header alone 72"
+
+
+def test_hf_shard_names_say_which_file_is_still_to_come(tmp_path: Path) -> None:
+    src = create_model_dir(tmp_path / "m", TINY_CONFIG, seed=0)
+    d = tmp_path / "v"
+    d.mkdir()
+    shutil.copy(src / "model.safetensors", d / "model-00002-of-00003.safetensors")
+    assert snapshot_pending(d, 1, [0]) == "model-00001-of-00003.safetensors is not there yet"
+    shutil.copy(src / "model.safetensors", d / "model-00001-of-00003.safetensors")
+    assert snapshot_pending(d, 1, [0]) == "model-00003-of-00003.safetensors is not there yet"
+    shutil.copy(src / "model.safetensors", d / "model-00003-of-00003.safetensors")
+    assert snapshot_pending(d, 1, [0]) is None

@@ -119,3 +119,52 @@ def test_a_dir_still_being_copied_is_not_there_yet_not_broken(model_dir: Path) -
     assert "size" in refused(model_dir, 1)  # longer than the manifest: broken
     f.write_bytes(full)
     SnapshotSource(CFG, model_dir, 1, 2)("s1", None, expected(model_dir, 1))
+
+
+def split_checkpoint(src: Path, dst: Path, parts: int) -> list[str]:
+    """``src``'s model.safetensors as an HF sharded checkpoint of ``parts`` files
+    (``model-0000k-of-0000n.safetensors``, tensors dealt round), no index."""
+    import json
+    import struct
+
+    from shared.safetensors import encode_header
+
+    raw = (src / "model.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    head = json.loads(raw[8 : 8 + n])
+    head.pop("__metadata__", None)
+    data = raw[8 + n :]
+    names = sorted(head)
+    files = []
+    dst.mkdir(parents=True)
+    for k in range(parts):
+        meta, blob = {}, b""
+        for t in names[k::parts]:
+            a, b = head[t]["data_offsets"]
+            meta[t] = {**head[t], "data_offsets": [len(blob), len(blob) + b - a]}
+            blob += data[a:b]
+        name = f"model-{k + 1:05d}-of-{parts:05d}.safetensors"
+        (dst / name).write_bytes(encode_header(meta) + blob)
+        files.append(name)
+    return files
+
+
+def test_an_hf_sharded_dir_missing_a_numbered_shard_is_not_there_yet(model_dir: Path) -> None:
+    """``cp -r`` of an HF sharded checkpoint caught after ``model-00001-of-00002`` but
+    before ``model-00002-of-00002`` and the index: the names say a shard is missing —
+    a copy in progress (404), not a checkpoint that lacks tensors (422, which
+    auto-update refuses for good)."""
+    d = model_dir / "versions" / "s1"
+    for f in d.iterdir():
+        f.unlink()
+    d.rmdir()
+    files = split_checkpoint(model_dir, d, 2)
+    second = (d / files[1]).read_bytes()
+    (d / files[1]).unlink()
+    with pytest.raises(ControlError) as e:
+        SnapshotSource(CFG, model_dir, 0, 2)("s1", None, None)
+    assert e.value.code == 404, e.value.message
+    assert f"{files[1]} is not there yet" in e.value.message, e.value.message
+    (d / files[1]).write_bytes(second)
+    SnapshotSource(CFG, model_dir, 0, 2)("s1", None, None)
+    SnapshotSource(CFG, model_dir, 1, 2)("s1", None, None)
