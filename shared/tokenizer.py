@@ -194,8 +194,11 @@ class HFTokenizer(_ChatTemplating):
             self._tok = tokenizers.Tokenizer.from_str(raw)
         _mark_special(self._tok, tcfg, smap)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        # the tokenizer's own eos as transformers (so vLLM) has it: special_tokens_map.json
+        # over tokenizer_config.json (an older repo names it there only); the one eos id
+        # whose stop is unnamed (stop_reason null), generation_config.json's others named
         self.eos_token, self.bos_token = (
-            _token_text(tcfg.get("eos_token")),
+            _token_text(smap.get("eos_token", tcfg.get("eos_token"))),
             _token_text(tcfg.get("bos_token")),
         )
         eos = (

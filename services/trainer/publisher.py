@@ -474,6 +474,10 @@ class CheckpointPublisher:
                     ),
                 )
                 fill.add_done_callback(lambda _: wake.set())
+                # a fill that failed after this upload stopped looking (cancelled: another
+                # shard failed first) is marked retrieved here: its error is the one that
+                # shard raised, and asyncio would log a traceback for it on stderr
+                fill.add_done_callback(lambda f: f.cancelled() or f.exception())
 
                 async def ready(n: int) -> None:
                     while filled[0] < n:

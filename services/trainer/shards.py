@@ -69,8 +69,10 @@ def _nonfinite(block: np.ndarray, kind: str) -> str | None:
         return "NaN" if (low > mask).any() else "Inf"
     # one read, nothing written (measured cheaper than isfinite(...).all()): NaN and Inf
     # carry through a sum, so a finite sum is a finite block; a non-finite one may be an
-    # overflow of finite values, which the exact test tells apart
-    with np.errstate(over="ignore"):
+    # overflow of finite values, which the exact test tells apart; an overflow to +Inf
+    # and -Inf in one block sums to NaN ("invalid"): silent too, else a finite checkpoint
+    # prints a RuntimeWarning (and fails to publish under `-W error`)
+    with np.errstate(over="ignore", invalid="ignore"):
         total = np.add.reduce(block, axis=None)
     if np.isfinite(total) or np.isfinite(block).all():
         return None

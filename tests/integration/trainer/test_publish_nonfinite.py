@@ -6,7 +6,10 @@ publisher, real nats-server, the real CLI process."""
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import json
+import threading
 import uuid
 from pathlib import Path
 from typing import Any
@@ -16,7 +19,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from services.tiny_model import TINY_CONFIG
-from services.trainer import names
+from services.trainer import names, shards
 from services.trainer.publisher import CheckpointPublisher
 from services.trainer.shards import NonFiniteWeight
 from shared import objstore, sharding
@@ -133,3 +136,49 @@ def test_cli_refuses_a_model_dir_with_nan_in_one_line(nats_url: str, tmp_path: P
     assert "--allow-nonfinite" in lines[0] and not r.stdout
     r = rollbus(*args, "--allow-nonfinite", env=env)
     assert r.returncode == 0 and r.stdout.startswith(f"published {model}/v1"), r.stderr
+
+
+async def test_every_failed_fill_is_retrieved(
+    nats_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replicated tensor with a NaN fails every rank's fill: the rank whose upload is
+    cancelled before it looked at its fill (here: still waiting for the server) must not
+    leave that failure unretrieved — asyncio then logs "Future exception was never
+    retrieved" with a traceback, a multi-line stderr for `rollbus publish`."""
+    rank1_failed = threading.Event()
+    real_fill, real_put = shards.ShardLayout.fill, objstore.put_object
+
+    def fill(self: shards.ShardLayout, *a: Any, **k: Any) -> None:
+        try:
+            real_fill(self, *a, **k)
+        except NonFiniteWeight:
+            if self.rank == 1:
+                rank1_failed.set()
+            raise
+
+    async def put_object(nc: Any, bucket: str, name: str, *a: Any, **k: Any) -> Any:
+        if name.endswith("rank1-of-2.safetensors"):
+            await asyncio.Event().wait()  # a slow server: cancelled, never reads its fill
+        await asyncio.to_thread(rank1_failed.wait, 30)  # rank 1's fill has failed first
+        return await real_put(nc, bucket, name, *a, **k)
+
+    monkeypatch.setattr(shards.ShardLayout, "fill", fill)
+    monkeypatch.setattr(objstore, "put_object", put_object)
+    state = _hf(None, 0.0)
+    state["model.norm.weight"] = state["model.norm.weight"].copy()
+    state["model.norm.weight"][-1] = np.nan  # replicated: in both shards
+    seen: list[dict[str, Any]] = []
+    loop = asyncio.get_running_loop()
+    old = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _, ctx: seen.append(ctx))
+    try:
+        pub = CheckpointPublisher(nats_url)
+        with pytest.raises(NonFiniteWeight, match="model.norm.weight"):
+            await pub.apublish(f"nfr-{uuid.uuid4().hex[:6]}", "v1", state, tp=2, config=CFG)
+        assert rank1_failed.is_set()
+        for _ in range(3):
+            await asyncio.sleep(0)
+            gc.collect()
+    finally:
+        loop.set_exception_handler(old)
+    assert not seen, [c.get("message") for c in seen]

@@ -67,3 +67,28 @@ def test_hf_tokenizer_eos_is_the_only_unnamed_stop(tmp_path: Path) -> None:
     tok = load_tokenizer(d)
     assert tok.eos_token_id == 1 and set(tok.stop_token_ids) == {1, 5, 7}
     assert eos_ids_of(tok) == frozenset({1})
+
+
+@pytest.mark.parametrize(
+    "tcfg_eos,smap_eos,eos",
+    [
+        (None, "</s>", 1),  # an older repo: the eos named in special_tokens_map.json only
+        ("</s>", "<s>", 0),  # both: special_tokens_map.json's wins, as in transformers
+    ],
+)
+def test_the_tokenizer_eos_is_transformers_one(
+    tmp_path: Path, tcfg_eos: str | None, smap_eos: str, eos: int
+) -> None:
+    """The unnamed eos is the one transformers' tokenizer has (vLLM's ``eos_token_id``),
+    not generation_config.json's first id: checked against transformers 5.x by hand."""
+    d = make_hf_dir(tmp_path, None)  # "<s>" is id 0, "</s>" id 1
+    tcfg = json.loads((d / "tokenizer_config.json").read_text())
+    tcfg.pop("eos_token")
+    if tcfg_eos is not None:
+        tcfg["eos_token"] = tcfg_eos
+    (d / "tokenizer_config.json").write_text(json.dumps(tcfg))
+    (d / "special_tokens_map.json").write_text(json.dumps({"eos_token": smap_eos}))
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 1]}))
+    tok = load_tokenizer(d)
+    assert eos_ids_of(tok) == frozenset({eos})
+    assert {1, 5} <= set(tok.stop_token_ids)  # every eos id still stops generation

@@ -5,6 +5,7 @@ copied (transposed) and the sent-from-source (contiguous) paths alike."""
 from __future__ import annotations
 
 import hashlib
+import warnings
 from typing import Any
 
 import numpy as np
@@ -78,3 +79,23 @@ def test_a_contiguous_tensor_sent_from_its_source_is_checked() -> None:
     with pytest.raises(shards.NonFiniteWeight, match=name):
         lay.fill(buf, hashlib.sha256(), skip_direct=True, check_finite=True)
     lay.fill(buf, hashlib.sha256(), skip_direct=True)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_a_sum_that_overflows_both_ways_is_no_warning(dtype: str) -> None:
+    """Finite values whose block sum overflows to +Inf and to -Inf (NaN: numpy's
+    "invalid value") pass without a RuntimeWarning — one is an error under ``-W error``
+    (a finite checkpoint refused) and a second stderr line of ``rollbus publish``; a real
+    ±Inf pair is refused as Inf, with no warning either."""
+    top = {"float32": 3.0e38, "float64": 1.7e308}[dtype]
+    state = _state(dtype)
+    w = np.array(state[DOWN], dtype=np.float64)
+    w[:2, :] = top
+    w[2:4, :] = -top
+    state[DOWN] = w.astype(dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        shards.serialize(CFG, state, 2, "m", "v", check_finite=True)
+        state[DOWN][-1, -2:] = [np.inf, -np.inf]
+        with pytest.raises(shards.NonFiniteWeight, match=f"tensor {DOWN} holds Inf"):
+            shards.serialize(CFG, state, 2, "m", "v", check_finite=True)
