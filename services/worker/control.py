@@ -7,7 +7,6 @@ raises ``ControlError``. They run on the rank's single paddle thread (see
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import logging
 import os
@@ -42,10 +41,7 @@ def release_memory() -> None:
     ``malloc_trim(0)`` returns every free page, so sleep shows up in RSS at once.
     """
     gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        pass
+    mdl.release_heap()  # malloc_trim(0), and the heap top model.py keeps for steps
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")

@@ -15,6 +15,7 @@ full logits with no extra all-gather; the price is ``vocab * hidden * 4`` bytes 
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 from dataclasses import dataclass, field
@@ -44,6 +45,58 @@ def _prefer_avx2_mkl_on_amd() -> None:
 
 
 _prefer_avx2_mkl_on_amd()
+
+HEAP_TOP_PAD = 64 << 20  # bytes of free heap top glibc keeps instead of returning them
+
+
+M_TOP_PAD = -2  # glibc mallopt parameter
+GLIBC_TOP_PAD = 128 << 10  # its default
+
+
+def _glibc() -> Any:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt, libc.malloc_trim  # noqa: B018  (glibc's, or AttributeError)
+    except (OSError, AttributeError):  # not glibc: its own policy
+        return None
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    return libc
+
+
+_LIBC = _glibc()
+
+
+def _keep_heap_for_step_temporaries() -> None:
+    # Paddle's CPU tensors come from glibc malloc. A prefill frees and allocates MBs of
+    # temporaries per op ([tokens, intermediate] activations), and glibc hands the heap's
+    # free top back to the OS once it exceeds ~2x the largest freed block, so the next
+    # layer's temporaries are fresh pages: 3-8 thousand page faults (12-30 MB the kernel
+    # zeroes) per 16 x 16-token prefill of the bench model, 10-60 ms of system time a rank.
+    # Keeping 64 MiB of free top (M_TOP_PAD) removes them; glibc's dynamic mmap threshold
+    # stays on. release_heap() gives that top back (sleep, weight swaps).
+    if _LIBC is not None:
+        _LIBC.mallopt(M_TOP_PAD, HEAP_TOP_PAD)
+
+
+_keep_heap_for_step_temporaries()
+
+
+def release_heap() -> None:
+    """Return every free heap page to the OS, the kept top included. ``malloc_trim(0)``
+    trims the main heap's top and free pages inside every heap, but not the top of a
+    thread's own heap (where the compute thread's temporaries live): glibc trims that
+    only when a block of >= 64 KiB is freed in it, keeping ``M_TOP_PAD``. So: default pad,
+    one such free from this thread (the compute thread: control calls run on it), trim,
+    then the step pad again."""
+    if _LIBC is None:
+        return
+    _LIBC.mallopt(M_TOP_PAD, GLIBC_TOP_PAD)
+    try:
+        _LIBC.free(_LIBC.malloc(64 << 10))
+        _LIBC.malloc_trim(0)
+    finally:
+        _LIBC.mallopt(M_TOP_PAD, HEAP_TOP_PAD)
 
 
 class KVCache:
