@@ -16,7 +16,7 @@ that API already (README "Recovery"), so cancelling them too is right.
 
 One no-responders status is not proof: across a gateway, a new subscription's interest
 (RS+) reaches the engine's server on another TCP connection than the messages that
-follow it, so a probe can beat it (measured: 1 in 30 runs with 3 busy loops on 2
+follow it, so a probe can beat it (measured: 5 in 110 runs with 3 busy loops on 2
 cores; forced in ``tests/integration/engine/test_reply_probe_topologies.py``). A
 request is cancelled only when two consecutive rounds, at least :data:`PROBE_S` apart,
 both got one: a reader that left is cancelled within ``2 * PROBE_S + PROBE_TIMEOUT_S``

@@ -9,9 +9,9 @@ travels on the same connection before the request. Over a gateway it does not: t
 reader's server sends the interest (RS+) on the connection the engine's server dialled,
 the request on the one it dialled itself, so the request can win — measured: a probe
 of the bare inbox (sent in the payload, as this test first did) got a false "no
-responders" in 1 of 30 runs with 3 busy loops on 2 cores. A reply subject with a
+responders" in 5 of 110 runs with 3 busy loops on 2 cores. A reply subject with a
 subscription younger than 5 s is routed back to its cluster whatever the interest
-(nats-server's ``$GR.`` reply mapping), which is why the API's way saw none (0 of 30);
+(nats-server's ``$GR.`` reply mapping), which is why the API's way saw none (0 of 110);
 the engine still wants two no-responders in a row before calling a reader gone
 (``test_one_no_responders_is_not_gone``, which holds the interest back to force it).
 """
