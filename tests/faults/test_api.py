@@ -14,8 +14,9 @@ from tests.faults.common import Faults
 
 pytestmark = pytest.mark.faults
 
-# the engine probes every live request's reply inbox every 2 s (1 s probe timeout)
-ORPHAN_BOUND = 2 + 1 + c.MARGIN
+# the engine probes every live request's reply inbox every 2 s (1 s probe timeout) and
+# cancels after two no-responders in a row (services/engine/orphans.py)
+ORPHAN_BOUND = 2 * 2 + 1 + c.MARGIN
 
 
 def _engine_requests(f: Faults) -> int:
