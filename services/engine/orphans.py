@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterable
 
 from services.engine.scheduler import Request
@@ -100,7 +101,10 @@ class Rounds:
         timeout: float = PROBE_TIMEOUT_S,
     ) -> None:
         self.bus, self.encode, self.batched, self.timeout = bus, encode, batched, timeout
-        self.suspected: set[str] = set()  # got no-responders in the last round
+        # (request id, reply subject) that got no-responders in the last round: an id a
+        # client reuses once its request ended (only running ids are refused) comes with
+        # another reply subject, and its first no-responders is its first
+        self.suspected: set[tuple[str, str]] = set()
 
     async def round(self, requests: Iterable[Request]) -> list[str]:
         live = list(requests)
@@ -112,8 +116,10 @@ class Rounds:
         except NotConnected:
             self.suspected.clear()  # a round that could not probe breaks every streak
             raise
-        confirmed = [rid for rid in now if rid in self.suspected]
-        self.suspected = set(now)
+        reply = {r.request_id: r.reply for r in live}
+        keys = [(rid, reply[rid]) for rid in now]
+        confirmed = [rid for rid, key in zip(now, keys, strict=True) if key in self.suspected]
+        self.suspected = set(keys)
         return confirmed
 
 
@@ -128,10 +134,21 @@ async def probe_loop(
     subscriber in two rounds in a row (the module doc). Run under the engine's
     supervisor (task ``reply_probe``)."""
     rounds = Rounds(bus, encode, batched)
+    start = time.monotonic()
     while True:
-        await asyncio.sleep(PROBE_S)
+        # rounds start every PROBE_S, not PROBE_S after the last one ended: a round waits
+        # PROBE_TIMEOUT_S for every live reader, and two such waits in the gap would
+        # make the bound 2 * (PROBE_S + PROBE_TIMEOUT_S) + PROBE_TIMEOUT_S
+        start = max(start + PROBE_S, time.monotonic())
+        await asyncio.sleep(start - time.monotonic())
         with contextlib.suppress(NotConnected):  # NATS away: the next round
-            gone = await rounds.round(requests())
+            live = list(requests())
+            gone = await rounds.round(live)
+            # one that ended while the round waited may have been followed by a request
+            # reusing its id: only the one probed is cancelled
+            probed = {r.request_id: r.reply for r in live}
+            now = {r.request_id: r.reply for r in requests()}
+            gone = [rid for rid in gone if now.get(rid) == probed[rid]]
             if gone:
                 log.warning(
                     "cancelled %d request(s) nobody reads (reply inbox gone twice in a row: "
