@@ -73,8 +73,12 @@ def _keep_heap_for_step_temporaries() -> None:
     # free top back to the OS once it exceeds ~2x the largest freed block, so the next
     # layer's temporaries are fresh pages: 3-8 thousand page faults (12-30 MB the kernel
     # zeroes) per 16 x 16-token prefill of the bench model, 10-60 ms of system time a rank.
-    # Keeping 64 MiB of free top (M_TOP_PAD) removes them; glibc's dynamic mmap threshold
-    # stays on. release_heap() gives that top back (sleep, weight swaps).
+    # Keeping 64 MiB of free top (M_TOP_PAD) removes them. Setting it also turns glibc's
+    # dynamic mmap threshold off (do_set_top_pad): a block of >= 128 KiB is mmap'd and
+    # faulted in at every allocation, never reused from the heap (a 4 MiB malloc/free
+    # loop: 1025 faults a round, 0 without the pad). A prefill's faults still went to 0
+    # from the 2nd-3rd one on (bench model, 16 x 16 tokens: paddle's temporaries of that
+    # size are few). release_heap() gives the top back (sleep, weight swaps).
     if _LIBC is not None:
         _LIBC.mallopt(M_TOP_PAD, HEAP_TOP_PAD)
 

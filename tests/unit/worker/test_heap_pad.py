@@ -4,12 +4,13 @@ bench model took 3-8 thousand faults a rank; docs/generation-speed-log.md, sessi
 
 from __future__ import annotations
 
+import platform
 import subprocess
 import sys
 
 import pytest
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc")
+pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc malloc")
 
 # 48 MiB in 64 KiB blocks (below any mmap threshold: always from the heap), touched,
 # freed, then allocated and touched again: the faults of the second round are printed.
