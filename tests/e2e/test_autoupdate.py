@@ -231,6 +231,19 @@ def test_an_event_whose_files_are_not_there_waits_without_pausing(ustack: Stack)
     assert [e["action"] for e in auto_events(ustack, "w1")] == ["waiting", "updated"]
 
 
+def incomplete_is_waited_for(ustack: Stack, version: str) -> str:
+    """An incomplete version dir: update_weights says 404 "not complete yet" (paused by
+    hand, then resumed); announced, auto-update waits for it without a pause. Returns
+    the reason it gave for waiting."""
+    assert post(ustack, "/v1/pause").status_code == 200
+    r = post(ustack, "/v1/update_weights", json={"version": version})
+    assert r.status_code == 404 and "not complete yet" in r.text, r.text
+    assert post(ustack, "/v1/resume").status_code == 200
+    before = len(events(ustack, "state"))
+    announce_only(ustack, version)
+    return waited_undisturbed(ustack, version, before)
+
+
 def test_a_snapshot_dir_mid_copy_waits_a_complete_broken_one_is_refused(
     ustack: Stack, tmp_path: Path
 ) -> None:
@@ -246,13 +259,7 @@ def test_a_snapshot_dir_mid_copy_waits_a_complete_broken_one_is_refused(
     for name in ("manifest.json", man.shards[0].file):
         shutil.copy(src / name, dst / name)
     (dst / man.shards[1].file).write_bytes(shard1[: len(shard1) // 2])  # being copied
-    assert post(ustack, "/v1/pause").status_code == 200
-    r = post(ustack, "/v1/update_weights", json={"version": "m1"})
-    assert r.status_code == 404 and "not complete yet" in r.text, r.text
-    assert post(ustack, "/v1/resume").status_code == 200
-    before = len(events(ustack, "state"))
-    announce_only(ustack, "m1")
-    why = waited_undisturbed(ustack, "m1", before)
+    why = incomplete_is_waited_for(ustack, "m1")
     assert f"rank1-of-2.safetensors has {len(shard1) // 2} of {len(shard1)} bytes" in why, why
     (dst / man.shards[1].file).write_bytes(shard1)  # the copy ends
     wait_for(lambda: serving(ustack, "m1"))
@@ -284,13 +291,7 @@ def test_a_manifest_still_being_copied_is_waited_for_not_refused(
     shutil.copytree(src, dst)
     manifest = (dst / "manifest.json").read_bytes()
     (dst / "manifest.json").write_bytes(b"")  # created, not written yet
-    assert post(ustack, "/v1/pause").status_code == 200
-    r = post(ustack, "/v1/update_weights", json={"version": "c1"})
-    assert r.status_code == 404 and "not complete yet" in r.text, r.text
-    assert post(ustack, "/v1/resume").status_code == 200
-    before = len(events(ustack, "state"))
-    announce_only(ustack, "c1")
-    why = waited_undisturbed(ustack, "c1", before)
+    why = incomplete_is_waited_for(ustack, "c1")
     assert "manifest.json has 0 bytes" in why, why
     (dst / "manifest.json").write_bytes(manifest[: len(manifest) // 2])  # being written
     time.sleep(3)
