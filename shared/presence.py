@@ -25,10 +25,8 @@ dir ``<model>/versions/V/``:
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import struct
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -56,27 +54,15 @@ def short_file(path: Path, name: str, want: int | None = None) -> str | None:
         size = os.fstat(fd).st_size
         if want is not None:
             return f"{name} has {size} of {want} bytes" if size < want else None
-        if size < 8:
+        need = st.min_size(fd, size)
+        if need is None or size >= need[0]:
+            return None  # all there (or never a safetensors file: broken)
+        n, whole = need
+        if n == 8:
             return f"{name} has {size} bytes"
-        (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
-        if n > st.MAX_HEADER_BYTES:
-            return None  # never a header: broken
-        if n > size - 8:
-            return f"{name} has {size} bytes, its header alone {8 + n}"
-        try:
-            head = json.loads(os.pread(fd, n, 8))
-        except (ValueError, UnicodeDecodeError):
-            return None  # the header's bytes are all there: broken
-        ends = [
-            e
-            for t in (head.values() if isinstance(head, dict) else ())
-            if isinstance(t, dict)
-            and isinstance(offs := t.get("data_offsets"), list)
-            and len(offs) == 2
-            and isinstance(e := offs[1], int)
-        ]
-        need = 8 + n + max(ends, default=0)
-        return f"{name} has {size} of {need} bytes" if size < need else None
+        if whole:
+            return f"{name} has {size} of {n} bytes"
+        return f"{name} has {size} bytes, its header alone {n}"
     except OSError:
         return None
     finally:

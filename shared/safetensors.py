@@ -148,9 +148,7 @@ def parse_header(raw: bytes, size: int, where: str) -> Header:
             raise _fail(where, f"{what}: data_offsets {offsets!r} are not two non-negative ints")
         a, b = offsets
         if not a <= b <= data_len:
-            raise _fail(
-                where, f"{what}: bytes {a}..{b} lie outside the data ({data_len} bytes)"
-            )
+            raise _fail(where, f"{what}: bytes {a}..{b} lie outside the data ({data_len} bytes)")
         e = Entry(dtype, tuple(shape), start + a, start + b)
         if e.count * e.raw.itemsize != b - a:
             raise _fail(
@@ -199,6 +197,35 @@ def read_header_fd(fd: int, where: str) -> Header:
     if len(raw) != n:
         raise _fail(where, f"header cut short ({len(raw)} of {n} bytes)")
     return parse_header(raw, size, where)
+
+
+def min_size(fd: int, size: int) -> tuple[int, bool] | None:
+    """How long the open file ``fd`` (``size`` bytes) must be at least, as far as its
+    own bytes tell — what a file still being copied lacks: ``(8, False)`` while its
+    header length is not all there, ``(8 + n, False)`` while its JSON header is not,
+    else ``(8 + n + the end of its tensors' data, True)``. None: it can never be a
+    safetensors file (a header length past :data:`MAX_HEADER_BYTES`, a header that is
+    not JSON) — its load says why. No other check: this is not :func:`parse_header`."""
+    if size < 8:
+        return 8, False
+    (n,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+    if n > MAX_HEADER_BYTES:
+        return None
+    if n > size - 8:
+        return 8 + n, False
+    try:
+        head = json.loads(os.pread(fd, n, 8))
+    except (ValueError, UnicodeDecodeError):
+        return None
+    ends = [
+        e
+        for t in (head.values() if isinstance(head, dict) else ())
+        if isinstance(t, dict)
+        and isinstance(offs := t.get("data_offsets"), list)
+        and len(offs) == 2
+        and isinstance(e := offs[1], int)
+    ]
+    return 8 + n + max(ends, default=0), True
 
 
 def view(buf: Any, e: Entry) -> np.ndarray:
