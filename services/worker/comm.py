@@ -125,15 +125,22 @@ class CommGroup:
         if os.environ.get("PADDLE_DISTRI_BACKEND") != "gloo":
             # NCCL's rendezvous keys name their group: no stale address to read
             self.group = dist.new_group(list(range(self.tp)))
-            return
-        default = collective._default_store
-        store = self._group_store(default)
-        # new_group rendezvouses on paddle's default store: ours for this one call
-        collective._default_store = store
-        try:
-            self.group = dist.new_group(list(range(self.tp)))
-        finally:
-            collective._default_store = default
+        else:
+            default = collective._default_store
+            store = self._group_store(default)
+            # new_group rendezvouses on paddle's default store: ours for this one call
+            collective._default_store = store
+            try:
+                self.group = dist.new_group(list(range(self.tp)))
+            finally:
+                collective._default_store = default
+        # and every rank is done with the connect before any leaves: a rank that went on
+        # and destroyed the new group at once (a sleep queued behind this wakeup) closed
+        # pairs a slower peer was still connecting, which then failed with gloo's
+        # ``TIMEOUT self_rank = …``. The global group's barrier, not the new group's: a
+        # rank may leave a barrier before its peer has, and the global group is never
+        # destroyed under it.
+        dist.barrier()
 
     def _group_store(self, default: Any) -> Any:
         """A new TCP store for the next TP group, hosted by rank 0 on a fresh port that

@@ -14,7 +14,13 @@ A destroyed group is released too (:func:`services.worker.comm.release`): paddle
 every gloo group it built, so each rebuild kept its sockets and threads — here 20 fds and
 3 threads on rank 0, 9 fds and 2 threads on the others. What a rebuild still keeps is
 paddle's comm context of the group, which nothing can erase: one epoll fd plus ``TP - 1``
-sockets, and one thread (README "Limit: comm-group rebuilds")."""
+sockets, and one thread (README "Limit: comm-group rebuilds").
+
+Every other group is destroyed as soon as its rank has built it, the other ranks 0.3 s late
+into the build: a rank that left the build first and destroyed the group closed the pairs
+a slower peer was still connecting, whose build then failed with gloo's ``TIMEOUT
+self_rank = …`` (a late wakeup, then the sleep queued behind it: CI, session 13). Now no
+rank leaves the build before all are done with it (a barrier on the global group)."""
 
 from __future__ import annotations
 
@@ -30,7 +36,7 @@ from tests.rankprocs import rank_processes, wait_ok
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
 HELPER = HERE / "comm_groups_rank.py"
-TP, REBUILDS = 4, 6
+TP, REBUILDS = 4, 8
 TIMEOUT_S = 240.0  # four paddle imports on a shared 2-core host, then the builds
 
 
