@@ -298,8 +298,11 @@ def _rope(config: dict[str, Any], default_theta: float) -> dict[str, Any]:
         out["rope_high_freq_factor"] = float(params["high_freq_factor"])
         if out["rope_high_freq_factor"] == out["rope_low_freq_factor"]:
             raise ConfigError(f"config field {field}: high_freq_factor == low_freq_factor")
+        # a top-level original_max_position_embeddings wins over rope_parameters' own, as
+        # transformers 5's standardize_rope_params has it (Phi-3's layout)
         out["rope_original_max_position_embeddings"] = int(
-            params.get("original_max_position_embeddings")
+            config.get("original_max_position_embeddings")
+            or params.get("original_max_position_embeddings")
             or config.get("max_position_embeddings")
             or 0
         )
