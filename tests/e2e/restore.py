@@ -26,13 +26,17 @@ State = tuple[str, str]  # (state, weight_version)
 
 
 def stacks_of(funcargs: dict[str, Any]) -> list[Stack]:
-    """The stacks among a test's fixture values (a ``Stack``, or an object holding one as
-    ``.stack`` such as the fault tests' ``Faults``)."""
+    """The stacks among a test's fixture values: a ``Stack``, an object holding one as
+    ``.stack`` (the fault tests' ``Faults``), or a tuple with one (``(server, stack)``)."""
     out: list[Stack] = []
     for v in funcargs.values():
-        s = v if isinstance(v, Stack) else getattr(v, "stack", None)
-        if isinstance(s, Stack) and s not in out:
-            out.append(s)
+        for x in v if isinstance(v, tuple) else (v,):
+            try:
+                s = x if isinstance(x, Stack) else getattr(x, "stack", None)
+            except Exception:  # noqa: BLE001 - any fixture value: a property may raise
+                continue
+            if isinstance(s, Stack) and s not in out:
+                out.append(s)
     return out
 
 
