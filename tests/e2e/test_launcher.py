@@ -1,4 +1,5 @@
-"""`rollbus serve` as a user runs it: embedded nats-server, default model, clean stops."""
+"""`rollbus serve` as a user runs it: clean stops, start-up errors named (the default
+embedded start is checked in test_nats_auth_stack.py, on the stack that test starts)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import time
 from pathlib import Path
 
 import httpx
-from safetensors import safe_open
 
 from shared import sharding
 from shared.model_config import ModelConfig
@@ -49,30 +49,6 @@ def _serve(cwd: Path, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]
         stdout=open(log, "wb"),
         stderr=subprocess.STDOUT,  # noqa: SIM115
     )
-
-
-def test_embedded_start_defaults_and_sigterm(tmp_path: Path) -> None:
-    api, nport = free_port(), free_port()
-    log = tmp_path / "serve.log"
-    proc = _serve(tmp_path, _env(ROLLBUS_API_PORT=str(api), ROLLBUS_NATS_PORT=str(nport)), log)
-    try:
-        wait_healthy(f"http://127.0.0.1:{api}", proc, log)
-        st = httpx.get(f"http://127.0.0.1:{api}/v1/status", timeout=10).json()
-        assert st["nats_url"] == f"nats://127.0.0.1:{nport}" and st["tp"] == 2
-        assert (tmp_path / ".data" / "nats" / "jetstream").is_dir()
-        tiny = tmp_path / ".data" / "models" / "tiny"
-        assert json.loads((tiny / "config.json").read_text())["model_type"] == "llama"
-        assert (tiny / "version.txt").read_text().strip() == "v0"
-        with safe_open(str(tiny / "model.safetensors"), framework="numpy") as f:
-            assert "model.layers.0.self_attn.q_proj.weight" in f.keys()
-        kids = _children(proc.pid)
-        assert len(kids) == 5  # nats-server, engine, 2 ranks, api
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(30)
-    assert code == 0
-    time.sleep(0.5)
-    assert not [k for k in kids if _alive(k)]
 
 
 def test_dead_child_is_named_and_the_rest_stop(tmp_path: Path, nats_url: str) -> None:
