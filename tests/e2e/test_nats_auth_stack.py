@@ -33,7 +33,11 @@ def _env(**kw: str) -> dict[str, str]:
 def _cli(cwd: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "services.cli", *args],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=120,
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
@@ -45,8 +49,9 @@ def _child_env(pid: int) -> dict[str, str]:
 async def _ctl(url: str, method: str, body: dict[str, object]) -> dict[str, object]:
     nc = await nats.connect(url)  # as `nats req --server URL`: the default _INBOX prefix
     try:
-        rep = await nc.request(f"rollbus.default.ctl.{method}", json.dumps(body).encode(),
-                               timeout=60)
+        rep = await nc.request(
+            f"rollbus.default.ctl.{method}", json.dumps(body).encode(), timeout=60
+        )
         return dict(json.loads(rep.data))
     finally:
         await nc.close()
@@ -68,8 +73,11 @@ async def test_embedded_stack_defaults_roles_and_sigterm(tmp_path: Path) -> None
     env = _env(ROLLBUS_API_PORT=str(api), ROLLBUS_NATS_PORT=str(nport))
     log = tmp_path / "serve.log"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "serve"], cwd=tmp_path, env=env,
-        stdout=open(log, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
+        [sys.executable, "-m", "services.cli", "serve"],
+        cwd=tmp_path,
+        env=env,
+        stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT,  # noqa: SIM115
     )
     try:
         wait_healthy(f"http://127.0.0.1:{api}", proc, log)
@@ -82,8 +90,9 @@ async def test_embedded_stack_defaults_roles_and_sigterm(tmp_path: Path) -> None
         assert (tiny / "version.txt").read_text().strip() == "v0"
         with safe_open(str(tiny / "model.safetensors"), framework="numpy") as f:
             assert "model.layers.0.self_attn.q_proj.weight" in f.keys()
-        all_kids = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
-                    .read_text().split()]
+        all_kids = [
+            int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        ]
         assert len(all_kids) == 5  # nats-server, engine, 2 ranks, api
         cdir = tmp_path / ".data" / "creds"
         passwords = {r: creds.load(cdir, r)[1] for r in creds.ROLES}
@@ -105,8 +114,9 @@ async def test_embedded_stack_defaults_roles_and_sigterm(tmp_path: Path) -> None
         # each child has its own role's credentials and no other role's
         st = httpx.get(f"http://127.0.0.1:{api}/v1/status", timeout=10).json()
         assert st["nats_url"] == f"nats://127.0.0.1:{nport}"
-        kids = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
-                .read_text().split()]
+        kids = [
+            int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        ]
         roles_seen = []
         for k in kids:
             cmd = Path(f"/proc/{k}/cmdline").read_bytes().replace(b"\0", b" ").decode()
