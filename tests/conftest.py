@@ -12,6 +12,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -45,3 +46,41 @@ def nats_url() -> Iterator[str]:
     finally:
         server.stop()
         shutil.rmtree(store, ignore_errors=True)
+
+
+# A failed test's shared stack put back before the next test (tests/e2e/restore.py).
+_FOUND = pytest.StashKey[list[tuple[Any, Any]]]()
+_FAILED = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    from tests.e2e.restore import snapshot, stacks_of
+
+    funcargs = getattr(item, "funcargs", {})
+    found = [(s, snapshot(s)) for s in stacks_of(funcargs)]
+    item.stash[_FOUND] = [(s, f) for s, f in found if f is not None]
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    if call.when == "call" and outcome.get_result().failed:
+        item.stash[_FAILED] = True
+
+
+@pytest.fixture(autouse=True)
+def shared_stack_put_back(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After a failed test, every stack it used is brought back to the state it had
+    before the test (its own fixtures' teardown runs first: this one is set up first)."""
+    yield
+    item = request.node
+    if not item.stash.get(_FAILED, False):
+        return
+    from tests.e2e.restore import restore
+
+    for stack, found in item.stash.get(_FOUND, []):
+        done = restore(stack, found)
+        if done:
+            print(f"\nshared stack {stack.instance}: {done} to {found} after the failure")

@@ -59,6 +59,17 @@ class Stack:
     def stop(self) -> int:
         return stop_serve(self.proc)
 
+    def restart(self) -> None:
+        """Stop and start it again in place (same settings, port, instance and data dir):
+        for a module's shared stack a failed test left in a state nothing else undoes."""
+        self.stop()
+        self.proc = spawn(self.env, self.log, append=True)
+        try:
+            wait_healthy(self.base_url, self.proc, self.log)
+        except BaseException:
+            stop_serve(self.proc)
+            raise
+
 
 def start_stack(
     tmp: Path,

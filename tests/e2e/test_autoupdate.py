@@ -20,14 +20,24 @@ import pytest
 from nats.js.errors import NotFoundError
 
 from services.engine.autoupdate import durable_name
+from services.trainer.publisher import CheckpointPublisher
 from services.trainer.shards import write_sharded_dir
+from shared import manifest as mf
 from shared import objstore, sharding
 from shared.messages import VersionPublished
 from shared.model_config import ModelConfig
 from shared.subjects import CKPT_STREAM, ckpt_published
 from shared.versions import ipc_version_dir
 from tests.e2e.stack import Stack, model_config, start_stack
-from tests.e2e.test_checkpoints import _raw, events, model_of, post, publish, wait_for
+from tests.e2e.test_checkpoints import (
+    _raw,
+    events,
+    model_of,
+    post,
+    publish,
+    training_state,
+    wait_for,
+)
 from tests.e2e.test_control import digests
 
 SHM = Path("/dev/shm/rollbus")
@@ -316,3 +326,47 @@ def test_many_events_ahead_of_their_files_do_not_stall_the_feed(ustack: Stack) -
     want = publish(ustack, "after-flood", seed=99)
     wait_for(lambda: serving(ustack, "after-flood"), 120)
     assert digests(ustack) == want
+
+
+def test_ipc_auto_update_burst_ends_at_newest(ustack: Stack) -> None:
+    """Three versions published at once: auto-update ends at the newest, in publish order,
+    never back. (Was test_checkpoints' on a stack of its own with the same settings bar
+    CONTROL_TIMEOUT_S; here it counts only the version events it causes.)"""
+    already = len(events(ustack, "version"))
+    want = {}
+    for i, v in enumerate(("b1", "b2", "b3")):
+        want[v] = publish(ustack, v, seed=31 + i, ipc=True)
+    wait_for(lambda: serving(ustack, "b3"))
+    assert digests(ustack) == want["b3"]
+    mine = events(ustack, "version")[already:]
+    seen = [e["data"]["version"] for e in mine]
+    assert seen[-1] == "b3" and seen == sorted(seen)  # in publish order, never back
+    assert all(e["data"]["actor"] == "auto_update" for e in mine)
+    # the old versions' events were acked and ignored or superseded, never re-applied
+    time.sleep(1.5)
+    assert ustack.status()["weight_version"] == "b3"
+
+
+def test_auto_update_failure_resumes_on_previous_weights(ustack: Stack) -> None:
+    before, version_before = digests(ustack), ustack.status()["weight_version"]
+    pub = CheckpointPublisher(ustack.nats_url)
+    blobs, man = pub.prepare(
+        model_of(ustack), "broken", training_state(ustack, 41), 2, model_config(ustack.model_dir)
+    )
+    man.shards[0].sha256 = "f" * 64
+    d = ipc_version_dir(SHM, model_of(ustack), "broken")
+    d.mkdir(parents=True, exist_ok=True)
+    for spec, blob in zip(man.shards, blobs, strict=True):
+        (d / spec.file).write_bytes(blob)
+    (d / "manifest.json").write_bytes(mf.encode(man))
+
+    async def announce(nc: Any) -> None:
+        await objstore.publish_version(nc, VersionPublished(model_of(ustack), "broken", 2))
+
+    asyncio.run(_raw(ustack.nats_url, announce))
+    wait_for(lambda: any(e["action"] == "failed" for e in auto_events(ustack, "broken")))
+    fail = next(e for e in auto_events(ustack, "broken"))
+    assert fail["error_code"] == 422 and "rank 0" in fail["error_message"]
+    st = ustack.status()
+    assert st["state"] == "running" and st["weight_version"] == version_before
+    assert digests(ustack) == before

@@ -27,11 +27,9 @@ from services.trainer.publisher import CheckpointPublisher, VersionConflict
 from services.worker.sources import parse_safetensors
 from shared import manifest as mf
 from shared import objstore, sharding
-from shared.messages import VersionPublished
 from shared.model_config import ModelConfig
 from shared.subjects import ckpt_object_name
-from shared.versions import ipc_version_dir
-from tests.e2e.stack import Stack, model_config, module_stack, start_stack
+from tests.e2e.stack import Stack, model_config, start_stack
 from tests.e2e.test_control import digests
 
 BUCKET = "rollbus_ckpt"
@@ -131,9 +129,8 @@ def ostack(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 @pytest.fixture(autouse=True)
 def _resume_after(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
-    for name in ("ostack", "astack"):
-        if name in request.fixturenames:
-            post(request.getfixturevalue(name), "/v1/resume")
+    if "ostack" in request.fixturenames:
+        post(request.getfixturevalue("ostack"), "/v1/resume")
 
 
 def test_publish_update_serves_exactly_the_published_shards(ostack: Stack) -> None:
@@ -356,21 +353,6 @@ def test_cli_publish_versions_and_clear_errors(ostack: Stack, tmp_path: Path) ->
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
-# --------------------------------------------------------------------------- ipc + auto-update
-
-
-@pytest.fixture(scope="module")
-def astack(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    env = {"ROLLBUS_LOAD_STRATEGY": "ipc", "ROLLBUS_AUTO_UPDATE": "true"}
-    with module_stack(tmp_path_factory, nats_url, "au", tp=2, env=env) as s:
-        yield s
-    import shutil
-
-    shutil.rmtree(
-        ipc_version_dir(Path("/dev/shm/rollbus"), model_of(s), "x").parent, ignore_errors=True
-    )
-
-
 def events(stack: Stack, kind: str) -> list[dict[str, Any]]:
     async def go(nc: Any) -> list[dict[str, Any]]:
         js = nc.jetstream()
@@ -393,53 +375,6 @@ def wait_for(pred: Any, timeout: float = 30) -> None:
             return
         time.sleep(0.1)
     raise AssertionError("condition not reached")
-
-
-def test_ipc_auto_update_burst_ends_at_newest(astack: Stack) -> None:
-    assert astack.status()["weight_version"] == "v0"
-    want = {}
-    for i, v in enumerate(("b1", "b2", "b3")):
-        want[v] = publish(astack, v, seed=31 + i, ipc=True)
-    wait_for(
-        lambda: astack.status()["weight_version"] == "b3" and astack.status()["state"] == "running"
-    )
-    assert digests(astack) == want["b3"]
-    seen = [e["data"]["version"] for e in events(astack, "version")]
-    assert seen[-1] == "b3" and seen == sorted(seen)  # in publish order, never back
-    assert all(e["data"]["actor"] == "auto_update" for e in events(astack, "version"))
-    # the old versions' events were acked and ignored or superseded, never re-applied
-    time.sleep(1.5)
-    assert astack.status()["weight_version"] == "b3"
-
-
-def test_auto_update_failure_resumes_on_previous_weights(astack: Stack) -> None:
-    before, version_before = digests(astack), astack.status()["weight_version"]
-    pub = CheckpointPublisher(astack.nats_url)
-    blobs, man = pub.prepare(
-        model_of(astack), "broken", training_state(astack, 41), 2, model_config(astack.model_dir)
-    )
-    man.shards[0].sha256 = "f" * 64
-    d = ipc_version_dir(Path("/dev/shm/rollbus"), model_of(astack), "broken")
-    d.mkdir(parents=True, exist_ok=True)
-    for spec, blob in zip(man.shards, blobs, strict=True):
-        (d / spec.file).write_bytes(blob)
-    (d / "manifest.json").write_bytes(mf.encode(man))
-
-    async def announce(nc: Any) -> None:
-        await objstore.publish_version(nc, VersionPublished(model_of(astack), "broken", 2))
-
-    asyncio.run(_raw(astack.nats_url, announce))
-    wait_for(
-        lambda: any(
-            e["data"]["version"] == "broken" and e["data"].get("action") == "failed"
-            for e in events(astack, "auto_update")
-        )
-    )
-    fail = next(e for e in events(astack, "auto_update") if e["data"]["version"] == "broken")
-    assert fail["data"]["error_code"] == 422 and "rank 0" in fail["data"]["error_message"]
-    st = astack.status()
-    assert st["state"] == "running" and st["weight_version"] == version_before
-    assert digests(astack) == before
 
 
 def test_published_version_changes_greedy_output_to_the_new_weights(ostack: Stack) -> None:

@@ -1,4 +1,5 @@
-"""`rollbus serve` as a user runs it: embedded nats-server, default model, clean stops."""
+"""`rollbus serve` as a user runs it: clean stops, start-up errors named (the default
+embedded start is checked in test_nats_auth_stack.py, on the stack that test starts)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import time
 from pathlib import Path
 
 import httpx
-from safetensors import safe_open
 
 from shared import sharding
 from shared.model_config import ModelConfig
@@ -49,58 +49,6 @@ def _serve(cwd: Path, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]
         stdout=open(log, "wb"),
         stderr=subprocess.STDOUT,  # noqa: SIM115
     )
-
-
-def test_embedded_start_defaults_and_sigterm(tmp_path: Path) -> None:
-    api, nport = free_port(), free_port()
-    log = tmp_path / "serve.log"
-    proc = _serve(tmp_path, _env(ROLLBUS_API_PORT=str(api), ROLLBUS_NATS_PORT=str(nport)), log)
-    try:
-        wait_healthy(f"http://127.0.0.1:{api}", proc, log)
-        st = httpx.get(f"http://127.0.0.1:{api}/v1/status", timeout=10).json()
-        assert st["nats_url"] == f"nats://127.0.0.1:{nport}" and st["tp"] == 2
-        assert (tmp_path / ".data" / "nats" / "jetstream").is_dir()
-        tiny = tmp_path / ".data" / "models" / "tiny"
-        assert json.loads((tiny / "config.json").read_text())["model_type"] == "llama"
-        assert (tiny / "version.txt").read_text().strip() == "v0"
-        with safe_open(str(tiny / "model.safetensors"), framework="numpy") as f:
-            assert "model.layers.0.self_attn.q_proj.weight" in f.keys()
-        kids = _children(proc.pid)
-        assert len(kids) == 5  # nats-server, engine, 2 ranks, api
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(30)
-    assert code == 0
-    time.sleep(0.5)
-    assert not [k for k in kids if _alive(k)]
-
-
-def test_dead_child_is_named_and_the_rest_stop(tmp_path: Path, nats_url: str) -> None:
-    """Over the restart budget (0 here), a dead child stops the stack, named."""
-    api = free_port()
-    log = tmp_path / "serve.log"
-    env = _env(
-        ROLLBUS_RESTART_LIMIT="0",
-        ROLLBUS_API_PORT=str(api),
-        ROLLBUS_NATS_URL=nats_url,
-        ROLLBUS_INSTANCE=f"launch{api}",
-        ROLLBUS_DATA_DIR=str(tmp_path / "d"),
-    )
-    proc = _serve(tmp_path, env, log)
-    try:
-        wait_healthy(f"http://127.0.0.1:{api}", proc, log)
-        st = httpx.get(f"http://127.0.0.1:{api}/v1/status", timeout=10).json()
-        kids = _children(proc.pid)
-        os.kill(st["ranks"][1]["pid"], signal.SIGKILL)
-        code = proc.wait(30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert code == 1
-    assert "worker rank 1 exited" in log.read_text()
-    assert "worker ranks restarted 0 times within 60s already" in log.read_text()
-    time.sleep(0.5)
-    assert not [k for k in kids if _alive(k)]
 
 
 def _run_fail(tmp_path: Path, env: dict[str, str]) -> tuple[int, str]:
@@ -150,11 +98,15 @@ def test_busy_api_port_is_one_clear_line(tmp_path: Path, nats_url: str) -> None:
     assert len(lines) == 1 and f"{port} is busy" in lines[0] and "ready" not in err
 
 
-def test_plain_hf_dir_without_version_txt(tmp_path: Path, nats_url: str) -> None:
+def test_plain_hf_dir_without_version_txt_then_a_dead_child_stops_it(
+    tmp_path: Path, nats_url: str
+) -> None:
     """A model dir with no version.txt serves as v0; the default version of
     update_weights is then the newest published one; a state dict published without a
     config is sharded by what the instance serves; the default snapshot strategy still
-    loads a version published to the object store."""
+    loads a version published to the object store. Then, over the restart budget (0
+    here), a dead child stops the stack, named. (Two tests, a stack start each, before:
+    one tp=2 start for both now; the restart budget plays no part before the kill.)"""
     import numpy as np
 
     from services import trainer
@@ -166,9 +118,10 @@ def test_plain_hf_dir_without_version_txt(tmp_path: Path, nats_url: str) -> None
     instance = f"plain{api}"
     log = tmp_path / "serve.log"
     env = _env(
+        ROLLBUS_RESTART_LIMIT="0",
         ROLLBUS_API_PORT=str(api),
         ROLLBUS_NATS_URL=nats_url,
-        ROLLBUS_TP="1",
+        ROLLBUS_TP="2",
         ROLLBUS_INSTANCE=instance,
         ROLLBUS_MODEL=str(model_dir),
         ROLLBUS_DATA_DIR=str(tmp_path / "d"),
@@ -187,7 +140,7 @@ def test_plain_hf_dir_without_version_txt(tmp_path: Path, nats_url: str) -> None
             cfg = ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
             state = {k: np.asarray(v) for k, v in sharding.init_weights(cfg, 5).items()}
             res = trainer.publish(
-                "Qwen2.5-0.5B", "p1", state, tp=1, nats_url=nats_url, instance=instance
+                "Qwen2.5-0.5B", "p1", state, tp=2, nats_url=nats_url, instance=instance
             )
             assert res.version == "p1"
             r = c.post("/v1/update_weights")  # default: the newest published
@@ -197,6 +150,18 @@ def test_plain_hf_dir_without_version_txt(tmp_path: Path, nats_url: str) -> None
             body = {"model": "Qwen2.5-0.5B", "prompt": "x", "max_tokens": 3}
             out = c.post("/v1/completions", json=body).json()
             assert out["weight_version"] == "p1" and out["usage"]["completion_tokens"] == 3
+
+            # a dead child over the restart budget: named, and the rest stop
+            st = c.get("/v1/status").json()
+        kids = _children(proc.pid)
+        os.kill(st["ranks"][1]["pid"], signal.SIGKILL)
+        code = proc.wait(30)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
+        if proc.poll() is None:  # failed before the kill: the launcher's ordered stop
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
+    assert code == 1
+    assert "worker rank 1 exited" in log.read_text()
+    assert "worker ranks restarted 0 times within 60s already" in log.read_text()
+    time.sleep(0.5)
+    assert not [k for k in kids if _alive(k)]

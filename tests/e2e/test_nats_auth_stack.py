@@ -12,11 +12,13 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
 import nats
 import pytest
+from safetensors import safe_open
 
 from shared import creds
 from tests.e2e.stack import free_port, wait_healthy
@@ -31,7 +33,11 @@ def _env(**kw: str) -> dict[str, str]:
 def _cli(cwd: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "services.cli", *args],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=120,
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
@@ -43,26 +49,51 @@ def _child_env(pid: int) -> dict[str, str]:
 async def _ctl(url: str, method: str, body: dict[str, object]) -> dict[str, object]:
     nc = await nats.connect(url)  # as `nats req --server URL`: the default _INBOX prefix
     try:
-        rep = await nc.request(f"rollbus.default.ctl.{method}", json.dumps(body).encode(),
-                               timeout=60)
+        rep = await nc.request(
+            f"rollbus.default.ctl.{method}", json.dumps(body).encode(), timeout=60
+        )
         return dict(json.loads(rep.data))
     finally:
         await nc.close()
 
 
-async def test_embedded_stack_runs_with_roles(tmp_path: Path) -> None:
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+async def test_embedded_stack_defaults_roles_and_sigterm(tmp_path: Path) -> None:
+    """One default start (only the ports set) for both: what `rollbus serve` makes by
+    default, then the roles, then SIGTERM stops every child with exit 0 (one stack start
+    less than a stack each; it was test_launcher's test_embedded_start_defaults_and_sigterm)."""
     api, nport = free_port(), free_port()
-    env = _env(
-        ROLLBUS_API_PORT=str(api), ROLLBUS_NATS_PORT=str(nport),
-        ROLLBUS_LOAD_STRATEGY="object_store",
-    )
+    env = _env(ROLLBUS_API_PORT=str(api), ROLLBUS_NATS_PORT=str(nport))
     log = tmp_path / "serve.log"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "serve"], cwd=tmp_path, env=env,
-        stdout=open(log, "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
+        [sys.executable, "-m", "services.cli", "serve"],
+        cwd=tmp_path,
+        env=env,
+        stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT,  # noqa: SIM115
     )
     try:
         wait_healthy(f"http://127.0.0.1:{api}", proc, log)
+        # the defaults: tp=2, the embedded server's store, the tiny model at v0
+        st = httpx.get(f"http://127.0.0.1:{api}/v1/status", timeout=10).json()
+        assert st["nats_url"] == f"nats://127.0.0.1:{nport}" and st["tp"] == 2
+        assert (tmp_path / ".data" / "nats" / "jetstream").is_dir()
+        tiny = tmp_path / ".data" / "models" / "tiny"
+        assert json.loads((tiny / "config.json").read_text())["model_type"] == "llama"
+        assert (tiny / "version.txt").read_text().strip() == "v0"
+        with safe_open(str(tiny / "model.safetensors"), framework="numpy") as f:
+            assert "model.layers.0.self_attn.q_proj.weight" in f.keys()
+        all_kids = [
+            int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        ]
+        assert len(all_kids) == 5  # nats-server, engine, 2 ranks, api
         cdir = tmp_path / ".data" / "creds"
         passwords = {r: creds.load(cdir, r)[1] for r in creds.ROLES}
 
@@ -83,8 +114,9 @@ async def test_embedded_stack_runs_with_roles(tmp_path: Path) -> None:
         # each child has its own role's credentials and no other role's
         st = httpx.get(f"http://127.0.0.1:{api}/v1/status", timeout=10).json()
         assert st["nats_url"] == f"nats://127.0.0.1:{nport}"
-        kids = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
-                .read_text().split()]
+        kids = [
+            int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        ]
         roles_seen = []
         for k in kids:
             cmd = Path(f"/proc/{k}/cmdline").read_bytes().replace(b"\0", b" ").decode()
@@ -104,7 +136,9 @@ async def test_embedded_stack_runs_with_roles(tmp_path: Path) -> None:
         assert r.returncode == 0, r.stderr
         r = _cli(tmp_path, env, "versions", "--model", "tiny")
         assert r.returncode == 0 and " v1 " in r.stdout, r.stderr
-        # and the ranks pull it with their worker credentials
+        # and the ranks pull it with their worker credentials (the default strategy,
+        # snapshot, has no snapshot dir of v1: it comes from the object store)
+        assert not (model / "versions" / "v1").exists()
         assert (await _ctl(op_url, "pause", {}))["error_code"] == 200
         rep = await _ctl(op_url, "update_weights", {"version": "v1", "verify_checksum": True})
         assert rep["error_code"] == 200, rep
@@ -118,4 +152,7 @@ async def test_embedded_stack_runs_with_roles(tmp_path: Path) -> None:
         assert (tmp_path / ".data" / "nats" / "server.conf").stat().st_mode & 0o077 == 0
     finally:
         proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
+        code = proc.wait(60)
+    assert code == 0
+    time.sleep(0.5)
+    assert not [k for k in all_kids if _alive(k)]

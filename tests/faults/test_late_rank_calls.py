@@ -17,26 +17,31 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from services.tiny_model import write_version
-from tests.e2e.stack import Stack
+from tests.e2e.stack import Stack, free_port
 from tests.faults import common as c
 from tests.faults.common import NatsProc
 
 pytestmark = pytest.mark.faults
 
 PING = 'ping_interval: "1s"\nping_max: 3\n'
-CUT_S = 10.0  # stopped this long, a rank is surely cut off (3 missed pings 1 s apart)
+CUT_S = 10.0  # a stopped rank is cut off well within this (3 missed pings 1 s apart)
+MONITOR: dict[str, int] = {}  # the module server's monitoring port ("port")
 ASLEEP = {"weights_loaded": False, "kv_allocated": False, "comm_group": False}
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = Path(tmp_path_factory.mktemp("late_rank_calls"))
-    nats = NatsProc(tmp / "nats", tmp / "nats.log", conf=PING)
+    MONITOR["port"] = free_port()  # /connz: when the server has cut a rank off
+    monitor = f'http: "127.0.0.1:{MONITOR["port"]}"\n'
+    nats = NatsProc(tmp / "nats", tmp / "nats.log", conf=PING + monitor)
     s = c.fault_stack(tmp, nats, ROLLBUS_SHUTDOWN_COMM_GROUP_IF_WORKER_IDLE="true")
     write_version(s.model_dir, "v1", seed=1)
+    assert _connections(1), "rank 1's connection not seen in /connz: the cut-off wait is blind"
     try:
         yield s
     finally:
@@ -46,9 +51,20 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         nats.stop()
 
 
-def _cut_off(since: float) -> None:
-    """Keep the rank stopped until the server has surely closed its connection."""
-    time.sleep(max(0.0, since + CUT_S - time.monotonic()))
+def _connections(rank: int) -> list[int]:
+    """The ids of the rank's open connections to the module's server (its bus and, once
+    it pulled, its object-store reader), from the server's own monitoring."""
+    r = httpx.get(f"http://127.0.0.1:{MONITOR['port']}/connz?limit=4096", timeout=10)
+    names = (f"rollbus-worker-{rank}", f"rollbus-pull-{rank}")
+    return [int(x["cid"]) for x in r.json().get("connections") or [] if x.get("name") in names]
+
+
+def _cut_off(since: float, rank: int = 1) -> None:
+    """Keep the rank stopped until the server has closed its connections (3 missed pings
+    1 s apart: ~3-4 s; it waited a fixed CUT_S before, 6 s more than needed when quiet)."""
+    while _connections(rank):
+        assert time.monotonic() < since + CUT_S + 30, f"rank {rank} never cut off"
+        time.sleep(0.2)
 
 
 def _call_while_cut_off(stack: Stack, path: str, says: str) -> int:

@@ -1,7 +1,8 @@
 """A nats-server fault while auto-update's ranks pull an announced version: the cut
-transfer is retried until the version is served (never taken for a bad version). Two
-tp=2 stacks with ~100 MiB shards (one per fault): ~100 s, so it runs with the fault
-suite (`just faults`), not in `just test`.
+transfer is retried until the version is served (never taken for a bad version). One
+tp=2 stack with ~100 MiB shards for both faults, in turn (a stack each cost a second
+big start, 35-50 s under load): ~100 s, so it runs with the fault suite (`just
+faults`), not in `just test`.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from tests.e2e.stack import Stack, model_config
 from tests.e2e.test_checkpoints import events
 
 
-@pytest.fixture
-def auto(tmp_path: Path) -> Iterator[tuple[Server, Stack]]:
+@pytest.fixture(scope="module")
+def auto(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Stack]]:
+    tmp_path = Path(tmp_path_factory.mktemp("pullauto"))
     server = Server(tmp_path / "nats")
     # a 20 s control timeout: in the ``stop`` case the ranks' verdict comes once the
     # server runs again (7 s after the stop, itself some time after the stage was sent);
@@ -37,6 +39,18 @@ def auto(tmp_path: Path) -> Iterator[tuple[Server, Stack]]:
     finally:
         stack.stop()
         server.stop()
+
+
+@pytest.fixture(autouse=True)
+def server_running(auto: tuple[Server, Stack]) -> Iterator[None]:
+    """The next test's server runs, whatever this one did to it (the stack itself is put
+    back by tests/conftest.py when a test fails)."""
+    yield
+    server = auto[0]
+    if server.proc is not None and server.proc.poll() is None:
+        server.proc.send_signal(signal.SIGCONT)
+    else:
+        server.start()
 
 
 @pytest.mark.parametrize("fault", ["kill", "stop"])
@@ -55,8 +69,10 @@ def test_nats_fault_mid_auto_update_pull_is_retried_until_served(
     # done (a 100 MiB shard pulls in well under a second): then the fault cut nothing and
     # proves nothing — the scenario is run again with the next version (at most 3). A cut
     # transfer taken for a bad version (422) is never served: the wait below fails.
-    for attempt, version in enumerate(("a1", "a2", "a3")):
-        recs = _fault_mid_pull(server, stack, cfg, fault, version, seed=5 + attempt)
+    # each fault its own versions and weights (both run on one stack)
+    for attempt in range(3):
+        version, seed = f"{fault[0]}{attempt + 1}", 5 + attempt + 10 * (fault == "stop")
+        recs = _fault_mid_pull(server, stack, cfg, fault, version, seed=seed)
         if len(recs) >= 2:
             break
     assert recs[-1]["action"] == "updated" and len(recs) >= 2, recs  # the fault cut one
