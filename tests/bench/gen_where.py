@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -50,6 +51,59 @@ def cpu_s(pid: int) -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / TICK  # utime, stime
+
+
+def threads(pid: int) -> dict[int, tuple[float, float, int, int]]:
+    """Per thread of a process: (CPU s, run-queue wait s, timeslices, involuntary
+    switches), from ``/proc/<pid>/task/<tid>/schedstat`` and ``status``: whether the
+    rank's compute threads are preempted more in a served run than in ``selfbench``."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            run, wait, slices = (int(x) for x in (task / "schedstat").read_text().split())
+            status = (task / "status").read_text()
+        except (OSError, ValueError):
+            continue
+        nv = int(status.split("nonvoluntary_ctxt_switches:")[1].split()[0])
+        out[int(task.name)] = (run / 1e9, wait / 1e9, slices, nv)
+    return out
+
+
+def thread_delta(
+    before: dict[int, tuple[float, float, int, int]], pid: int, top: int = 2
+) -> list[dict[str, float]]:
+    """The ``top`` busiest threads of ``pid`` since ``before``: cpu_s, wait_s (runnable,
+    not running), slices, preempted (involuntary switches)."""
+    rows = []
+    for tid, (run, wait, slices, nv) in threads(pid).items():
+        b = before.get(tid, (0.0, 0.0, 0, 0))
+        rows.append(
+            {
+                "cpu_s": round(run - b[0], 2),
+                "wait_s": round(wait - b[1], 3),
+                "slices": slices - b[2],
+                "preempted": nv - b[3],
+            }
+        )
+    return sorted(rows, key=lambda r: -r["cpu_s"])[:top]
+
+
+AUX_NICE = "BENCH_AUX_NICE"  # a variant's key: the nice of its engine and API (not ROLLBUS_)
+
+
+def renice_aux(procs: dict[str, int], nice: int) -> None:
+    """Lower the engine's and the API's priority to ``nice`` (the ranks keep theirs): does
+    a lower priority for them make their wake-ups cost the ranks less? With autogroups on
+    (``/proc/sys/kernel/sched_autogroup_enabled``) each process the launcher starts is a
+    session, so a scheduling group, of its own, and only the group's nice counts against
+    the ranks: both the group's and every thread's are set."""
+    for name in ("engine", "api"):
+        pid = procs[name]
+        with contextlib.suppress(OSError):
+            Path(f"/proc/{pid}/autogroup").write_text(str(nice))
+        for tid in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, int(tid.name), nice)
 
 
 def children(pid: int) -> list[int]:
@@ -135,6 +189,7 @@ async def http_run(
     tap: Tap | None = None,
 ) -> dict[str, Any]:
     before = {k: cpu_s(p) for k, p in procs.items()}
+    rank0 = threads(procs["rank 0"])
     st0 = status(base)
     t0 = time.perf_counter()
     if path == "nats":
@@ -149,6 +204,7 @@ async def http_run(
     await asyncio.sleep(0.05)  # the tap's last messages
     st1 = status(base)
     cpu = {k: round(cpu_s(p) - before[k], 2) for k, p in procs.items()}
+    rank0_threads = thread_delta(rank0, procs["rank 0"])
     a, b = st0.get("step_time", {}), st1.get("step_time", {})
     steps = {k: round(b[k] - a[k], 3) for k in b}
     steps["steps"] = st1["steps"] - st0["steps"] - 0  # status calls step nothing
@@ -156,6 +212,7 @@ async def http_run(
         "tokens_per_s": round(tps, 1),
         "wall_s": round(wall, 2),
         "cpu_s": cpu,
+        "rank0_threads": rank0_threads,
         "step": steps,
         "out_of_step_s": round(wall - steps.get("in_step_s", 0.0), 3),
     }
@@ -197,6 +254,9 @@ async def main_async(args: argparse.Namespace, tmp: Path) -> None:
             )
         time.sleep(2)
         procs = {n: named(st.proc.pid, server.proc.pid) for n, st in stacks.items()}
+        for name, env in variants.items():
+            if AUX_NICE in env:
+                renice_aux(procs[name], int(env[AUX_NICE]))
         print("processes:", procs, flush=True)
         for st in stacks.values():
             await g.via_http(st.base_url, args.batch, stream=False)  # warm up
@@ -205,21 +265,41 @@ async def main_async(args: argparse.Namespace, tmp: Path) -> None:
             for name, stack in stacks.items():
                 s = Subjects(stack.instance)
                 load = os.getloadavg()[0]
+                rank0 = procs[name]["rank 0"]
+                t = threads(rank0)
                 sb = await selfbench(bus, s, args.batch, args.tp, prefill=False)
                 sb_ms = dict(LAST)
+                sb_threads = thread_delta(t, rank0)
+                t = threads(rank0)
                 sbp = (
                     await selfbench(bus, s, args.batch, args.tp, prefill=True)
                     if args.prefill
                     else float("nan")
                 )
+                sbp_threads = thread_delta(t, rank0) if args.prefill else []
                 res.setdefault(f"{name} selfbench", []).append(sb)
                 res.setdefault(f"{name} selfbench+prefill", []).append(sbp)
+                for label, th in (("selfbench", sb_threads), ("selfbench+prefill", sbp_threads)):
+                    if th:
+                        res.setdefault(f"{name} {label} rank0 wait_s", []).append(
+                            sum(r["wait_s"] for r in th)
+                        )
+                        res.setdefault(f"{name} {label} rank0 preempted", []).append(
+                            sum(r["preempted"] for r in th)
+                        )
                 for path in paths:
                     h = await http_run(stack.base_url, procs[name], args.batch, path, bus, s, tap)
                     tap.events.clear()
                     res.setdefault(f"{name} {path}", []).append(h["tokens_per_s"])
                     res.setdefault(f"{name} {path} ratio", []).append(h["tokens_per_s"] / sb)
                     res.setdefault(f"{name} {path} out_of_step_s", []).append(h["out_of_step_s"])
+                    th = h["rank0_threads"]
+                    res.setdefault(f"{name} {path} rank0 wait_s", []).append(
+                        sum(r["wait_s"] for r in th)
+                    )
+                    res.setdefault(f"{name} {path} rank0 preempted", []).append(
+                        sum(r["preempted"] for r in th)
+                    )
                     print(
                         json.dumps(
                             {
@@ -230,6 +310,8 @@ async def main_async(args: argparse.Namespace, tmp: Path) -> None:
                                 "selfbench": round(sb, 1),
                                 "selfbench_ms": sb_ms,
                                 "selfbench_prefill": round(sbp, 1),
+                                "selfbench_threads": sb_threads,
+                                "selfbench_prefill_threads": sbp_threads,
                                 **h,
                                 "ratio": round(h["tokens_per_s"] / sb, 3),
                             }
@@ -266,7 +348,8 @@ def main() -> None:
     ap.add_argument(
         "--variants",
         default='{"default": {}}',
-        help="JSON {name: {ENV: value}}: one stack each, runs interleaved",
+        help="JSON {name: {ENV: value}}: one stack each, runs interleaved; "
+        f"{AUX_NICE}: the nice of that stack's engine and API",
     )
     ap.add_argument("--show-log", default="", help="print the stack's log lines with this")
     ap.add_argument("--model-dir", default="/tmp/rollbus-gen-where/bench")
