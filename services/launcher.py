@@ -643,6 +643,9 @@ def check_device(settings: Settings) -> None:
 
 
 def serve(settings: Settings) -> int:
+    # everything the stack creates is its owner's alone (DATA_DIR, the default model, the
+    # server's ports and owner files, logs, every child's files): the children inherit it
+    os.umask(0o077)
     try:
         Path(settings.data_dir).mkdir(parents=True, exist_ok=True)
     except OSError as e:  # a bad setting: one line, exit 2 (README "Settings")

@@ -150,6 +150,11 @@ async def test_embedded_stack_defaults_roles_and_sigterm(tmp_path: Path) -> None
         texts = [log.read_text(), (tmp_path / ".data" / "nats.log").read_text(), json.dumps(st)]
         assert not [p for p in passwords.values() for t in texts if p in t]
         assert (tmp_path / ".data" / "nats" / "server.conf").stat().st_mode & 0o077 == 0
+        # and nothing the stack created is readable by another user (was: DATA_DIR, the
+        # default model's config and version.txt, nats/, its ports and owner files 0644/0755)
+        made = [tmp_path / ".data", *(tmp_path / ".data").rglob("*")]
+        shared = [str(p.relative_to(tmp_path)) for p in made if p.lstat().st_mode & 0o077]
+        assert not shared, shared
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(60)
