@@ -40,9 +40,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     monitor = f'http: "127.0.0.1:{MONITOR["port"]}"\n'
     nats = NatsProc(tmp / "nats", tmp / "nats.log", conf=PING + monitor)
     s = c.fault_stack(tmp, nats, ROLLBUS_SHUTDOWN_COMM_GROUP_IF_WORKER_IDLE="true")
-    write_version(s.model_dir, "v1", seed=1)
-    assert _connections(1), "rank 1's connection not seen in /connz: the cut-off wait is blind"
-    try:
+    try:  # the check inside: a failed one must still stop the stack and its server
+        write_version(s.model_dir, "v1", seed=1)
+        assert _connections(1), "rank 1's connection not seen in /connz: the cut-off wait is blind"
         yield s
     finally:
         for pid in c.rank_pids(s, quiet=True):
