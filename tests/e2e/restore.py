@@ -136,9 +136,12 @@ def restore(stack: Stack, found: State, timeout: float = 90) -> str:
     """Bring ``stack`` back to ``found``; what it took ("" when nothing differed). Raises
     when even a restart does not."""
     _continue_all(stack)
-    if snapshot(stack) == found and _answering(stack, timeout) is not None:
+    # one wait for the stack's own recovery (it waited twice when it never came: with the
+    # restart, past pytest-timeout's 300 s for the test and its teardown together)
+    answering = _answering(stack, timeout) is not None
+    if answering and snapshot(stack) == found:
         return ""
-    if _put_back(stack, found, timeout):
+    if answering and _put_back(stack, found, 10):
         return "put back"
     stack.restart()
     if _put_back(stack, found, 60):
