@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -82,5 +83,9 @@ def shared_stack_put_back(request: pytest.FixtureRequest) -> Iterator[None]:
 
     for stack, found in item.stash.get(_FOUND, []):
         done = restore(stack, found)
-        if done:
-            print(f"\nshared stack {stack.instance}: {done} to {found} after the failure")
+        if done:  # a warning, not a print: teardown output of a failed test is never shown,
+            # and a stack that had to be restarted did not recover by control calls alone
+            warnings.warn(
+                pytest.PytestWarning(f"shared stack {stack.instance}: {done} to {found}"),
+                stacklevel=1,
+            )

@@ -37,7 +37,9 @@ class SharedStacks:
                     c.post("/v1/wakeup")
                 c.post("/v1/resume")
         assert (st["state"], st["weight_version"]) == ("running", found["weight_version"]), (
-            "a module left the shared stack changed", st["state"], st["weight_version"]
+            "a module left the shared stack changed",
+            st["state"],
+            st["weight_version"],
         )
 
     def stop(self) -> None:
@@ -59,6 +61,6 @@ def shared_stacks(
 @pytest.fixture(scope="module")
 def stack(shared_stacks: SharedStacks) -> Iterator[Stack]:
     """The session's tp=2 stack (512 KV blocks), shared by the modules that use it
-    (test_control, test_generation, test_soak): each leaves it running, awake, on its
+    (test_control, test_generation, test_soak, test_restore): each leaves it running, awake, on its
     version."""
     yield from shared_stacks.lend(tp=2, env={"ROLLBUS_KV_CACHE_BLOCKS": "512"})

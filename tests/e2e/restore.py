@@ -6,8 +6,9 @@ it would then fail for that alone (CI of 3d65b0c's parent: test_late_commit_is_r
 failed only because test_late_wakeup left the stack asleep). ``tests/conftest.py``
 records each stack's state before a test's call and, when the call failed, runs
 :func:`restore`: SIGCONT to every process of the stack, wait until it answers, wakeup /
-update_weights / pause or resume back to the recorded state, and a restart in place
-when that does not work. A test that passes is never touched.
+update_weights / pause, resume or sleep (with its tags) back to the recorded state, and a
+restart in place when that does not work (a pytest warning names the stack and what it
+took). A test that passes is never touched.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import httpx
 
 from tests.e2e.stack import Stack
 
-State = tuple[str, str]  # (state, weight_version)
+State = tuple[str, str, str]  # (state, weight_version, the asleep tags joined by ",")
+# the states a stack can be put back to (an "updating" one has no call that returns to it)
+STEADY = ("running", "paused", "sleeping")
 
 
 def stacks_of(funcargs: dict[str, Any]) -> list[Stack]:
@@ -41,8 +44,8 @@ def stacks_of(funcargs: dict[str, Any]) -> list[Stack]:
 
 
 def snapshot(stack: Stack) -> State | None:
-    """The stack's (state, weight_version) now; None when it does not answer (nothing
-    to restore to)."""
+    """The stack's (state, weight_version, asleep tags) now; None when it does not answer
+    or is between states (nothing to restore to)."""
     if stack.proc.poll() is not None:
         return None
     try:
@@ -51,7 +54,9 @@ def snapshot(stack: Stack) -> State | None:
         if r.status_code != 200:
             return None
         st = r.json()
-        return str(st["state"]), str(st["weight_version"])
+        if st["state"] not in STEADY:
+            return None
+        return str(st["state"]), str(st["weight_version"]), ",".join(sorted(st.get("asleep") or []))
     except (httpx.HTTPError, KeyError, ValueError):
         return None
 
@@ -106,7 +111,7 @@ def _answering(stack: Stack, timeout: float) -> dict[str, Any] | None:
 
 
 def _put_back(stack: Stack, found: State, timeout: float) -> bool:
-    state, version = found
+    state, version, asleep = found
     st = _answering(stack, timeout)
     if st is None:
         return False
@@ -122,6 +127,8 @@ def _put_back(stack: Stack, found: State, timeout: float) -> bool:
             c.post("/v1/resume")
         elif state == "paused":
             c.post("/v1/pause")
+        elif state == "sleeping":  # as asleep as it was (a test may start on a sleeping stack)
+            c.post("/v1/sleep", json={"tags": asleep.split(",")} if asleep else None)
     return _answering(stack, 30) is not None and snapshot(stack) == found
 
 
@@ -129,9 +136,12 @@ def restore(stack: Stack, found: State, timeout: float = 90) -> str:
     """Bring ``stack`` back to ``found``; what it took ("" when nothing differed). Raises
     when even a restart does not."""
     _continue_all(stack)
-    if snapshot(stack) == found and _answering(stack, timeout) is not None:
+    # one wait for the stack's own recovery (it waited twice when it never came: with the
+    # restart, past pytest-timeout's 300 s for the test and its teardown together)
+    answering = _answering(stack, timeout) is not None
+    if answering and snapshot(stack) == found:
         return ""
-    if _put_back(stack, found, timeout):
+    if answering and _put_back(stack, found, 10):
         return "put back"
     stack.restart()
     if _put_back(stack, found, 60):

@@ -40,9 +40,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     monitor = f'http: "127.0.0.1:{MONITOR["port"]}"\n'
     nats = NatsProc(tmp / "nats", tmp / "nats.log", conf=PING + monitor)
     s = c.fault_stack(tmp, nats, ROLLBUS_SHUTDOWN_COMM_GROUP_IF_WORKER_IDLE="true")
-    write_version(s.model_dir, "v1", seed=1)
-    assert _connections(1), "rank 1's connection not seen in /connz: the cut-off wait is blind"
-    try:
+    try:  # the check inside: a failed one must still stop the stack and its server
+        write_version(s.model_dir, "v1", seed=1)
+        assert _connections(1), "rank 1's connection not seen in /connz: the cut-off wait is blind"
         yield s
     finally:
         for pid in c.rank_pids(s, quiet=True):
@@ -51,20 +51,35 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         nats.stop()
 
 
-def _connections(rank: int) -> list[int]:
-    """The ids of the rank's open connections to the module's server (its bus and, once
-    it pulled, its object-store reader), from the server's own monitoring."""
-    r = httpx.get(f"http://127.0.0.1:{MONITOR['port']}/connz?limit=4096", timeout=10)
+def _connz(rank: int, state: str = "open") -> dict[int, str]:
+    """The rank's connections to the module's server (its bus and, once it pulled, its
+    object-store reader) in ``state``, from the server's own monitoring: cid -> the
+    reason it was closed ("" while open)."""
+    r = httpx.get(
+        f"http://127.0.0.1:{MONITOR['port']}/connz",
+        params={"limit": 4096, "state": state},
+        timeout=10,
+    )
     names = (f"rollbus-worker-{rank}", f"rollbus-pull-{rank}")
-    return [int(x["cid"]) for x in r.json().get("connections") or [] if x.get("name") in names]
+    conns = r.json().get("connections") or []
+    return {int(x["cid"]): str(x.get("reason", "")) for x in conns if x.get("name") in names}
 
 
-def _cut_off(since: float, rank: int = 1) -> None:
-    """Keep the rank stopped until the server has closed its connections (3 missed pings
-    1 s apart: ~3-4 s; it waited a fixed CUT_S before, 6 s more than needed when quiet)."""
-    while _connections(rank):
+def _connections(rank: int) -> list[int]:
+    return list(_connz(rank))
+
+
+def _cut_off(since: float, cids: list[int], rank: int = 1) -> None:
+    """Keep the rank stopped until the server has closed its connections ``cids`` (open
+    before it was stopped) as stale: 3 missed pings 1 s apart, ~3-4 s (it waited a fixed
+    CUT_S before, 6 s more than needed when quiet). Closed for any other reason, or not
+    at all, the test would not test a cut-off rank: it fails."""
+    assert cids, f"rank {rank} had no connection to cut off: the wait would be blind"
+    while _connections(rank):  # every one of them, any opened since too
         assert time.monotonic() < since + CUT_S + 30, f"rank {rank} never cut off"
         time.sleep(0.2)
+    closed = _connz(rank, "closed")
+    assert all(closed.get(cid) == "Stale Connection" for cid in cids), (cids, closed)
 
 
 def _call_while_cut_off(stack: Stack, path: str, says: str) -> int:
@@ -72,10 +87,10 @@ def _call_while_cut_off(stack: Stack, path: str, says: str) -> int:
     called: it answers 503 naming ``says`` (the rank never got the call). Rank 1 is
     SIGCONTed whatever happened; its pid is returned."""
     pid = c.rank_pid(stack, 1)
-    t0 = time.monotonic()
+    t0, cids = time.monotonic(), _connections(1)
     c.signal_quietly(pid, signal.SIGSTOP)
     try:
-        _cut_off(t0)
+        _cut_off(t0, cids)
         r = c.ctl(stack, path)
         assert r.status_code == 503 and says in r.text, r.text
     finally:
@@ -137,12 +152,12 @@ def test_late_wakeup_is_not_run_and_the_ranks_stay_alike(stack: Stack) -> None:
     before = c.log_count(stack, refused)
     assert c.ctl(stack, "/v1/sleep").status_code == 200
     pid = c.rank_pid(stack, 1)
-    t0 = time.monotonic()
+    t0, cids = time.monotonic(), _connections(1)
     c.signal_quietly(pid, signal.SIGSTOP)
     try:
         r = c.ctl(stack, "/v1/wakeup")
         assert r.status_code == 503 and "did not answer" in r.text, r.text
-        _cut_off(t0)
+        _cut_off(t0, cids)
     finally:
         c.signal_quietly(pid, signal.SIGCONT)
     c.wait_log(stack, refused, before)
@@ -166,13 +181,13 @@ def test_late_commit_is_refused(stack: Stack) -> None:
     pid = c.rank_pid(stack, 1)
     call = c.Call(stack, "/v1/update_weights", json={"version": "v1"})
     c.wait_log(stack, window, opened)
-    t0 = time.monotonic()
+    t0, cids = time.monotonic(), _connections(1)
     c.signal_quietly(pid, signal.SIGSTOP)
     try:
         r = call.result(c.CONTROL_BOUND)
         assert r.status_code == 503, r.text
         assert "commit: ranks [1] did not answer" in r.text and "rolled back to 'v0'" in r.text
-        _cut_off(t0)
+        _cut_off(t0, cids)
     finally:
         c.signal_quietly(pid, signal.SIGCONT)
     c.wait_log(stack, refused, before)
