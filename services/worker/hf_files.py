@@ -88,17 +88,23 @@ def read_slices(
     plan: Plan,
     dtype: str = "float32",
     where: str | None = None,
+    taken: dict[str, str] | None = None,
 ) -> tuple[dict[str, np.ndarray], int]:
     """This rank's part of every wanted tensor in ``path``, in ``dtype``, and the number
     of bytes read from the file. ``plan(name, full_shape)`` checks the shape and says
-    which part; only those bytes are read. Raises ``ValueError`` on a malformed file or
-    a non-float tensor."""
+    which part; only those bytes are read. ``taken``: wanted tensors already read from
+    another file of the checkpoint (name -> that file): one here too is an error, since
+    which copy is meant depends on the reader (a stale full file beside a sharded set,
+    a shard holding a tensor the index maps elsewhere). Raises ``ValueError`` on a
+    malformed file, a non-float tensor or such a duplicate."""
     where = where or path.name
     out: dict[str, np.ndarray] = {}
     nread = 0
     with open(path, "rb") as f:
         header = st.read_header_fd(f.fileno(), where)
         for name, e in header.tensors.items():
+            if taken and name in taken:
+                raise ValueError(f"tensor {name!r} is also in {taken[name]}: refused")
             if name not in wanted:
                 continue
             if e.dtype_name not in st.FLOATS:

@@ -201,12 +201,14 @@ class SnapshotSource:
                 )
             return sharding.shard_part(self.cfg, name, shape, self.rank, self.tp)
 
+        taken: dict[str, str] = {}  # tensor -> the file it was read from
         for f in files:
             where = f"rank {self.rank}: {self._rel(f)}"
             try:
                 # only this rank's slices' bytes, converted to the compute dtype
-                part, nread = hf_files.read_slices(f, wanted - set(arrays), plan, self.dtype, where)
+                part, nread = hf_files.read_slices(f, wanted, plan, self.dtype, where, taken)
                 arrays.update(part)
+                taken.update(dict.fromkeys(part, self._rel(f)))
                 nbytes += nread
             except (OSError, ValueError) as e:
                 raise ControlError(

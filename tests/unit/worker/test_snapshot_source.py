@@ -168,3 +168,41 @@ def test_an_hf_sharded_dir_missing_a_numbered_shard_is_not_there_yet(model_dir: 
     (d / files[1]).write_bytes(second)
     SnapshotSource(CFG, model_dir, 0, 2)("s1", None, None)
     SnapshotSource(CFG, model_dir, 1, 2)("s1", None, None)
+
+
+def test_a_tensor_in_two_files_of_an_hf_dir_is_refused_not_picked(model_dir: Path) -> None:
+    """Which copy of a tensor held by two files is served must not depend on file name
+    order: a stale full ``model.safetensors`` beside a sharded set (no index), or a
+    shard that also holds a tensor the index maps to another shard, was served from
+    whichever file sorted first (the index ignored) — now 422 naming both files."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    d = model_dir / "versions" / "dup"
+    files = split_checkpoint(model_dir, d, 2)
+    full = load_file(str(model_dir / "model.safetensors"))
+    stale = {k: v + 1 for k, v in full.items()}
+    save_file(stale, str(d / "model.safetensors"))  # sorts after model-0000x: was ignored
+    msg = refused_version(model_dir, "dup")
+    assert "is also in versions/dup/model-0000" in msg and "model.safetensors" in msg, msg
+    # with an index: shard 1 also holds shard 2's tensor `moved`, with other values
+    (d / "model.safetensors").unlink()
+    second = load_file(str(d / files[1]))
+    moved = sorted(second)[0]
+    weight_map = {k: files[0] for k in load_file(str(d / files[0]))}
+    weight_map.update(dict.fromkeys(second, files[1]))
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    SnapshotSource(CFG, model_dir, 0, 2)("dup", None, None)  # consistent: loads
+    save_file({**load_file(str(d / files[0])), moved: stale[moved]}, str(d / files[0]))
+    msg = refused_version(model_dir, "dup")
+    assert f"{moved!r} is also in versions/dup/{files[0]}" in msg, msg
+
+
+def refused_version(model_dir: Path, version: str) -> str:
+    for rank in (0, 1):
+        with pytest.raises(ControlError) as e:
+            SnapshotSource(CFG, model_dir, rank, 2)(version, None, None)
+        assert e.value.code == 422, e.value.message
+        assert str(model_dir) not in e.value.message
+    return e.value.message
