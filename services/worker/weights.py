@@ -125,6 +125,18 @@ class SnapshotSource:
     def _rel(self, p: Path) -> str:
         return public_path(p, self.model_dir) or "."
 
+    def served_spec(self) -> dict[str, mf.TensorSpec]:
+        """This rank's tensors as the served config says (shapes of its part, the
+        compute dtype): what a pre-sharded dir is checked against when the caller knows
+        no spec yet (the initial load), as an HF dir is, tensor by tensor."""
+        full = sharding.full_shapes(self.cfg)
+        return {
+            n: mf.TensorSpec(
+                list(sharding.shard_shape(self.cfg, n, full[n], self.rank, self.tp)), self.dtype
+            )
+            for n in sharding.shard_names(self.cfg)
+        }
+
     def __call__(
         self, version: str, verify_checksum: bool | None, expected: Expected = None
     ) -> LoadedShard:
@@ -150,8 +162,17 @@ class SnapshotSource:
         shard_file = d / rank_shard_file(self.rank, self.tp)
         manifest_file = d / "manifest.json"
         if presence.sharded(d, self.tp):
+            # never unchecked: a pre-sharded model dir whose tensors are not the config's
+            # (another vocab, a missing tensor) was served at start, and its spec then
+            # refused every right version
             return self._load_sharded(
-                version, d, shard_file, manifest_file, verify_checksum, expected, t0
+                version,
+                d,
+                shard_file,
+                manifest_file,
+                verify_checksum,
+                expected or self.served_spec(),
+                t0,
             )
         if verify_checksum:
             raise ControlError(
@@ -202,6 +223,8 @@ class SnapshotSource:
         arrays = hf_files.load_file(
             shard_file, where, self.dtype, spec.tensors if spec is not None else None
         )
+        if spec is None:  # no manifest said what the file holds: the served spec does
+            mf.check_tensors(expected or {}, {k: _spec_of(v) for k, v in arrays.items()}, where)
         timings["load_s"] = time.perf_counter() - t0
         rel = self._rel(shard_file)
         pin = f"sha256:{spec.sha256}" if timings["verified"] and spec is not None else stat_pin(fst)

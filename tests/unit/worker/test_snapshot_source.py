@@ -206,3 +206,32 @@ def refused_version(model_dir: Path, version: str) -> str:
         assert e.value.code == 422, e.value.message
         assert str(model_dir) not in e.value.message
     return e.value.message
+
+
+@pytest.mark.parametrize("with_manifest", [True, False])
+def test_a_presharded_model_dir_must_hold_the_configs_tensors(
+    tmp_path: Path, with_manifest: bool
+) -> None:
+    """The initial load has no served spec yet (it makes it): a pre-sharded model dir
+    whose shards are of another config (vocab 640 where config.json says 320) loaded
+    unchecked, and its spec then refused every right version. Now checked against the
+    config's shapes, as an HF dir's tensors are."""
+    import json
+
+    md = tmp_path / "m"
+    md.mkdir()
+    (md / "config.json").write_text(json.dumps(TINY_CONFIG))
+    other = ModelConfig.from_hf({**TINY_CONFIG, "vocab_size": 640})
+    for cfg, ok in ((other, False), (CFG, True)):
+        write_sharded_dir(md, cfg, sharding.init_weights(cfg, 1), 2, "m", "v0")
+        if not with_manifest:
+            (md / "manifest.json").unlink()
+        for rank in (0, 1):
+            src = SnapshotSource(CFG, md, rank, 2)
+            if ok:
+                assert src("v0", None, None).arrays["lm_head.weight"].shape == (320, 128)
+                continue
+            with pytest.raises(ControlError) as e:
+                src("v0", None, None)
+            assert e.value.code == 422 and str(tmp_path) not in e.value.message
+            assert "has shape [640, 128], expected [320, 128]" in e.value.message
