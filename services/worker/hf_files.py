@@ -136,14 +136,20 @@ def load_buffer(
     return out
 
 
-def load_file(
-    path: Path, where: str, dtype: str, stored: dict[str, mf.TensorSpec] | None = None
-) -> dict[str, np.ndarray]:
-    """:func:`load_buffer` of a mapped file (tensors already in ``dtype`` stay views of
-    the mapping, copied once into paddle tensors)."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
-            raise ControlError(UNPROCESSABLE, f"{where}: not a valid safetensors file: empty")
-        mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
-    return load_buffer(mm, where, dtype, stored)
+def read_file(path: Path, size: int, where: str) -> mmap.mmap:
+    """The first ``size`` bytes (the size checked) of the file at ``path``, read into
+    private anonymous memory (``pread``: one copy, which paddle then takes without
+    another). Not a mapping of the file: tensors that were views of one touched pages
+    past its end when the file was cut short meanwhile (``cp`` over a version truncates
+    first) — SIGBUS, the rank died — and a SHA-256 of the file read before the mapping
+    did not bind what the mapping held. A file shorter than ``size`` is ``OSError``."""
+    if size == 0:
+        raise ControlError(UNPROCESSABLE, f"{where}: not a valid safetensors file: empty")
+    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
+    try:
+        with open(path, "rb") as f:
+            _pread_into(f.fileno(), memoryview(buf), 0)
+    except BaseException:
+        buf.close()
+        raise
+    return buf

@@ -94,14 +94,6 @@ def check_pin(loaded: dict[str, str], now: dict[str, str], where: str) -> None:
     )
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def read_small(path: Path, limit: int, where: str) -> bytes:
     """A file of at most ``limit`` bytes (a manifest): larger is a 422, unread."""
     with open(path, "rb") as f:
@@ -214,14 +206,16 @@ class SnapshotSource:
         if spec is None:
             mf.check_file_size(size, expected, where)
         timings: dict[str, Any] = {"verified": bool(verify and spec is not None)}
+        # the bytes hashed are the bytes parsed and served: one private copy
+        buf = hf_files.read_file(shard_file, size, where)
         if verify and spec is not None:
             t1 = time.perf_counter()
-            digest = _sha256_file(shard_file)
+            digest = hashlib.sha256(buf).hexdigest()
             timings["verify_s"] = time.perf_counter() - t1
             if digest != spec.sha256:
                 raise ControlError(UNPROCESSABLE, f"{where}: SHA-256 mismatch with manifest")
-        arrays = hf_files.load_file(
-            shard_file, where, self.dtype, spec.tensors if spec is not None else None
+        arrays = hf_files.load_buffer(
+            buf, where, self.dtype, spec.tensors if spec is not None else None
         )
         if spec is None:  # no manifest said what the file holds: the served spec does
             mf.check_tensors(expected or {}, {k: _spec_of(v) for k, v in arrays.items()}, where)

@@ -235,3 +235,37 @@ def test_a_presharded_model_dir_must_hold_the_configs_tensors(
                 src("v0", None, None)
             assert e.value.code == 422 and str(tmp_path) not in e.value.message
             assert "has shape [640, 128], expected [320, 128]" in e.value.message
+
+
+def test_a_shard_cut_short_after_its_load_cannot_kill_the_rank(model_dir: Path) -> None:
+    """A pre-sharded shard was mapped and its tensors kept as views of the mapping until
+    the staging copy: the file cut short meanwhile (``cp`` over the version dir opens it
+    with O_TRUNC) made that copy touch pages past its end — SIGBUS, the rank died. Now
+    the shard is read into private memory (and hashed there: what is verified is what
+    is served), so the file changing afterwards cannot reach the loaded tensors. Run in
+    a child: the old code kills the process it runs in."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        f"""
+        import os
+        from pathlib import Path
+        import numpy as np
+        from services.tiny_model import TINY_CONFIG
+        from services.worker.weights import SnapshotSource
+        from shared.model_config import ModelConfig
+        md = Path({str(model_dir)!r})
+        src = SnapshotSource(ModelConfig.from_hf(TINY_CONFIG), md, 0, 2)
+        shard = src("s1", None, None)
+        os.truncate(md / "versions" / "s1" / "rank0-of-2.safetensors", 0)
+        print(sum(float(np.asarray(a, dtype=np.float64).sum()) for a in shard.arrays.values()))
+        """
+    )
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    r = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
