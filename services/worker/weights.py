@@ -25,7 +25,8 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -391,9 +392,10 @@ class WeightStore:
         the served model implies before anything is read."""
         self.abort()
         self.finalize()
-        shard = self.source(version, verify_checksum, self.spec or None)
+        shard = self._load(version, verify_checksum)
         got = {k: _spec_of(v) for k, v in shard.arrays.items()}
-        mf.check_tensors(self.spec, got, f"rank {self.rank}: version {version!r}")
+        with _released(shard):
+            mf.check_tensors(self.spec, got, f"rank {self.rank}: version {version!r}")
         t0 = time.perf_counter()
         if self.current is None:
             # asleep: checked, then freed again; commit records it, wakeup loads it
@@ -464,10 +466,35 @@ class WeightStore:
     def reload(self) -> LoadedShard:
         """Load the current version again (wakeup after sleep): the same bytes it was
         loaded from, else 422 (:func:`check_pin`) and the weights stay asleep."""
-        shard = self.source(self.version, self.verify, self.spec or None)
+        shard = self._load(self.version, self.verify)
         where = f"rank {self.rank}: version {self.version!r}"
-        check_pin(self.pin, shard.pin, where)
-        got = {k: _spec_of(v) for k, v in shard.arrays.items()}
-        mf.check_tensors(self.spec, got, where)
+        with _released(shard):
+            check_pin(self.pin, shard.pin, where)
+            got = {k: _spec_of(v) for k, v in shard.arrays.items()}
+            mf.check_tensors(self.spec, got, where)
         self.current = to_paddle(shard.arrays)
         return shard
+
+    def _load(self, version: str, verify_checksum: bool | None) -> LoadedShard:
+        """The source's shard; a refusal is raised without the frames it came through.
+
+        Those frames hold what was read (a pre-sharded shard is one private buffer, a
+        pulled one a bytearray), and an exception is often kept in a reference cycle
+        (asyncio's executor futures) that only the GC breaks: an asleep rank whose
+        wakeup was refused kept the whole shard resident until then."""
+        try:
+            return self.source(version, verify_checksum, self.spec or None)
+        except ControlError as e:
+            e.__context__ = e.__cause__ = None  # an error it replaced holds its frames too
+            raise e.with_traceback(None) from None
+
+
+@contextmanager
+def _released(shard: LoadedShard) -> Iterator[None]:
+    """A shard refused after its load drops its arrays at once (see WeightStore._load):
+    the refusal's traceback holds the caller's frame, and with it the shard."""
+    try:
+        yield
+    except BaseException:
+        shard.arrays.clear()
+        raise
