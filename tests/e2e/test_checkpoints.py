@@ -286,7 +286,16 @@ def test_wakeup_refuses_a_version_whose_bytes_changed_while_asleep(ostack: Stack
     asyncio.run(_raw(ostack.nats_url, replace))
     r = post(ostack, "/v1/wakeup")
     assert r.status_code == 422 and f"rank 0: version 'wk-obj': {name} changed" in r.text, r.text
-    assert update(ostack, "wk-hf", verify=False).status_code == 200  # the way out, as above
+    # rank 1 woke (its object is unchanged), rank 0 refused: rank 1 is put back to sleep
+    # and status says so; both the same version name and another one are ways out
+    with ostack.client() as c:
+        st = c.get("/v1/status", params={"fresh": "true"}).json()
+    assert st["state"] == "sleeping" and st["weight_version"] == "wk-obj", st
+    assert [x["weights_loaded"] for x in st["ranks"]] == [False, False], st
+    assert update(ostack, "wk-obj", verify=False).status_code == 200
+    assert post(ostack, "/v1/wakeup").status_code == 200
+    assert post(ostack, "/v1/sleep").status_code == 200
+    assert update(ostack, "wk-hf", verify=False).status_code == 200
     assert post(ostack, "/v1/wakeup").status_code == 200
 
 
