@@ -4,8 +4,9 @@ Every reader of a safetensors file in rollbus goes through :func:`parse` (a buff
 downloaded shard, a mapped file) or :func:`read_header` (a file, without reading its
 data): the worker's object-store and ipc sources, the snapshot reader, the HF slice
 reader and the publisher. Untrusted input, so the parse is strict, as ``safetensors``
-itself is: an 8-byte header length within :data:`MAX_HEADER_BYTES` and the file; a JSON
-object; every tensor with a known dtype, a shape of non-negative ints and byte offsets
+itself is (stricter in one point: a name twice in a header object is refused, where it
+keeps the last): an 8-byte header length within :data:`MAX_HEADER_BYTES` and the file; a
+JSON object; every tensor with a known dtype, a shape of non-negative ints and byte offsets
 whose length is exactly shape × itemsize; the tensors' byte ranges contiguous from the
 start of the data to the end of the file (no gap, no overlap, nothing trailing). Every
 error is a :class:`SafetensorsError` naming the file (``where``) and the tensor.
@@ -124,7 +125,11 @@ def parse_header(raw: bytes, size: int, where: str) -> Header:
     """Validate the JSON header ``raw`` of a file of ``size`` bytes (see module doc)."""
     start = 8 + len(raw)
     try:
-        obj = json.loads(raw)
+        obj = json.loads(raw, object_pairs_hook=_unique)
+    except _Duplicate as dup:
+        # JSON leaves a repeated name undefined; safetensors and json keep the last: a
+        # tensor named twice could mean other bytes to another reader of the same file
+        raise _fail(where, f"{dup.name!r} appears twice in one header object") from None
     except (ValueError, UnicodeDecodeError) as err:
         raise _fail(where, f"header is not JSON ({err})") from None
     if not isinstance(obj, dict):
@@ -170,6 +175,20 @@ def parse_header(raw: bytes, size: int, where: str) -> Header:
     if end != size:
         raise _fail(where, f"{size - end} trailing bytes after the last tensor")
     return Header(start, size, tensors, meta)
+
+
+class _Duplicate(Exception):
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _Duplicate(k)
+        out[k] = v
+    return out
 
 
 def _uint(x: object) -> bool:

@@ -88,17 +88,23 @@ def read_slices(
     plan: Plan,
     dtype: str = "float32",
     where: str | None = None,
+    taken: dict[str, str] | None = None,
 ) -> tuple[dict[str, np.ndarray], int]:
     """This rank's part of every wanted tensor in ``path``, in ``dtype``, and the number
     of bytes read from the file. ``plan(name, full_shape)`` checks the shape and says
-    which part; only those bytes are read. Raises ``ValueError`` on a malformed file or
-    a non-float tensor."""
+    which part; only those bytes are read. ``taken``: wanted tensors already read from
+    another file of the checkpoint (name -> that file): one here too is an error, since
+    which copy is meant depends on the reader (a stale full file beside a sharded set,
+    a shard holding a tensor the index maps elsewhere). Raises ``ValueError`` on a
+    malformed file, a non-float tensor or such a duplicate."""
     where = where or path.name
     out: dict[str, np.ndarray] = {}
     nread = 0
     with open(path, "rb") as f:
         header = st.read_header_fd(f.fileno(), where)
         for name, e in header.tensors.items():
+            if taken and name in taken:
+                raise ValueError(f"tensor {name!r} is also in {taken[name]}: refused")
             if name not in wanted:
                 continue
             if e.dtype_name not in st.FLOATS:
@@ -130,14 +136,20 @@ def load_buffer(
     return out
 
 
-def load_file(
-    path: Path, where: str, dtype: str, stored: dict[str, mf.TensorSpec] | None = None
-) -> dict[str, np.ndarray]:
-    """:func:`load_buffer` of a mapped file (tensors already in ``dtype`` stay views of
-    the mapping, copied once into paddle tensors)."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
-            raise ControlError(UNPROCESSABLE, f"{where}: not a valid safetensors file: empty")
-        mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
-    return load_buffer(mm, where, dtype, stored)
+def read_file(path: Path, size: int, where: str) -> mmap.mmap:
+    """The first ``size`` bytes (the size checked) of the file at ``path``, read into
+    private anonymous memory (``pread``: one copy, which paddle then takes without
+    another). Not a mapping of the file: tensors that were views of one touched pages
+    past its end when the file was cut short meanwhile (``cp`` over a version truncates
+    first) — SIGBUS, the rank died — and a SHA-256 of the file read before the mapping
+    did not bind what the mapping held. A file shorter than ``size`` is ``OSError``."""
+    if size == 0:
+        raise ControlError(UNPROCESSABLE, f"{where}: not a valid safetensors file: empty")
+    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
+    try:
+        with open(path, "rb") as f:
+            _pread_into(f.fileno(), memoryview(buf), 0)
+    except BaseException:
+        buf.close()
+        raise
+    return buf

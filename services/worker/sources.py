@@ -54,6 +54,7 @@ from services.worker.weights import (
     LoadedShard,
     SnapshotSource,
     Source,
+    stat_pin,
 )
 from shared import manifest as mf
 from shared import objstore
@@ -66,6 +67,7 @@ from shared.subjects import ckpt_object_name
 from shared.versions import check_version_name, ipc_component, model_dir_version
 
 T = TypeVar("T")
+
 
 def parse_safetensors(buf: Any, where: str) -> dict[str, np.ndarray]:
     """Tensors of a safetensors buffer as raw zero-copy views (bf16 as 2-byte data);
@@ -116,9 +118,7 @@ class ObjectStoreSource:
             self._io = _LoopThread(f"objstore-rank{self.rank}")
         verify = True if verify_checksum is None else verify_checksum  # a manifest exists
         # bound the whole pull a little under the engine's scatter timeout
-        return self._io.run(
-            self._pull(version, verify, expected), self.settings.control_timeout_s
-        )
+        return self._io.run(self._pull(version, verify, expected), self.settings.control_timeout_s)
 
     async def _connect(self) -> Bus:
         if self._bus is None or self._bus.nc.is_closed:
@@ -152,6 +152,15 @@ class ObjectStoreSource:
         where = f"rank {self.rank}: {name}"
         t1 = time.perf_counter()
         try:
+            # what these bytes are known by (LoadedShard.pin): the manifest's SHA-256 they
+            # are checked against, else the object's meta (every put writes new chunks
+            # under a new nuid), looked at before the read: an object replaced meanwhile
+            # then differs at the next reload, never hides
+            if verify:
+                pin = f"sha256:{spec.sha256}"
+            else:
+                meta = await objstore.get_meta(nc, self.bucket, name)
+                pin = f"object:{meta.nuid}:{meta.digest}"
             buf = await objstore.read_object(
                 nc,
                 self.bucket,
@@ -178,6 +187,7 @@ class ObjectStoreSource:
                 "verified": verify,
                 "load_s": time.perf_counter() - t0,
             },
+            {name: pin},
         )
 
 
@@ -338,7 +348,8 @@ class IpcSource:
         missing = ControlError(UNPROCESSABLE, f"{where}: shard file is missing")
         fd = self._open(spec.file, vdir, where, False, missing)
         try:
-            size = os.fstat(fd).st_size
+            fst = os.fstat(fd)  # before it is mapped: see stat_pin
+            size = fst.st_size
             if size != spec.size:
                 raise ControlError(UNPROCESSABLE, f"{where}: size {size} != manifest {spec.size}")
             # MAP_POPULATE: map every page now, in one kernel call, not one fault a page
@@ -355,7 +366,8 @@ class IpcSource:
             timings["verify_s"] = time.perf_counter() - t1
         arrays = hf_files.load_buffer(buf, where, self.dtype, spec.tensors)
         timings["load_s"] = time.perf_counter() - t0
-        return LoadedShard(version, arrays, [f"ipc {name}"], size, timings)
+        pin = f"sha256:{spec.sha256}" if verify else stat_pin(fst)
+        return LoadedShard(version, arrays, [f"ipc {name}"], size, timings, {f"ipc {name}": pin})
 
 
 class FallbackSource:

@@ -25,7 +25,8 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,11 @@ class LoadedShard:
     files: list[str]  # relative names (model dir / version), never absolute paths
     nbytes: int
     timings: dict[str, Any] = field(default_factory=dict)
+    # what the bytes read are known by, per file read (public name -> ``sha256:<hex>``
+    # when checked against the manifest, else :func:`stat_pin` or the object's own
+    # digest): a reload (wakeup) must find the same, or it would serve other bytes
+    # under the same version name. Empty: nothing to compare (tests' sources).
+    pin: dict[str, str] = field(default_factory=dict)
 
 
 Expected = dict[str, mf.TensorSpec] | None  # the served tensors of this rank, if known
@@ -66,12 +72,27 @@ def _spec_of(arr: np.ndarray) -> mf.TensorSpec:
     return mf.TensorSpec(shape=list(arr.shape), dtype=st.dtype_name(arr.dtype))
 
 
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(8 << 20):
-            h.update(chunk)
-    return h.hexdigest()
+def stat_pin(st: os.stat_result) -> str:
+    """A file's identity when no SHA-256 pins its bytes: a file replaced (inode) or
+    written in place (mtime, and ctime, which every write sets and nothing sets back)
+    gets another. Taken *before* the file is read: a change while it is read then shows
+    at the next comparison, never hides behind it."""
+    return f"file:{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+
+
+def check_pin(loaded: dict[str, str], now: dict[str, str], where: str) -> None:
+    """A reload of a version must be of the bytes its first load read (see
+    :attr:`LoadedShard.pin`): else 422 naming the first file that changed."""
+    # by value: a SHA-256 names the bytes wherever they were found (a version loaded
+    # from ipc reloads from the object store once its ipc dir is gone)
+    if not loaded or sorted(loaded.values()) == sorted(now.values()):
+        return
+    changed = [f for f, p in loaded.items() if p not in now.values()] or sorted(now)
+    raise ControlError(
+        UNPROCESSABLE,
+        f"{where}: {changed[0]} changed since the version was loaded: refused (versions "
+        "are immutable; update to it again to take its new bytes)",
+    )
 
 
 def read_small(path: Path, limit: int, where: str) -> bytes:
@@ -96,6 +117,18 @@ class SnapshotSource:
 
     def _rel(self, p: Path) -> str:
         return public_path(p, self.model_dir) or "."
+
+    def served_spec(self) -> dict[str, mf.TensorSpec]:
+        """This rank's tensors as the served config says (shapes of its part, the
+        compute dtype): what a pre-sharded dir is checked against when the caller knows
+        no spec yet (the initial load), as an HF dir is, tensor by tensor."""
+        full = sharding.full_shapes(self.cfg)
+        return {
+            n: mf.TensorSpec(
+                list(sharding.shard_shape(self.cfg, n, full[n], self.rank, self.tp)), self.dtype
+            )
+            for n in sharding.shard_names(self.cfg)
+        }
 
     def __call__(
         self, version: str, verify_checksum: bool | None, expected: Expected = None
@@ -122,8 +155,17 @@ class SnapshotSource:
         shard_file = d / rank_shard_file(self.rank, self.tp)
         manifest_file = d / "manifest.json"
         if presence.sharded(d, self.tp):
+            # never unchecked: a pre-sharded model dir whose tensors are not the config's
+            # (another vocab, a missing tensor) was served at start, and its spec then
+            # refused every right version
             return self._load_sharded(
-                version, d, shard_file, manifest_file, verify_checksum, expected, t0
+                version,
+                d,
+                shard_file,
+                manifest_file,
+                verify_checksum,
+                expected or self.served_spec(),
+                t0,
             )
         if verify_checksum:
             raise ControlError(
@@ -158,23 +200,30 @@ class SnapshotSource:
             )
         if not shard_file.is_file():
             raise ControlError(UNPROCESSABLE, f"{where}: shard file is missing")
-        size = shard_file.stat().st_size
+        fst = shard_file.stat()  # before the file is read: see stat_pin
+        size = fst.st_size
         if spec is not None and size != spec.size:
             raise ControlError(UNPROCESSABLE, f"{where}: size {size} != manifest size {spec.size}")
         if spec is None:
             mf.check_file_size(size, expected, where)
         timings: dict[str, Any] = {"verified": bool(verify and spec is not None)}
+        # the bytes hashed are the bytes parsed and served: one private copy
+        buf = hf_files.read_file(shard_file, size, where)
         if verify and spec is not None:
             t1 = time.perf_counter()
-            digest = _sha256_file(shard_file)
+            digest = hashlib.sha256(buf).hexdigest()
             timings["verify_s"] = time.perf_counter() - t1
             if digest != spec.sha256:
                 raise ControlError(UNPROCESSABLE, f"{where}: SHA-256 mismatch with manifest")
-        arrays = hf_files.load_file(
-            shard_file, where, self.dtype, spec.tensors if spec is not None else None
+        arrays = hf_files.load_buffer(
+            buf, where, self.dtype, spec.tensors if spec is not None else None
         )
+        if spec is None:  # no manifest said what the file holds: the served spec does
+            mf.check_tensors(expected or {}, {k: _spec_of(v) for k, v in arrays.items()}, where)
         timings["load_s"] = time.perf_counter() - t0
-        return LoadedShard(version, arrays, [self._rel(shard_file)], size, timings)
+        rel = self._rel(shard_file)
+        pin = f"sha256:{spec.sha256}" if timings["verified"] and spec is not None else stat_pin(fst)
+        return LoadedShard(version, arrays, [rel], size, timings, {rel: pin})
 
     def _load_hf(self, version: str, d: Path, t0: float) -> LoadedShard:
         try:
@@ -201,12 +250,16 @@ class SnapshotSource:
                 )
             return sharding.shard_part(self.cfg, name, shape, self.rank, self.tp)
 
+        taken: dict[str, str] = {}  # tensor -> the file it was read from
+        pin: dict[str, str] = {}
         for f in files:
             where = f"rank {self.rank}: {self._rel(f)}"
             try:
+                pin[self._rel(f)] = stat_pin(f.stat())  # before it is read
                 # only this rank's slices' bytes, converted to the compute dtype
-                part, nread = hf_files.read_slices(f, wanted - set(arrays), plan, self.dtype, where)
+                part, nread = hf_files.read_slices(f, wanted, plan, self.dtype, where, taken)
                 arrays.update(part)
+                taken.update(dict.fromkeys(part, self._rel(f)))
                 nbytes += nread
             except (OSError, ValueError) as e:
                 raise ControlError(
@@ -223,6 +276,7 @@ class SnapshotSource:
             [self._rel(f) for f in files],
             nbytes,
             {"load_s": time.perf_counter() - t0, "verified": False},
+            pin,
         )
 
 
@@ -272,6 +326,11 @@ def digest(tensors: dict[str, paddle.Tensor]) -> str:
     return h.hexdigest()
 
 
+# a weight set held beside the current one: update id, version, tensors (None: asleep),
+# verify_checksum, pin
+Held = tuple[str, str, dict[str, paddle.Tensor] | None, bool | None, dict[str, str]]
+
+
 class WeightStore:
     """Current weights, staged weights and the tensor spec every version must match.
 
@@ -293,11 +352,14 @@ class WeightStore:
         # how the current version was checked when staged: wakeup reloads it the same way
         # (a version taken with ``verify_checksum: false`` must wake up, not 422)
         self.verify: bool | None = None
+        # what the current version's bytes were known by when loaded: wakeup must find
+        # the same (LoadedShard.pin), never other bytes under the same version name
+        self.pin: dict[str, str] = {}
         self.spec: dict[str, mf.TensorSpec] = {}
         # id, version, tensors (None: staged while the weights sleep, validated only),
-        # verify_checksum
-        self._staged: tuple[str, str, dict[str, paddle.Tensor] | None, bool | None] | None = None
-        self._previous: tuple[str, str, dict[str, paddle.Tensor] | None, bool | None] | None = None
+        # verify_checksum, pin
+        self._staged: Held | None = None
+        self._previous: Held | None = None
         self._rolled_back: deque[str] = deque(maxlen=64)
         self._revoke_lock = threading.Lock()  # revoke (event loop) vs commit (paddle thread)
 
@@ -318,7 +380,7 @@ class WeightStore:
         shard = self.source(version, None, None)
         self.spec = {k: _spec_of(v) for k, v in shard.arrays.items()}
         self.current = to_paddle(shard.arrays)
-        self.version = version
+        self.version, self.pin = version, shard.pin
         return shard
 
     def stage(
@@ -330,14 +392,15 @@ class WeightStore:
         the served model implies before anything is read."""
         self.abort()
         self.finalize()
-        shard = self.source(version, verify_checksum, self.spec or None)
+        shard = self._load(version, verify_checksum)
         got = {k: _spec_of(v) for k, v in shard.arrays.items()}
-        mf.check_tensors(self.spec, got, f"rank {self.rank}: version {version!r}")
+        with _released(shard):
+            mf.check_tensors(self.spec, got, f"rank {self.rank}: version {version!r}")
         t0 = time.perf_counter()
         if self.current is None:
             # asleep: checked, then freed again; commit records it, wakeup loads it
             shard.arrays.clear()
-            self._staged = (update_id, version, None, verify_checksum)
+            self._staged = (update_id, version, None, verify_checksum, shard.pin)
             return {
                 "version": version,
                 "bytes": shard.nbytes,
@@ -345,7 +408,7 @@ class WeightStore:
                 "loaded": False,
                 **shard.timings,
             }
-        self._staged = (update_id, version, to_paddle(shard.arrays), verify_checksum)
+        self._staged = (update_id, version, to_paddle(shard.arrays), verify_checksum, shard.pin)
         shard.timings["to_device_s"] = time.perf_counter() - t0
         return {"version": version, "bytes": shard.nbytes, "files": shard.files, **shard.timings}
 
@@ -365,9 +428,9 @@ class WeightStore:
             raise ControlError(409, f"rank {self.rank}: update {update_id} was rolled back")
         if self._staged is None or self._staged[:2] != (update_id, version):
             raise ControlError(409, f"rank {self.rank}: nothing staged for version {version!r}")
-        self._previous = (update_id, self.version, self.current, self.verify)
-        self.current = self._staged[2]
-        self.version, self.verify = version, self._staged[3]
+        self._previous = (update_id, self.version, self.current, self.verify, self.pin)
+        _, _, self.current, self.verify, self.pin = self._staged
+        self.version = version
         self._staged = None
 
     def finalize(self, update_id: str | None = None) -> None:
@@ -383,10 +446,10 @@ class WeightStore:
             self.abort()
         if self._previous is None or self._previous[0] != update_id:
             return False
-        _, version, tensors, verify = self._previous
+        _, version, tensors, verify, pin = self._previous
         self._previous = None
         free_tensors(self.current)
-        self.current, self.version, self.verify = tensors, version, verify
+        self.current, self.version, self.verify, self.pin = tensors, version, verify, pin
         return True
 
     def abort(self) -> None:
@@ -401,9 +464,37 @@ class WeightStore:
         self.current = None
 
     def reload(self) -> LoadedShard:
-        """Load the current version again (wakeup after sleep)."""
-        shard = self.source(self.version, self.verify, self.spec or None)
-        got = {k: _spec_of(v) for k, v in shard.arrays.items()}
-        mf.check_tensors(self.spec, got, f"rank {self.rank}: version {self.version!r}")
+        """Load the current version again (wakeup after sleep): the same bytes it was
+        loaded from, else 422 (:func:`check_pin`) and the weights stay asleep."""
+        shard = self._load(self.version, self.verify)
+        where = f"rank {self.rank}: version {self.version!r}"
+        with _released(shard):
+            check_pin(self.pin, shard.pin, where)
+            got = {k: _spec_of(v) for k, v in shard.arrays.items()}
+            mf.check_tensors(self.spec, got, where)
         self.current = to_paddle(shard.arrays)
         return shard
+
+    def _load(self, version: str, verify_checksum: bool | None) -> LoadedShard:
+        """The source's shard; a refusal is raised without the frames it came through.
+
+        Those frames hold what was read (a pre-sharded shard is one private buffer, a
+        pulled one a bytearray), and an exception is often kept in a reference cycle
+        (asyncio's executor futures) that only the GC breaks: an asleep rank whose
+        wakeup was refused kept the whole shard resident until then."""
+        try:
+            return self.source(version, verify_checksum, self.spec or None)
+        except ControlError as e:
+            e.__context__ = e.__cause__ = None  # an error it replaced holds its frames too
+            raise e.with_traceback(None) from None
+
+
+@contextmanager
+def _released(shard: LoadedShard) -> Iterator[None]:
+    """A shard refused after its load drops its arrays at once (see WeightStore._load):
+    the refusal's traceback holds the caller's frame, and with it the shard."""
+    try:
+        yield
+    except BaseException:
+        shard.arrays.clear()
+        raise

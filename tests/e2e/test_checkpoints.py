@@ -21,7 +21,7 @@ import nats
 import numpy as np
 import pytest
 
-from services.tiny_model import create_model_dir
+from services.tiny_model import create_model_dir, write_version
 from services.trainer import names
 from services.trainer.publisher import CheckpointPublisher, VersionConflict
 from services.worker.sources import parse_safetensors
@@ -239,6 +239,61 @@ def test_failed_wakeup_leaves_every_rank_asleep(ostack: Stack) -> None:
     assert update(ostack, "keep1").status_code == 200
     assert post(ostack, "/v1/wakeup").status_code == 200
     assert ostack.status()["state"] == "running"
+
+
+def test_wakeup_refuses_a_version_whose_bytes_changed_while_asleep(ostack: Stack) -> None:
+    """Wakeup reloads the current version from its files. Files changed while asleep (an
+    HF snapshot written in place; an object replaced under a version taken with
+    ``verify_checksum: false``) used to be served under the same version name: other
+    weights, no sign. Now 422 naming the file, every rank stays asleep, and updating to
+    the version again takes its new bytes on purpose."""
+    f = write_version(ostack.model_dir, "wk-hf", seed=22) / "model.safetensors"
+    assert post(ostack, "/v1/pause").status_code == 200
+    assert post(ostack, "/v1/update_weights", json={"version": "wk-hf"}).status_code == 200
+    served = digests(ostack)
+    assert post(ostack, "/v1/sleep").status_code == 200
+    data = bytearray(f.read_bytes())
+    data[-100] ^= 0x40  # one bit of the last tensor's data: the header still parses
+    f.write_bytes(bytes(data))
+    r = post(ostack, "/v1/wakeup")
+    assert r.status_code == 422, r.text
+    msg = r.json()["error_message"]
+    assert "versions/wk-hf/model.safetensors changed" in msg and str(f) not in msg, msg
+    with ostack.client() as c:
+        st = c.get("/v1/status", params={"fresh": "true"}).json()
+    assert st["state"] == "sleeping" and st["weight_version"] == "wk-hf", st
+    assert [x["weights_loaded"] for x in st["ranks"]] == [False, False], st
+    r = post(ostack, "/v1/update_weights", json={"version": "wk-hf"})
+    assert r.status_code == 200, r.text
+    assert post(ostack, "/v1/wakeup").status_code == 200
+    assert digests(ostack) != served  # the new bytes, taken by an update
+
+    publish(ostack, "wk-obj", seed=23)
+    assert post(ostack, "/v1/pause").status_code == 200
+    assert update(ostack, "wk-obj", verify=False).status_code == 200
+    assert post(ostack, "/v1/sleep").status_code == 200
+    blobs, _ = CheckpointPublisher(ostack.nats_url).prepare(
+        model_of(ostack), "wk-obj", training_state(ostack, 23), 2, model_config(ostack.model_dir)
+    )
+    name = ckpt_object_name(model_of(ostack), "wk-obj", "rank0-of-2.safetensors")
+
+    async def replace(nc: Any) -> None:  # rank 1's shard: same shapes, parses, wrong rank
+        await (await nc.jetstream().object_store(BUCKET)).put(name, bytes(blobs[1]))
+
+    asyncio.run(_raw(ostack.nats_url, replace))
+    r = post(ostack, "/v1/wakeup")
+    assert r.status_code == 422 and f"rank 0: version 'wk-obj': {name} changed" in r.text, r.text
+    # rank 1 woke (its object is unchanged), rank 0 refused: rank 1 is put back to sleep
+    # and status says so; both the same version name and another one are ways out
+    with ostack.client() as c:
+        st = c.get("/v1/status", params={"fresh": "true"}).json()
+    assert st["state"] == "sleeping" and st["weight_version"] == "wk-obj", st
+    assert [x["weights_loaded"] for x in st["ranks"]] == [False, False], st
+    assert update(ostack, "wk-obj", verify=False).status_code == 200
+    assert post(ostack, "/v1/wakeup").status_code == 200
+    assert post(ostack, "/v1/sleep").status_code == 200
+    assert update(ostack, "wk-hf", verify=False).status_code == 200
+    assert post(ostack, "/v1/wakeup").status_code == 200
 
 
 def test_version_taken_unverified_wakes_up_unverified(ostack: Stack) -> None:

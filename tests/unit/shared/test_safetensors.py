@@ -67,6 +67,12 @@ def test_fp16_and_bf16_round_to_nearest_like_torch() -> None:
     assert st.dtype_name(st.convert(x, "float16").dtype) == "float16"
 
 
+def raw_header(text: str, data: bytes) -> bytes:
+    """A file whose header is ``text`` verbatim (JSON a dict cannot hold)."""
+    head = text.encode() + b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(head)) + head + data
+
+
 HOSTILE = [
     # (what, file bytes, message pattern)
     ("short", b"\x01\x02", r"2 bytes, shorter than the 8-byte header length"),
@@ -117,6 +123,18 @@ HOSTILE = [
     ),
     ("entry not object", blob({"w": 3}, b""), r"tensor 'w': entry is not an object"),
     (
+        # safetensors keeps the last of each: a=bytes 4..8, b=bytes 0..4, a valid swap
+        "name twice",
+        raw_header(
+            '{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},'
+            '"b":{"dtype":"F32","shape":[1],"data_offsets":[4,8]},'
+            '"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]},'
+            '"b":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}',
+            bytes(8),
+        ),
+        r"'a' appears twice in one header object",
+    ),
+    (
         "bool as int",
         blob({"w": {"dtype": "U8", "shape": [True], "data_offsets": [0, 1]}}, bytes(1)),
         r"tensor 'w': shape \[True\]",
@@ -155,7 +173,9 @@ def test_checkpoint_files_follow_the_index(tmp_path: Path) -> None:
     for f in ("a.safetensors", "b.safetensors", "stray.safetensors"):
         (tmp_path / f).write_bytes(save({"x": np.zeros(1, np.float16)}))
     assert [p.name for p in st.checkpoint_files(tmp_path)] == [
-        "a.safetensors", "b.safetensors", "stray.safetensors"
+        "a.safetensors",
+        "b.safetensors",
+        "stray.safetensors",
     ]
     index = tmp_path / st.INDEX_FILE
     index.write_text(json.dumps({"weight_map": {"x": "b.safetensors", "y": "a.safetensors"}}))

@@ -168,3 +168,104 @@ def test_an_hf_sharded_dir_missing_a_numbered_shard_is_not_there_yet(model_dir: 
     (d / files[1]).write_bytes(second)
     SnapshotSource(CFG, model_dir, 0, 2)("s1", None, None)
     SnapshotSource(CFG, model_dir, 1, 2)("s1", None, None)
+
+
+def test_a_tensor_in_two_files_of_an_hf_dir_is_refused_not_picked(model_dir: Path) -> None:
+    """Which copy of a tensor held by two files is served must not depend on file name
+    order: a stale full ``model.safetensors`` beside a sharded set (no index), or a
+    shard that also holds a tensor the index maps to another shard, was served from
+    whichever file sorted first (the index ignored) — now 422 naming both files."""
+    import json
+
+    from safetensors.numpy import load_file, save_file
+
+    d = model_dir / "versions" / "dup"
+    files = split_checkpoint(model_dir, d, 2)
+    full = load_file(str(model_dir / "model.safetensors"))
+    stale = {k: v + 1 for k, v in full.items()}
+    save_file(stale, str(d / "model.safetensors"))  # sorts after model-0000x: was ignored
+    msg = refused_version(model_dir, "dup")
+    assert "is also in versions/dup/model-0000" in msg and "model.safetensors" in msg, msg
+    # with an index: shard 1 also holds shard 2's tensor `moved`, with other values
+    (d / "model.safetensors").unlink()
+    second = load_file(str(d / files[1]))
+    moved = sorted(second)[0]
+    weight_map = {k: files[0] for k in load_file(str(d / files[0]))}
+    weight_map.update(dict.fromkeys(second, files[1]))
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    SnapshotSource(CFG, model_dir, 0, 2)("dup", None, None)  # consistent: loads
+    save_file({**load_file(str(d / files[0])), moved: stale[moved]}, str(d / files[0]))
+    msg = refused_version(model_dir, "dup")
+    assert f"{moved!r} is also in versions/dup/{files[0]}" in msg, msg
+
+
+def refused_version(model_dir: Path, version: str) -> str:
+    for rank in (0, 1):
+        with pytest.raises(ControlError) as e:
+            SnapshotSource(CFG, model_dir, rank, 2)(version, None, None)
+        assert e.value.code == 422, e.value.message
+        assert str(model_dir) not in e.value.message
+    return e.value.message
+
+
+@pytest.mark.parametrize("with_manifest", [True, False])
+def test_a_presharded_model_dir_must_hold_the_configs_tensors(
+    tmp_path: Path, with_manifest: bool
+) -> None:
+    """The initial load has no served spec yet (it makes it): a pre-sharded model dir
+    whose shards are of another config (vocab 640 where config.json says 320) loaded
+    unchecked, and its spec then refused every right version. Now checked against the
+    config's shapes, as an HF dir's tensors are."""
+    import json
+
+    md = tmp_path / "m"
+    md.mkdir()
+    (md / "config.json").write_text(json.dumps(TINY_CONFIG))
+    other = ModelConfig.from_hf({**TINY_CONFIG, "vocab_size": 640})
+    for cfg, ok in ((other, False), (CFG, True)):
+        write_sharded_dir(md, cfg, sharding.init_weights(cfg, 1), 2, "m", "v0")
+        if not with_manifest:
+            (md / "manifest.json").unlink()
+        for rank in (0, 1):
+            src = SnapshotSource(CFG, md, rank, 2)
+            if ok:
+                assert src("v0", None, None).arrays["lm_head.weight"].shape == (320, 128)
+                continue
+            with pytest.raises(ControlError) as e:
+                src("v0", None, None)
+            assert e.value.code == 422 and str(tmp_path) not in e.value.message
+            assert "has shape [640, 128], expected [320, 128]" in e.value.message
+
+
+def test_a_shard_cut_short_after_its_load_cannot_kill_the_rank(model_dir: Path) -> None:
+    """A pre-sharded shard was mapped and its tensors kept as views of the mapping until
+    the staging copy: the file cut short meanwhile (``cp`` over the version dir opens it
+    with O_TRUNC) made that copy touch pages past its end — SIGBUS, the rank died. Now
+    the shard is read into private memory (and hashed there: what is verified is what
+    is served), so the file changing afterwards cannot reach the loaded tensors. Run in
+    a child: the old code kills the process it runs in."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        f"""
+        import os
+        from pathlib import Path
+        import numpy as np
+        from services.tiny_model import TINY_CONFIG
+        from services.worker.weights import SnapshotSource
+        from shared.model_config import ModelConfig
+        md = Path({str(model_dir)!r})
+        src = SnapshotSource(ModelConfig.from_hf(TINY_CONFIG), md, 0, 2)
+        shard = src("s1", None, None)
+        os.truncate(md / "versions" / "s1" / "rank0-of-2.safetensors", 0)
+        print(sum(float(np.asarray(a, dtype=np.float64).sum()) for a in shard.arrays.values()))
+        """
+    )
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    r = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])

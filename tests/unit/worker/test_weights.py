@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import gc
+import os
+import weakref
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 import pytest
 
-from services.worker.weights import LoadedShard, WeightStore
+from services.tiny_model import TINY_CONFIG, create_model_dir
+from services.trainer.shards import write_sharded_dir
+from services.worker import hf_files
+from services.worker.weights import LoadedShard, SnapshotSource, WeightStore
+from shared import sharding
 from shared.errors import ControlError
+from shared.model_config import ModelConfig
+
+CFG = ModelConfig.from_hf(TINY_CONFIG)
 
 VERSIONS = {
     "v0": {"w": np.zeros((2, 3), np.float32)},
@@ -125,3 +138,57 @@ def test_half_precision_arrays_become_paddle_tensors_of_that_dtype(dtype: str) -
     t = to_paddle({"w": arr})["w"]
     assert str(t.dtype).removeprefix("paddle.") == dtype
     np.testing.assert_array_equal(t.astype(paddle.float32).numpy(), x)
+
+
+def test_a_refused_load_keeps_nothing_it_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A load refused after its bytes were read (a wakeup whose files changed while
+    asleep; a pre-sharded shard failing its SHA-256, read into one private buffer) held
+    them in the frames of its traceback; an exception is often kept in a reference
+    cycle (asyncio's executor futures) that only the GC breaks, so an asleep rank whose
+    wakeup was refused kept a whole shard resident. Kept here on purpose, GC off: what
+    was read must be gone anyway."""
+    md = create_model_dir(tmp_path / "m", seed=0)
+    write_sharded_dir(md / "versions" / "s1", CFG, sharding.init_weights(CFG, 1), 2, "m", "s1")
+    snap = SnapshotSource(CFG, md, 0, 2)
+    arrays: list[weakref.ref[np.ndarray]] = []
+    buffers: list[weakref.ref[Any]] = []
+
+    def recording(version: str, verify: bool | None, expected: object = None) -> LoadedShard:
+        shard = snap(version, verify, expected)  # type: ignore[arg-type]
+        arrays.extend(weakref.ref(a) for a in shard.arrays.values())
+        return shard
+
+    def read_file(*args: Any) -> Any:
+        buf = real_read_file(*args)
+        buffers.append(weakref.ref(buf))
+        return buf
+
+    real_read_file = hf_files.read_file
+    monkeypatch.setattr(hf_files, "read_file", read_file)
+    store = WeightStore(0, recording)
+    store.load_initial("v0")
+    store.free()
+    arrays.clear()
+    f = md / "model.safetensors"
+    os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 1))  # changed: refused
+    shard = md / "versions" / "s1" / "rank0-of-2.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-2] ^= 1
+    shard.write_bytes(bytes(data))  # its SHA-256 no longer the manifest's
+    kept = []
+    gc.disable()
+    try:
+        with pytest.raises(ControlError) as e:
+            store.reload()
+        assert e.value.code == 422 and "changed since" in e.value.message
+        kept.append(e.value)
+        assert arrays and all(r() is None for r in arrays), "a refused wakeup kept its arrays"
+        with pytest.raises(ControlError) as e:
+            store.stage("s1", None, "u1")
+        assert e.value.code == 422 and "SHA-256" in e.value.message
+        kept.append(e.value)
+        assert buffers and all(r() is None for r in buffers), "a refused shard kept its buffer"
+    finally:
+        gc.enable()
