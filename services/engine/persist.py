@@ -87,14 +87,45 @@ def encode(rec: Record) -> bytes:
     return msgspec.json.encode(rec)
 
 
+# without these a record says nothing: one that is not there (or not readable) is refused
+# whole. Every other field has a default: a bad one is dropped alone (below).
+REQUIRED = ("state", "weight_version")
+
+
 def decode(data: bytes) -> Record:
-    """Raises ``ValueError`` naming the problem for a record this version cannot read."""
+    """Raises ``ValueError`` naming the problem for a record this version cannot read.
+
+    A field other than :data:`REQUIRED` that does not read (a corrupt or hand-edited
+    ``refused``, ``asleep``, ``update``…) is dropped alone, with one warning naming it:
+    before, one such field made the whole record unreadable, and the engine started
+    from the ranks' state — losing its version, pause state and interrupted update."""
     try:
-        rec = msgspec.json.decode(data, type=Record)
+        raw = msgspec.json.decode(data)
+        if not isinstance(raw, dict):
+            raise ValueError(f"a JSON object is needed, not {type(raw).__name__}")
+        try:
+            rec = msgspec.convert(raw, type=Record)
+        except msgspec.ValidationError:
+            rec = _salvage(raw)
         State(rec.state)
     except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
         raise ValueError(f"unreadable engine state record: {e}") from None
     return rec
+
+
+def _salvage(raw: dict[str, Any]) -> Record:
+    """The record without the optional fields that do not read (each said once)."""
+    keep = {k: raw[k] for k in REQUIRED if k in raw}
+    for name in Record.__struct_fields__:
+        if name in REQUIRED or name not in raw:
+            continue
+        try:  # this field alone, beside the required ones
+            msgspec.convert({**keep, name: raw[name]}, type=Record)
+        except msgspec.ValidationError as e:
+            log.warning("engine state record: field %r ignored (%s)", name, e)
+            continue
+        keep[name] = raw[name]
+    return msgspec.convert(keep, type=Record)  # a bad required field raises here
 
 
 def snapshot(eng: Engine, update: Update | None = None) -> Record:

@@ -295,3 +295,30 @@ def test_refused_versions_are_stored_and_restored() -> None:
     persist.apply(back, rec)
     assert index_of(back).refused == {"unseen", "bad1", "bad2"}  # type: ignore[arg-type]
     assert index_of(back).fallback("v1") is None  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("refused", "bad1"),  # a string where a list goes: hand-edited
+        ("refused", [1, {"x": 2}]),
+        ("asleep", {"weight": True}),
+        ("update", {"version": 3}),
+        ("saved_at", "yesterday"),
+    ],
+)
+def test_a_bad_optional_field_is_dropped_alone(
+    field: str, value: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One corrupt or hand-edited field loses only itself: the rest of the state (the
+    version, the pause) is restored, and one warning names the field. Before, the whole
+    record was unreadable and the engine started from the ranks' state."""
+    good = {"state": "paused", "weight_version": "v7", "pause_mode": "keep", "refused": ["b"]}
+    rec = persist.decode(msgspec.json.encode({**good, field: value}))
+    assert (rec.state, rec.weight_version, rec.pause_mode) == ("paused", "v7", "keep")
+    assert rec.refused == ([] if field == "refused" else ["b"])
+    said = [r.getMessage() for r in caplog.records if "field" in r.getMessage()]
+    assert len(said) == 1 and repr(field) in said[0], said
+    for bad in ({"weight_version": "v7"}, {"state": "paused", "weight_version": 7}):
+        with pytest.raises(ValueError, match="unreadable engine state"):  # still refused whole
+            persist.decode(msgspec.json.encode({**bad, field: value}))
