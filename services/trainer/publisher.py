@@ -61,7 +61,7 @@ from typing import Any
 import numpy as np
 
 from services.trainer import names
-from services.trainer.shards import ShardLayout, plan_shards, serialize
+from services.trainer.shards import NonFiniteWeight, ShardLayout, plan_shards, serialize
 from shared import manifest as mf
 from shared import objstore
 from shared import safetensors as st
@@ -283,14 +283,29 @@ class CheckpointPublisher:
             layouts = None if ipc else plan_shards(cfg, state, tp)
             blobs: list[bytes] = []
             man: mf.Manifest | None = None
+            bad: NonFiniteWeight | None = None
             if layouts is None:
-                blobs, man = serialize(cfg, state, tp, model, version, check_finite=finite)
+                try:
+                    blobs, man = serialize(cfg, state, tp, model, version, check_finite=finite)
+                except NonFiniteWeight as e:
+                    if not os.path.lexists(ipc_version_dir(self.ipc_dir, model, version)):
+                        raise
+                    # published already: the re-publish rules decide (compared below)
+                    bad = e
+                    blobs, man = serialize(cfg, state, tp, model, version)
             bus = bus or await self._connect()  # one connection for the whole publish
             nc = bus.nc
             await objstore.ensure_ckpt_stream(nc, model)
             if ipc:
                 assert man is not None
-                uploaded = self._write_ipc(model, version, blobs, man, progress)
+                if bad is None:
+                    uploaded = self._write_ipc(model, version, blobs, man, progress)
+                else:  # compared only: a non-finite version is never written unasked
+                    d = ipc_version_dir(self.ipc_dir, model, version)
+                    if not os.path.lexists(d):
+                        raise bad
+                    uploaded = self._same_ipc(d, man)
+                    _warn_published_nonfinite(model, version, bad)
             else:
                 await objstore.ensure_bucket(nc, self.bucket)
                 name = ckpt_object_name(model, version, "manifest.json")
@@ -428,18 +443,26 @@ class CheckpointPublisher:
         pool = ThreadPoolExecutor(len(layouts), thread_name_prefix="shard-fill")
         try:
             if old is not None:  # compare content first: hash without uploading
-                await asyncio.gather(
-                    *(
-                        loop.run_in_executor(pool, _fill_scratch, lay, sha, finite)
-                        for lay, sha in zip(layouts, shas, strict=True)
-                    )
-                )
+                bad: NonFiniteWeight | None = None
+                for check in (finite, False):
+                    shas = [hashlib.sha256() for _ in layouts]
+                    try:
+                        await asyncio.gather(
+                            *(
+                                loop.run_in_executor(pool, _fill_scratch, lay, sha, check)
+                                for lay, sha in zip(layouts, shas, strict=True)
+                            )
+                        )
+                        break
+                    except NonFiniteWeight as e:
+                        # nothing is published by a re-publish: the re-publish rules
+                        # decide (same bytes: a no-op; other bytes: refused), not the
+                        # check ("not published" was said of a version that was live)
+                        bad = e
                 man = _manifest(model, version, tp, layouts, shas)
-                if _digests(old) != _digests(man):
-                    raise VersionConflict(
-                        f"{model}/{version} is already published with different content "
-                        "(versions are immutable: publish a new version)"
-                    )
+                _same_content(old, man)
+                if bad is not None:
+                    _warn_published_nonfinite(model, version, bad)
                 if progress:
                     progress(total, total)
                 return man, False
@@ -549,11 +572,7 @@ class CheckpointPublisher:
         nuids: list[str],
     ) -> bool:
         if old is not None:
-            if _digests(old) != _digests(man):
-                raise VersionConflict(
-                    f"{model}/{version} is already published with different content "
-                    "(versions are immutable: publish a new version)"
-                )
+            _same_content(old, man)
             if progress:
                 progress(man.total_bytes, man.total_bytes)
             return False
@@ -1082,3 +1101,24 @@ def _manifest(
 
 def _digests(m: mf.Manifest) -> list[tuple[int, str]]:
     return sorted((s.rank, s.sha256) for s in m.shards)
+
+
+def _same_content(old: mf.Manifest, new: mf.Manifest) -> None:
+    """:class:`VersionConflict` unless ``new`` is the content ``old`` published."""
+    if _digests(old) != _digests(new):
+        raise VersionConflict(
+            f"{new.model}/{new.version} is already published with different content "
+            "(versions are immutable: publish a new version)"
+        )
+
+
+def _warn_published_nonfinite(model: str, version: str, e: NonFiniteWeight) -> None:
+    log.warning(
+        "%s/%s is already published with this content, which was published with "
+        "allow_nonfinite: tensor %s holds %s (in rank %d's shard); nothing changed",
+        model,
+        version,
+        e.tensor,
+        e.what,
+        e.rank,
+    )

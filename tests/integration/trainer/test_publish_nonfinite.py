@@ -182,3 +182,35 @@ async def test_every_failed_fill_is_retrieved(
     finally:
         loop.set_exception_handler(old)
     assert not seen, [c.get("message") for c in seen]
+
+
+@pytest.mark.parametrize("ipc", [False, True], ids=["object-store", "ipc"])
+def test_republishing_a_non_finite_version_without_the_flag_says_what_happened(
+    nats_url: str, tmp_path: Path, ipc: bool
+) -> None:
+    """A version published with --allow-nonfinite is live: re-publishing it without the
+    flag follows the re-publish rules — the same bytes are a no-op ("already
+    published", with one warning naming the bad tensor), other bytes are refused as
+    versions are (immutable). Before, both said "… is not published" though it was."""
+    d, other = tmp_path / "m", tmp_path / "other"
+    for where, seed_value in ((d, float("nan")), (other, -np.inf)):
+        where.mkdir()
+        save_file(_hf(LAST_DOWN, seed_value), str(where / "model.safetensors"))
+        (where / "config.json").write_text(json.dumps(CFG))
+    model, env = f"nfa-{uuid.uuid4().hex[:6]}", clean_env(tmp_path / "data")
+    env["ROLLBUS_IPC_DIR"] = str(tmp_path / "ipc")
+
+    def publish(src: Path, *flags: str) -> Any:
+        argv = [*("publish", str(src), "--model", model, "--version", "v1", "--tp", "2")]
+        return rollbus(*argv, "--nats-url", nats_url, *(["--ipc"] if ipc else []), *flags, env=env)
+
+    r = publish(d, "--allow-nonfinite")
+    assert r.returncode == 0 and r.stdout.startswith(f"published {model}/v1"), r.stderr
+    r = publish(d)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert r.stdout.startswith(f"already published {model}/v1"), r.stdout
+    assert "not published" not in r.stderr and f"{LAST_DOWN} holds NaN" in r.stderr, r.stderr
+    r = publish(other)
+    assert r.returncode == 2 and not r.stdout, r.stdout
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "different content" in lines[0], lines  # VersionConflict
