@@ -52,7 +52,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -319,13 +319,15 @@ class CheckpointPublisher:
                     if layouts is not None:
                         man, uploaded = await claim.hold_while(
                             self._upload_layouts(
-                                nc, model, version, tp, layouts, progress, old, nuids, finite
+                                nc, model, version, tp, layouts, progress, old, nuids, finite, claim
                             )
                         )
                     else:
                         assert man is not None
                         uploaded = await claim.hold_while(
-                            self._upload(nc, model, version, blobs, man, progress, old, nuids)
+                            self._upload(
+                                nc, model, version, blobs, man, progress, old, nuids, claim
+                            )
                         )
                     if uploaded:
                         # last, over our claim only: a version without its manifest does
@@ -430,6 +432,7 @@ class CheckpointPublisher:
         old: mf.Manifest | None,
         nuids: list[str],
         finite: bool = True,
+        claim: _Claim | None = None,
     ) -> tuple[mf.Manifest, bool]:
         """Every rank's shard at once: each is written (one copy per byte, hashed as it
         is copied) on its own thread into a small ring of reused memory (:class:`_Ring`)
@@ -522,11 +525,12 @@ class CheckpointPublisher:
                         progress(sum(acked), total)
 
                 ok = False
+                shard = ckpt_object_name(model, version, lay.file)
                 try:
                     await objstore.put_object(
                         nc,
                         self.bucket,
-                        ckpt_object_name(model, version, lay.file),
+                        shard,
                         ring.buf,
                         cb,
                         ready=ready,
@@ -534,6 +538,7 @@ class CheckpointPublisher:
                         gather=lay.gather(memoryview(ring.buf).cast("B")),
                         cas=True,
                         nuid=nuids[i],
+                        write_meta=claim.writer(shard) if claim is not None else None,
                     )
                     ok = True
                 finally:
@@ -570,6 +575,7 @@ class CheckpointPublisher:
         progress: Progress | None,
         old: mf.Manifest | None,
         nuids: list[str],
+        claim: _Claim | None = None,
     ) -> bool:
         if old is not None:
             _same_content(old, man)
@@ -581,14 +587,16 @@ class CheckpointPublisher:
             cb = None
             if progress:
                 cb = (lambda b: lambda n: progress(b + n, total))(base)  # noqa: B023
+            shard = ckpt_object_name(model, version, spec.file)
             await objstore.put_object(
                 nc,
                 self.bucket,
-                ckpt_object_name(model, version, spec.file),
+                shard,
                 blob,
                 cb,
                 cas=True,
                 nuid=nuid,
+                write_meta=claim.writer(shard) if claim is not None else None,
             )
             base += len(blob)
         return True
@@ -690,6 +698,7 @@ class _Claim:
         self.id = os.urandom(8).hex()
         self.seq = 0
         self.lock = asyncio.Lock()  # a refresh and the manifest's write never overlap
+        self.fence = objstore.can_fence(nc)  # the server checks a write against the claim
 
     def _deleted(self) -> dict[str, Any]:
         """A deleted object's meta as NATS object stores write it: a reader that parses
@@ -798,6 +807,37 @@ class _Claim:
                     log.warning("cannot refresh the claim on %s: %r", self.name, e)
                     with contextlib.suppress(Exception):
                         await self.mine()
+
+    def writer(self, shard: str) -> Callable[[dict[str, Any], int], Awaitable[None]]:
+        """The meta write of ``shard`` (an object of this version): it lands only while
+        this claim is the version's last claim write — the server checks the claim's
+        sequence in the same write —, else :class:`objstore.ObjectConflict`. So a
+        publisher that lost its claim (stalled while another took it over and published)
+        can never store a shard over the one the published manifest names: before, a
+        put begun after the takeover passed its own compare-and-set (the taker's shard
+        was the last write it had seen) and readers got 422 for good."""
+
+        async def write(info: dict[str, Any], seq0: int) -> None:
+            async with self.lock:  # no refresh moves the claim's sequence meanwhile
+                if not self.fence:
+                    # nats-server < 2.11: the claim looked at just before (a stall right
+                    # between the two is not covered), the shard's own compare-and-set
+                    if not await self.mine():
+                        raise objstore.ObjectConflict(f"{shard}: the claim was taken over")
+                    await objstore.put_meta_if(self.nc, self.bucket, shard, info, seq0)
+                    return
+                for again in (False, True):
+                    try:
+                        await objstore.put_meta_if(
+                            self.nc, self.bucket, shard, info, self.seq, on=self.name
+                        )
+                        return
+                    except objstore.ObjectConflict:
+                        # a refresh whose answer was lost moved the sequence: still ours?
+                        if again or not await self.mine():
+                            raise
+
+        return write
 
     def lost(self) -> VersionConflict:
         return VersionConflict(
