@@ -25,7 +25,9 @@ instance (:func:`pending`: the places a rank would look, none of them read in fu
 not — an event ahead of its upload, a snapshot dir still being copied — it does not
 pause: it looks again after ``WAIT_S`` doubling up to ``WAIT_MAX_S``, says so once (one
 ``auto_update`` event, ``action: waiting``, and one warning), and updates once they
-are there. Generation is not disturbed meanwhile.
+are there. Generation is not disturbed meanwhile, and the newest announced version
+between the served one and the awaited one whose files are there is served meanwhile
+(:func:`_meanwhile`).
 
 An event is acked only once it is applied, ignored as not newer, superseded (any event
 but the current target's: un-acked, events ahead of files that never come would pile
@@ -84,6 +86,9 @@ PERMANENT = frozenset({BAD_REQUEST, UNPROCESSABLE})
 # bound, so a version is taken within WAIT_MAX_S of its files landing
 WAIT_S = 0.25
 WAIT_MAX_S = 2.0
+# while the target's files are not there: how many older announced versions (newer than
+# the served one, newest first) are looked at per round for one to serve meanwhile
+MEANWHILE_LOOKS = 4
 MAX_REFUSED = 256  # refused versions kept in the stored state (the newest ones)
 
 
@@ -354,6 +359,35 @@ async def _pending_safely(engine: Engine, version: str) -> str | None:
         return None
 
 
+async def _meanwhile(engine: Engine, target: str, skip: set[str]) -> str | None:
+    """While ``target``'s files are not there: the newest announced version between the
+    served one and ``target`` whose files are (not refused, not in ``skip``), or None.
+    An RL run wants the freshest weights it can have without stalling: before, the
+    engine stayed on its old version for as long as the newest one's files were
+    missing — for good for an event whose files never come — though a newer one was
+    loadable (its event had been settled as superseded)."""
+    idx = index_of(engine)
+    idx.served(engine.state.weight_version)
+    top = idx.seq_of(target)
+    older = sorted(
+        (
+            (q, v)
+            for v, q in idx.seqs.items()
+            if idx.served_seq < q < top and v not in idx.refused and v not in skip
+        ),
+        reverse=True,
+    )
+    for _, v in older[:MEANWHILE_LOOKS]:
+        try:
+            if await pending(engine, v) is None:
+                return v
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - not this one now
+            log.debug("auto-update: cannot look for the files of %s: %r", v, e)
+    return None
+
+
 async def _keep(held: list[Any]) -> None:
     """Held events are kept: not redelivered meanwhile, not lost."""
     for msg in held:
@@ -404,6 +438,7 @@ async def follow(engine: Engine) -> None:
     backoff, next_try = RETRY_S, 0.0
     wait_s, waiting = WAIT_S, ""  # the version whose files are awaited (said once)
     since = 0.0  # when that wait began
+    tried_for, tried = "", set[str]()  # versions tried meanwhile, for that target
     feed_errors = 0
     loop = asyncio.get_running_loop()
     while True:
@@ -464,6 +499,17 @@ async def follow(engine: Engine) -> None:
             next_try = loop.time() + wait_s
             wait_s = min(wait_s * 2, WAIT_MAX_S)
             await _keep([msg for _, msg in held])
+            if tried_for != version:
+                tried_for, tried = version, set()
+            alt = await _meanwhile(engine, version, tried)
+            if alt is not None:  # served meanwhile; the target is still waited for
+                log.info("auto-update: serving %s while waiting for %s", alt, version)
+                ev = VersionPublished(target[1].model, alt, target[1].tp)
+                done = await _apply_safely(engine, idx.seq_of(alt), ev)
+                if done["action"] == "failed":
+                    tried.add(alt)  # once per target: no retry loop beside the wait
+                    if not done.get("retry"):
+                        await engine.persist.save()  # refused: stored
             continue
         engine.auto_update_waiting = None
         if waiting == version:

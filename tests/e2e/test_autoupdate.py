@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest.mock import ANY
 
 import msgspec
 import pytest
@@ -316,3 +317,31 @@ def test_many_events_ahead_of_their_files_do_not_stall_the_feed(ustack: Stack) -
     want = publish(ustack, "after-flood", seed=99)
     wait_for(lambda: serving(ustack, "after-flood"), 120)
     assert digests(ustack) == want
+
+
+def test_an_older_loadable_version_is_served_while_the_newest_is_waited_for(
+    ustack: Stack, tmp_path: Path
+) -> None:
+    """Two announcements ahead of their files (a snapshot copy in progress for each):
+    the older one's copy ends first. It is served meanwhile — the freshest weights
+    there are, without a stall —, the newest still waited for and served once its
+    files land. Before, the engine stayed on its old version until the newest one's
+    files came (for good if they never did): the older one's event had been settled
+    as superseded."""
+    cfg = ModelConfig.from_hf(model_config(ustack.model_dir))
+    versions = ustack.model_dir / "versions"
+    versions.mkdir(exist_ok=True)
+    announce_only(ustack, "mw1")
+    announce_only(ustack, "mw2")
+    wait_for(lambda: any(e["action"] == "waiting" for e in auto_events(ustack, "mw2")))
+    for v, seed in (("mw1", 61), ("mw2", 62)):
+        src = tmp_path / v
+        write_sharded_dir(src, cfg, sharding.init_weights(cfg, seed), 2, model_of(ustack), v)
+        src.rename(versions / v)  # the copy of v ends
+        wait_for(lambda v=v: serving(ustack, v), 30)
+        assert ustack.status()["auto_update_waiting"] == (
+            {"version": "mw2", "reason": auto_events(ustack, "mw2")[0]["reason"], "since": ANY}
+            if v == "mw1"
+            else None
+        )
+    assert [e["action"] for e in auto_events(ustack, "mw2")] == ["waiting", "updated"]
