@@ -67,6 +67,7 @@ from shared import objstore
 from shared import safetensors as st
 from shared.bus import Bus
 from shared.creds import default_dir, role_url
+from shared.errors import ControlError
 from shared.messages import ControlReply, VersionPublished, json_decode
 from shared.model_config import ModelConfig
 from shared.subjects import Subjects, ckpt_object_name, rank_shard_file
@@ -737,7 +738,15 @@ class _Claim:
                 raw = await objstore.read_object(
                     self.nc, self.bucket, self.name, max_size=mf.MAX_MANIFEST_BYTES
                 )
-                return mf.decode(bytes(raw), self.name)
+                try:
+                    return mf.decode(bytes(raw), self.name)
+                except ControlError as e:  # a foreign writer's, a corrupt store's
+                    # the version exists (ranks get 422 for it): still immutable; before,
+                    # this ControlError ended `rollbus publish` with a traceback
+                    raise VersionConflict(
+                        f"{e.message}: the version is already published and cannot be "
+                        "read; versions are immutable: publish a new version"
+                    ) from None
             claim = info.get("claim")
             if isinstance(claim, dict) and claim.get("id") == self.id:
                 self.seq = seq  # our own write, whose answer was lost: we hold it
