@@ -345,3 +345,33 @@ def test_an_older_loadable_version_is_served_while_the_newest_is_waited_for(
             else None
         )
     assert [e["action"] for e in auto_events(ustack, "mw2")] == ["waiting", "updated"]
+
+
+@pytest.mark.parametrize("garbage", [b"\x00not json{", b'{"model": 1}'], ids=["bytes", "json"])
+def test_an_event_for_a_version_whose_manifest_is_garbage_is_refused_once(
+    ustack: Stack, garbage: bytes
+) -> None:
+    """A version whose ``manifest.json`` object is garbage (a foreign writer, `nats pub`
+    of an event by hand): its files "are there", the update is a 422 — refused for good,
+    no retry loop of pauses —, the engine stays on its version and running, and the
+    next good version is served."""
+    version = f"gm-{garbage[:1].hex()}"
+    serving_before = ustack.status()["weight_version"]
+
+    async def plant(nc: Any) -> None:
+        await objstore.ensure_bucket(nc, "rollbus_ckpt")
+        name = f"{model_of(ustack)}/{version}/manifest.json"
+        await objstore.put_object(nc, "rollbus_ckpt", name, garbage)
+
+    asyncio.run(_raw(ustack.nats_url, plant))
+    announce_only(ustack, version)
+    wait_for(lambda: any(e["action"] == "failed" for e in auto_events(ustack, version)))
+    time.sleep(2)  # a retry would show by now (1 s backoff)
+    got = auto_events(ustack, version)
+    assert [e["action"] for e in got] == ["failed"], got
+    assert got[0]["error_code"] == 422 and got[0]["retry"] is False, got
+    assert "manifest.json" in got[0]["error_message"], got
+    assert serving(ustack, serving_before)
+    want = publish(ustack, f"{version}-ok", seed=71, ipc=True)
+    wait_for(lambda: serving(ustack, f"{version}-ok"))
+    assert digests(ustack) == want
