@@ -359,9 +359,10 @@ async def _pending_safely(engine: Engine, version: str) -> str | None:
         return None
 
 
-async def _meanwhile(engine: Engine, target: str, skip: set[str]) -> str | None:
+async def _meanwhile(engine: Engine, target: str, skip: set[str], allowed: set[str]) -> str | None:
     """While ``target``'s files are not there: the newest announced version between the
-    served one and ``target`` whose files are (not refused, not in ``skip``), or None.
+    served one and ``target`` whose files are (one of ``allowed``, not refused, not in
+    ``skip``), or None.
     An RL run wants the freshest weights it can have without stalling: before, the
     engine stayed on its old version for as long as the newest one's files were
     missing — for good for an event whose files never come — though a newer one was
@@ -373,7 +374,7 @@ async def _meanwhile(engine: Engine, target: str, skip: set[str]) -> str | None:
         (
             (q, v)
             for v, q in idx.seqs.items()
-            if idx.served_seq < q < top and v not in idx.refused and v not in skip
+            if idx.served_seq < q < top and v in allowed and v not in idx.refused and v not in skip
         ),
         reverse=True,
     )
@@ -431,7 +432,12 @@ async def follow(engine: Engine) -> None:
     # An engine that restored its state catches up through its durable only (what was
     # published while it was down is not acked yet): the newest version may be one an
     # operator rolled back from, which a catch-up would undo
-    target = None if getattr(engine, "restored", False) else newest(past, idx)
+    restored = getattr(engine, "restored", False)
+    target = None if restored else newest(past, idx)
+    # what may be served while the target's files are awaited: a fresh start catches up,
+    # so any announced version; a restored engine only what its durable delivers (not a
+    # version an operator rolled back from, acked long ago)
+    meanwhile_ok: set[str] = set() if restored else {ev.version for _, ev in past}
     if target and not idx.is_newer(target[1].version, engine.state.weight_version):
         target = None
     held: list[tuple[str, Any]] = []  # (version, message) of every event not settled
@@ -469,6 +475,7 @@ async def follow(engine: Engine) -> None:
         for seq, ev, msg in batch:
             _learn(engine, seq, ev.version)
             held.append((ev.version, msg))
+            meanwhile_ok.add(ev.version)
         top = newest([(seq, ev) for seq, ev, _ in batch], idx)
         if top and (target is None or idx.seq_of(top[1].version) > idx.seq_of(target[1].version)):
             target, backoff, next_try = top, RETRY_S, 0.0  # a newer one replaces a retry
@@ -501,7 +508,7 @@ async def follow(engine: Engine) -> None:
             await _keep([msg for _, msg in held])
             if tried_for != version:
                 tried_for, tried = version, set()
-            alt = await _meanwhile(engine, version, tried)
+            alt = await _meanwhile(engine, version, tried, meanwhile_ok)
             if alt is not None:  # served meanwhile; the target is still waited for
                 log.info("auto-update: serving %s while waiting for %s", alt, version)
                 ev = VersionPublished(target[1].model, alt, target[1].tp)

@@ -171,6 +171,14 @@ def test_operator_rollback_survives_an_engine_restart(ustack: Stack) -> None:
     time.sleep(3)  # a catch-up would have started by now
     assert serving(ustack, "o1") and digests(ustack) == earlier
     assert not [e for e in auto_events(ustack, "o2") if e["action"] == "updated"][1:]
+    # a new version awaited (files not there yet): the one rolled back from is not what
+    # the restored engine serves meanwhile
+    announce_only(ustack, "o3")
+    wait_for(lambda: any(e["action"] == "waiting" for e in auto_events(ustack, "o3")))
+    time.sleep(3)  # several looks
+    assert serving(ustack, "o1") and digests(ustack) == earlier
+    publish(ustack, "o3", seed=92, ipc=True)
+    wait_for(lambda: serving(ustack, "o3"))
 
 
 def test_a_deleted_durable_is_made_again_and_updates_go_on(ustack: Stack) -> None:
