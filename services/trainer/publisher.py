@@ -86,6 +86,10 @@ class VersionConflict(ValueError):
     """The version exists with different content."""
 
 
+class NotAnnounced(objstore.ObjectReadError):
+    """The version is stored, but its event could not be published (publish again)."""
+
+
 @dataclass
 class PublishResult:
     model: str
@@ -349,7 +353,17 @@ class CheckpointPublisher:
                     if old is None:
                         await asyncio.shield(self._abandon(nc, model, version, tp, claim))
                     raise
-            seq = await self._announce(nc, man)
+            try:
+                seq = await self._announce(nc, man)
+            except Exception as e:  # noqa: BLE001 - any bus error: said what it means
+                # the version is whole in the bucket, only its event is missing: a retry
+                # (same content) is a no-op upload that announces it. Before, `rollbus
+                # publish` said only "nats: timeout" (or, for a nats error that is not
+                # an OSError, printed a traceback)
+                raise NotAnnounced(
+                    f"{model}/{version} is stored but its event was not published "
+                    f"({e!r}): publish it again to announce it"
+                ) from e
         finally:
             if bus is not None:
                 await bus.close()

@@ -118,3 +118,73 @@ def test_nats_restart_mid_publish_fails_in_one_line_and_a_retry_publishes(
         asyncio.run(check())
     finally:
         server.stop()
+
+
+# the CLI as a user runs it, which stops itself once the manifest is written, before the
+# version's event is published (the test kills nats-server there, then SIGCONT; the
+# server is started again once the publisher has ended: no race with its reconnect)
+STOP_BEFORE_ANNOUNCE = """
+import os, signal, sys
+from services.trainer import publisher
+announce = publisher.CheckpointPublisher._announce
+async def stopping_announce(self, nc, man):
+    os.kill(os.getpid(), signal.SIGSTOP)
+    return await announce(self, nc, man)
+publisher.CheckpointPublisher._announce = stopping_announce
+from services.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_nats_restart_between_manifest_and_event_is_one_line_and_a_retry_announces(
+    tmp_path: Path,
+) -> None:
+    server = NatsProc(tmp_path / "store", tmp_path / "nats.log")
+    try:
+        d = _model_dir(tmp_path / "m")
+        model = f"na-{uuid.uuid4().hex[:6]}"
+        env = clean_env(tmp_path / "data")
+        argv = _publish_argv(d, model, server.url)
+        p = subprocess.Popen(
+            [argv[0], "-c", STOP_BEFORE_ANNOUNCE, *argv[3:]],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            for _ in range(6000):
+                if p.poll() is not None or _proc_state(p.pid) == "T":
+                    break
+                time.sleep(0.02)
+            assert p.poll() is None, p.communicate()
+            server.kill(signal.SIGKILL)  # started again once the publisher has ended
+            p.send_signal(signal.SIGCONT)
+            out, err = p.communicate(timeout=120)
+            server.start()
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+        lines = [x for x in err.splitlines() if x.strip() and "MiB/s" not in x]
+        assert p.returncode == 2 and not out and len(lines) == 1, (out, err)
+        # what happened and what to do: before, only "nats: timeout"
+        assert f"{model}/v1 is stored but its event was not published" in lines[0], err
+        assert "publish it again" in lines[0], err
+        again = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=180)
+        assert again.returncode == 0, again.stderr
+
+        async def announced() -> list[str]:
+            nc = await nats.connect(server.url)
+            try:
+                return [e.version for _, e in await objstore.list_versions(nc, model)]
+            finally:
+                await nc.close()
+
+        assert asyncio.run(announced()) == ["v1"]
+    finally:
+        server.stop()
+
+
+def _proc_state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
