@@ -106,6 +106,9 @@ def decode(data: bytes) -> Record:
         try:
             rec = msgspec.convert(raw, type=Record)
         except msgspec.ValidationError:
+            # the required fields alone first: a record refused whole says only why, not
+            # that each good optional field was "ignored" for the missing one's reason
+            msgspec.convert({k: raw[k] for k in REQUIRED if k in raw}, type=Record)
             rec = _salvage(raw)
         State(rec.state)
     except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
@@ -125,7 +128,7 @@ def _salvage(raw: dict[str, Any]) -> Record:
             log.warning("engine state record: field %r ignored (%s)", name, e)
             continue
         keep[name] = raw[name]
-    return msgspec.convert(keep, type=Record)  # a bad required field raises here
+    return msgspec.convert(keep, type=Record)
 
 
 def snapshot(eng: Engine, update: Update | None = None) -> Record:
