@@ -42,8 +42,9 @@ it; an engine that dies meanwhile gets it again from its durable. A sleeping eng
 updated too: its ranks validate and record the version, and wakeup loads it. A failed
 update resumes on the previous weights (``update_weights`` is all-or-nothing). At a fresh
 start it catches up: if a version newer than the served one was published, it updates to
-the newest. An engine restarted with its stored state gets what was published while it
-was down from its durable (un-acked) instead, so a deliberate rollback survives it.
+the newest. An engine restarted with its stored state catches up too, but never to a
+version at or below the highest one it served (stored: ``high``), so a deliberate
+rollback survives it (a state stored without ``high``: its durable only).
 """
 
 from __future__ import annotations
@@ -100,6 +101,11 @@ class VersionIndex:
     latest_seq: int = 0
     latest: str = ""
     served_seq: int = 0  # the highest sequence of any version this engine has served
+    high: str = ""  # the version at ``served_seq``
+    # ``high`` of the engine's stored state (services.engine.persist): a restored engine
+    # never moves back either, as if it had not restarted (its sequence may be learned
+    # only after the restore)
+    stored_high: str = ""
     changes: int = 0  # bumped whenever ``seqs`` changes (staleness is cached on it)
     # versions this engine can never load (an update failed for good: 400/422, e.g.
     # sharded for another tp): never a target again. They still count toward staleness:
@@ -156,7 +162,15 @@ class VersionIndex:
 
     def served(self, version: str) -> None:
         """The engine serves ``version`` (now): nothing at or below its sequence again."""
-        self.served_seq = max(self.served_seq, self.seq_of(version))
+        for v in (self.stored_high, version):
+            q = self.seq_of(v)
+            if q > self.served_seq:
+                self.served_seq, self.high = q, v
+
+    def high_mark(self, current: str) -> str:
+        """The version at the highest sequence served (what the stored state keeps)."""
+        self.served(current)
+        return self.high or self.stored_high
 
     def is_newer(self, version: str, current: str) -> bool:
         """Whether an event for ``version`` should move an engine serving ``current``."""
@@ -429,14 +443,19 @@ async def follow(engine: Engine) -> None:
     for seq, ev in past:
         _learn(engine, seq, ev.version)
     # the pending target (catch-up first) and the events it answers, acked once settled.
-    # An engine that restored its state catches up through its durable only (what was
-    # published while it was down is not acked yet): the newest version may be one an
-    # operator rolled back from, which a catch-up would undo
-    restored = getattr(engine, "restored", False)
+    # An engine that restored a state naming the highest version it served (``high``)
+    # catches up like a fresh one: no version at or below it is ever newer
+    # (:meth:`VersionIndex.served`), so an operator's rollback is not undone, and the
+    # wait it was in when it died goes on at once (that event, held un-acked, would
+    # come back from the durable only after its ack wait, 10 min). One restored from an
+    # older record catches up through its durable only (what was published while it
+    # was down is not acked yet): the newest version may be one an operator rolled
+    # back from, which a catch-up would undo
+    restored = getattr(engine, "restored", False) and not idx.stored_high
     target = None if restored else newest(past, idx)
     # what may be served while the target's files are awaited: a fresh start catches up,
-    # so any announced version; a restored engine only what its durable delivers (not a
-    # version an operator rolled back from, acked long ago)
+    # so any announced version; a restored engine without ``high`` only what its durable
+    # delivers (not a version an operator rolled back from, acked long ago)
     meanwhile_ok: set[str] = set() if restored else {ev.version for _, ev in past}
     if target and not idx.is_newer(target[1].version, engine.state.weight_version):
         target = None

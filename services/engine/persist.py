@@ -81,6 +81,11 @@ class Record(msgspec.Struct):
     # versions auto-update refused for good here (400/422): a restored engine does not
     # try them again (services.engine.autoupdate; they still count toward staleness)
     refused: list[str] = msgspec.field(default_factory=list)
+    # the version with the highest stream sequence this engine ever served: a restored
+    # engine never moves back to one at or below it either — so it catches up (and goes
+    # on with a wait for files) like a fresh start without undoing an operator's
+    # rollback. "" (a record of an older engine): it follows its durable only
+    high: str = ""
 
 
 def encode(rec: Record) -> bytes:
@@ -141,6 +146,7 @@ def snapshot(eng: Engine, update: Update | None = None) -> Record:
         update=update if st.state is State.UPDATING else None,
         saved_at=time.time(),
         refused=autoupdate.index_of(eng).still_refused(),
+        high=autoupdate.index_of(eng).high_mark(st.weight_version),
     )
 
 
@@ -159,6 +165,7 @@ def apply(eng: Engine, rec: Record) -> Update | None:
         st.pause_mode = st.pause_mode or "abort"
     st.state = state
     autoupdate.index_of(eng).restore_refused(rec.refused)
+    autoupdate.index_of(eng).stored_high = rec.high
     if state is not State.RUNNING:  # at start: nothing scheduled yet, no step in flight
         eng.scheduler.admit = eng.scheduler.run = False
     return rec.update
@@ -269,13 +276,14 @@ class Persister:
 
 
 def _same(a: Record, b: Record) -> bool:
-    return (a.state, a.weight_version, a.asleep, a.pause_mode, a.update, a.refused) == (
+    return (a.state, a.weight_version, a.asleep, a.pause_mode, a.update, a.refused, a.high) == (
         b.state,
         b.weight_version,
         b.asleep,
         b.pause_mode,
         b.update,
         b.refused,
+        b.high,
     )
 
 

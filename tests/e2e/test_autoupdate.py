@@ -383,3 +383,37 @@ def test_an_event_for_a_version_whose_manifest_is_garbage_is_refused_once(
     want = publish(ustack, f"{version}-ok", seed=71, ipc=True)
     wait_for(lambda: serving(ustack, f"{version}-ok"))
     assert digests(ustack) == want
+
+
+def test_an_engine_restarted_mid_wait_takes_the_versions_as_their_files_land(
+    ustack: Stack, tmp_path: Path
+) -> None:
+    """The engine dies (SIGKILL) while it waits for the newest version's files, an older
+    announced one's files also missing. The restored engine goes on waiting: the older
+    one is served as soon as its files land, the newest as soon as its files do. Before,
+    the awaited event (held, un-acked) came back from the durable only after its ack
+    wait (10 min), and the older one (acked as superseded) never."""
+    cfg = ModelConfig.from_hf(model_config(ustack.model_dir))
+    versions = ustack.model_dir / "versions"
+    versions.mkdir(exist_ok=True)
+    announce_only(ustack, "rw1")
+    announce_only(ustack, "rw2")
+    wait_for(lambda: any(e["action"] == "waiting" for e in auto_events(ustack, "rw2")))
+    old = ustack.status()["engine_pid"]
+    os.kill(old, signal.SIGKILL)
+
+    def new_engine_serving() -> bool:
+        try:
+            st = ustack.status()
+        except Exception:  # noqa: BLE001 - 503 while it restarts
+            return False
+        return st["engine_pid"] != old and st["ranks_ready"] and st["state"] == "running"
+
+    wait_for(new_engine_serving, timeout=90)
+    # the restored engine says what it waits for
+    wait_for(lambda: (ustack.status()["auto_update_waiting"] or {}).get("version") == "rw2")
+    for v, seed in (("rw1", 63), ("rw2", 64)):
+        src = tmp_path / v
+        write_sharded_dir(src, cfg, sharding.init_weights(cfg, seed), 2, model_of(ustack), v)
+        src.rename(versions / v)  # the copy of v ends
+        wait_for(lambda v=v: serving(ustack, v), 30)

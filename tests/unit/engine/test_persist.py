@@ -297,6 +297,31 @@ def test_refused_versions_are_stored_and_restored() -> None:
     assert index_of(back).fallback("v1") is None  # type: ignore[arg-type]
 
 
+def test_the_highest_version_served_is_stored_and_a_restored_engine_never_moves_back() -> None:
+    """An operator rolled back from v3 to v1: the stored state names v3, so the restored
+    engine takes neither v3 nor v2 (at or below it) as newer — its events learned after
+    the restore —, a later v4 it does. Before, only the in-memory index knew it."""
+    from services.engine.autoupdate import index_of
+
+    assert persist.decode(b'{"state": "running", "weight_version": "v1"}').high == ""
+    eng = engine(Ranks(["v1"]), weight_version="v1")
+    idx = index_of(eng)  # type: ignore[arg-type]
+    for seq, v in enumerate(("v1", "v2", "v3"), 1):
+        idx.add(v, seq)
+    idx.served("v3")  # served, then rolled back to v1 (the engine's version)
+    rec = persist.decode(persist.encode(persist.snapshot(eng)))
+    assert (rec.weight_version, rec.high) == ("v1", "v3")
+    back = engine(Ranks(["v1"]), weight_version="v1")
+    persist.apply(back, rec)
+    bidx = index_of(back)  # type: ignore[arg-type]
+    assert persist.snapshot(back).high == "v3"  # kept while its sequence is not known
+    for seq, v in enumerate(("v1", "v2", "v3", "v4"), 1):
+        bidx.add(v, seq)
+    assert not bidx.is_newer("v3", "v1") and not bidx.is_newer("v2", "v1")
+    assert bidx.is_newer("v4", "v1")
+    assert persist.snapshot(back).high == "v3"
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [
