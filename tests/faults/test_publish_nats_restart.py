@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import signal
 import subprocess
 import time
@@ -14,9 +15,12 @@ import uuid
 from pathlib import Path
 
 import nats
+from safetensors.numpy import save_file
 
+from services.tiny_model import TINY_CONFIG
 from shared import manifest as mf
-from shared import objstore
+from shared import objstore, sharding
+from shared.model_config import ModelConfig
 from shared.subjects import ckpt_object_name
 from tests.clirun import clean_env
 from tests.faults.common import NatsProc
@@ -141,7 +145,12 @@ def test_nats_restart_between_manifest_and_event_is_one_line_and_a_retry_announc
 ) -> None:
     server = NatsProc(tmp_path / "store", tmp_path / "nats.log")
     try:
-        d = _model_dir(tmp_path / "m")
+        # a small checkpoint: nothing is killed mid-upload here (the upload ends first)
+        d = tmp_path / "m"
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(TINY_CONFIG))
+        cfg = ModelConfig.from_hf(TINY_CONFIG)
+        save_file(sharding.init_weights(cfg, 5), str(d / "model.safetensors"))
         model = f"na-{uuid.uuid4().hex[:6]}"
         env = clean_env(tmp_path / "data")
         argv = _publish_argv(d, model, server.url)
