@@ -270,6 +270,15 @@ async def test_a_shard_write_of_a_publisher_that_lost_its_claim_is_refused(
         assert await stalled.take() is None
         assert await taker.take() is None  # after 1 s unchanged
         info = {"name": shard, "bucket": BUCKET, "nuid": "x", "size": 1, "chunks": 1}
+        if stalled.fence:
+            # the server checks the claim in the write itself: even a look that saw the
+            # claim as ours (just before the takeover: the stall right between look and
+            # write that the look-first fallback cannot cover) does not let it land
+
+            async def looked_before_the_takeover() -> bool:
+                return True
+
+            monkeypatch.setattr(stalled, "mine", looked_before_the_takeover)
         with pytest.raises(objstore.ObjectConflict):
             await stalled.writer(shard)({**info, "nuid": "stalled"}, 0)
         await taker.writer(shard)({**info, "nuid": "taker"}, 0)
