@@ -252,22 +252,24 @@ async def track(engine: Engine) -> None:
             pass
 
 
-async def pending(engine: Engine, version: str) -> str | None:
+async def pending(engine: Engine, version: str, sure: bool = False) -> str | None:
     """Why ``version``'s files are not there yet for this instance, or None: they are
     (or that cannot be told — the update then decides, as before). Looked at where a
     rank would look (its strategy, then the fallbacks, see ``services.worker.sources``):
     with ``ipc`` the ipc dir (``manifest.json``: the SDK renames a complete dir into
     place), the snapshot dir ``versions/V`` (complete for every rank: the rule of
     :mod:`shared.presence`), the object store (the version's ``manifest.json`` object:
-    the SDK writes it after every shard). Present in any of them = go."""
+    the SDK writes it after every shard). Present in any of them = go. ``sure``: what
+    cannot be told counts as not there (a version served meanwhile, :func:`_meanwhile`:
+    a wrong guess there costs a pause and a failed update of a version nobody awaits)."""
     s = engine.settings
     model = s.served_model_name
     if version == model_dir_version(s.model_dir):
         return None
     try:
         check_version_name(version)
-    except ControlError:
-        return None  # the update says why (400)
+    except ControlError as e:
+        return e.message if sure else None  # the update says why (400)
     why: list[str] = []
     if s.load_strategy == "ipc":
         if (ipc_version_dir(s.ipc_dir, model, version) / presence.MANIFEST).exists():
@@ -282,9 +284,10 @@ async def pending(engine: Engine, version: str) -> str | None:
     else:
         why.append(f"no versions/{version}")
     name = ckpt_object_name(model, version, presence.MANIFEST)
-    if await objstore.object_present(engine.bus.nc, s.ckpt_bucket, name) is not False:
+    present = await objstore.object_present(engine.bus.nc, s.ckpt_bucket, name)
+    if present or (present is None and not sure):
         return None
-    why.append(f"no {name} in bucket {s.ckpt_bucket}")
+    why.append(f"no {name} in bucket {s.ckpt_bucket}" if present is False else f"{name}: no answer")
     return "; ".join(why)
 
 
@@ -394,7 +397,7 @@ async def _meanwhile(engine: Engine, target: str, skip: set[str], allowed: set[s
     )
     for _, v in older[:MEANWHILE_LOOKS]:
         try:
-            if await pending(engine, v) is None:
+            if await pending(engine, v, sure=True) is None:
                 return v
         except asyncio.CancelledError:
             raise
