@@ -104,8 +104,8 @@ class VersionIndex:
     high: str = ""  # the version at ``served_seq``
     # ``high`` of the engine's stored state (services.engine.persist): a restored engine
     # never moves back either, as if it had not restarted (its sequence may be learned
-    # only after the restore)
-    stored_high: str = ""
+    # only after the restore); None: not restored from a state that names it
+    stored_high: str | None = None
     changes: int = 0  # bumped whenever ``seqs`` changes (staleness is cached on it)
     # versions this engine can never load (an update failed for good: 400/422, e.g.
     # sharded for another tp): never a target again. They still count toward staleness:
@@ -162,7 +162,7 @@ class VersionIndex:
 
     def served(self, version: str) -> None:
         """The engine serves ``version`` (now): nothing at or below its sequence again."""
-        for v in (self.stored_high, version):
+        for v in (self.stored_high or "", version):
             q = self.seq_of(v)
             if q > self.served_seq:
                 self.served_seq, self.high = q, v
@@ -170,7 +170,7 @@ class VersionIndex:
     def high_mark(self, current: str) -> str:
         """The version at the highest sequence served (what the stored state keeps)."""
         self.served(current)
-        return self.high or self.stored_high
+        return self.high or self.stored_high or ""
 
     def is_newer(self, version: str, current: str) -> bool:
         """Whether an event for ``version`` should move an engine serving ``current``."""
@@ -454,7 +454,7 @@ async def follow(engine: Engine) -> None:
     # older record catches up through its durable only (what was published while it
     # was down is not acked yet): the newest version may be one an operator rolled
     # back from, which a catch-up would undo
-    restored = getattr(engine, "restored", False) and not idx.stored_high
+    restored = getattr(engine, "restored", False) and idx.stored_high is None
     target = None if restored else newest(past, idx)
     # what may be served while the target's files are awaited: a fresh start catches up,
     # so any announced version; a restored engine without ``high`` only what its durable

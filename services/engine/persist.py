@@ -84,8 +84,9 @@ class Record(msgspec.Struct):
     # the version with the highest stream sequence this engine ever served: a restored
     # engine never moves back to one at or below it either — so it catches up (and goes
     # on with a wait for files) like a fresh start without undoing an operator's
-    # rollback. "" (a record of an older engine): it follows its durable only
-    high: str = ""
+    # rollback ("": none published yet). None (a record of an older engine): it follows
+    # its durable only
+    high: str | None = None
 
 
 def encode(rec: Record) -> bytes:

@@ -303,8 +303,10 @@ def test_the_highest_version_served_is_stored_and_a_restored_engine_never_moves_
     the restore —, a later v4 it does. Before, only the in-memory index knew it."""
     from services.engine.autoupdate import index_of
 
-    assert persist.decode(b'{"state": "running", "weight_version": "v1"}').high == ""
+    assert persist.decode(b'{"state": "running", "weight_version": "v1"}').high is None
     eng = engine(Ranks(["v1"]), weight_version="v1")
+    # none served yet (the model dir's version): named as such, not as an older record
+    assert persist.decode(persist.encode(persist.snapshot(eng))).high == ""
     idx = index_of(eng)  # type: ignore[arg-type]
     for seq, v in enumerate(("v1", "v2", "v3"), 1):
         idx.add(v, seq)
