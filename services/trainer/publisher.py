@@ -86,6 +86,10 @@ class VersionConflict(ValueError):
     """The version exists with different content."""
 
 
+class ClaimLost(VersionConflict):
+    """This publisher's claim was taken over (it stalled): the taker publishes."""
+
+
 class NotAnnounced(objstore.ObjectReadError):
     """The version is stored, but its event could not be published (publish again)."""
 
@@ -342,13 +346,40 @@ class CheckpointPublisher:
                         await objstore.put_object(
                             nc, self.bucket, name, mf.encode(man), expect_seq=claim.seq
                         )
-                except objstore.ObjectConflict:
+                except (objstore.ObjectConflict, ClaimLost) as e:
                     if old is None:
                         await asyncio.shield(self._abandon(nc, model, version, tp, claim))
-                    raise VersionConflict(
-                        f"{model}/{version}: another publisher took this version over "
-                        "while this one was uploading it"
-                    ) from None
+                    lost = (
+                        e
+                        if isinstance(e, ClaimLost)
+                        else ClaimLost(
+                            f"{model}/{version}: another publisher took this version over "
+                            "while this one was uploading it"
+                        )
+                    )
+                    # the taker may have published these very bytes (a trainer's retry,
+                    # a second publisher of one checkpoint): then this publish is the
+                    # no-op a re-publish is ("already published"), not a failure
+                    taken = await claim.published()
+                    if taken is None:
+                        raise lost from None
+                    try:
+                        if layouts is not None:
+                            man, uploaded = await self._upload_layouts(
+                                nc, model, version, tp, layouts, None, taken, nuids, finite
+                            )
+                        else:
+                            assert man is not None
+                            _same_content(taken, man)
+                            uploaded = False
+                    except VersionConflict:
+                        raise lost from None
+                    log.warning(
+                        "%s/%s: another publisher took this version over and published "
+                        "the same content",
+                        model,
+                        version,
+                    )
                 except BaseException:
                     if old is None:
                         await asyncio.shield(self._abandon(nc, model, version, tp, claim))
@@ -749,18 +780,7 @@ class _Claim:
         while True:
             seq, info = await objstore.last_meta(self.nc, self.bucket, self.name)
             if info.get("nuid") and not info.get("deleted"):
-                raw = await objstore.read_object(
-                    self.nc, self.bucket, self.name, max_size=mf.MAX_MANIFEST_BYTES
-                )
-                try:
-                    return mf.decode(bytes(raw), self.name)
-                except ControlError as e:  # a foreign writer's, a corrupt store's
-                    # the version exists (ranks get 422 for it): still immutable; before,
-                    # this ControlError ended `rollbus publish` with a traceback
-                    raise VersionConflict(
-                        f"{e.message}: the version is already published and cannot be "
-                        "read; versions are immutable: publish a new version"
-                    ) from None
+                return await self._manifest()
             claim = info.get("claim")
             if isinstance(claim, dict) and claim.get("id") == self.id:
                 self.seq = seq  # our own write, whose answer was lost: we hold it
@@ -788,6 +808,30 @@ class _Claim:
             if isinstance(claim, dict):  # taken over from a publisher that died
                 await self._purge_dead(claim)
             return None
+
+    async def _manifest(self) -> mf.Manifest:
+        raw = await objstore.read_object(
+            self.nc, self.bucket, self.name, max_size=mf.MAX_MANIFEST_BYTES
+        )
+        try:
+            return mf.decode(bytes(raw), self.name)
+        except ControlError as e:  # a foreign writer's, a corrupt store's
+            # the version exists (ranks get 422 for it): still immutable; before, this
+            # ControlError ended `rollbus publish` with a traceback
+            raise VersionConflict(
+                f"{e.message}: the version is already published and cannot be "
+                "read; versions are immutable: publish a new version"
+            ) from None
+
+    async def published(self) -> mf.Manifest | None:
+        """The version's manifest if it is published now (e.g. by a taker), else None."""
+        try:
+            _, info = await objstore.last_meta(self.nc, self.bucket, self.name)
+            if info.get("nuid") and not info.get("deleted"):
+                return await self._manifest()
+        except Exception:  # noqa: BLE001 - cannot tell: the claim was lost, said so
+            pass
+        return None
 
     async def _purge_dead(self, claim: dict[str, Any]) -> None:
         """Purge the chunks a dead holder's puts left without a meta (SIGKILL, power
@@ -862,8 +906,8 @@ class _Claim:
 
         return write
 
-    def lost(self) -> VersionConflict:
-        return VersionConflict(
+    def lost(self) -> ClaimLost:
+        return ClaimLost(
             f"{self.name}: another publisher took this version over (this one did not "
             f"refresh its claim for {CLAIM_STALE_S:g}s)"
         )

@@ -84,9 +84,14 @@ async def _stored(nc: Any, model: str) -> mf.Manifest:
     return man
 
 
+@pytest.mark.parametrize("same", [False, True], ids=["other-bytes", "same-bytes"])
 async def test_a_stalled_publisher_resumed_after_a_takeover_changes_nothing(
-    nats_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    nats_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, same: bool
 ) -> None:
+    """Other bytes: it fails in one line. The same bytes (a trainer's retry, a second
+    publisher of one checkpoint): its publish is done — the no-op a re-publish is,
+    exit 0 (before, exit 2 "another publisher took this version over" for a version
+    published with exactly its content)."""
     model = f"stall-{uuid.uuid4().hex[:6]}"
     argv = ["publish", str(_model_dir(tmp_path / "a", 1)), "--model", model, "--version", "v1"]
     stalled = subprocess.Popen(
@@ -110,15 +115,19 @@ async def test_a_stalled_publisher_resumed_after_a_takeover_changes_nothing(
         # the other publisher waits for the claim to go stale, takes it over, publishes
         monkeypatch.setattr(publisher, "CLAIM_STALE_S", 1.0)
         res = await CheckpointPublisher(nats_url).apublish(
-            model, "v1", str(_model_dir(tmp_path / "b", 2)), tp=2
+            model, "v1", str(_model_dir(tmp_path / "b", 1 if same else 2)), tp=2
         )
         assert res.uploaded
         taken = await _stored(nc, model)
         stalled.send_signal(signal.SIGCONT)
         out, err = await asyncio.to_thread(stalled.communicate, timeout=60)
-        assert stalled.returncode == 2 and not out, (out, err)
         errors = [x for x in err.splitlines() if x.startswith("rollbus publish:")]
-        assert len(errors) == 1 and "another publisher took this version over" in errors[0], err
+        if same:
+            assert stalled.returncode == 0 and not errors, (out, err)
+            assert out.startswith(f"already published {model}/v1"), out
+        else:
+            assert stalled.returncode == 2 and not out, (out, err)
+            assert len(errors) == 1 and "took this version over" in errors[0], err
         # readers get the taker's version, whole
         assert (await _stored(nc, model)).shards == taken.shards
         js = nc.jetstream()
