@@ -3,7 +3,8 @@ instance, see ``shared.statekv``), and what a restarted engine or restarted rank
 with it.
 
 * :class:`Record` — state (running / paused / sleeping / updating), the freed tags, the
-  serving version, the pause mode, the versions auto-update refused for good and, while
+  serving version, the pause mode, the versions auto-update refused for good, the
+  highest version ever served (a restored engine never moves back) and, while
   ``update_weights`` runs, the update in progress (id, version, previous version).
   Saved on every state change and after every mutating control call
   (:meth:`Persister.save`); a write that fails (NATS down) is retried every second
