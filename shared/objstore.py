@@ -300,25 +300,40 @@ WRONG_LAST_SEQUENCE = 10071  # JetStream's error code for a failed expected-sequ
 
 
 async def put_meta_if(
-    nc: Client, bucket: str, name: str, info: dict[str, Any], expect_seq: int
+    nc: Client,
+    bucket: str,
+    name: str,
+    info: dict[str, Any],
+    expect_seq: int,
+    on: str | None = None,
 ) -> int:
     """Write ``info`` as the meta message of ``name`` only if the last one is still the
     one at stream sequence ``expect_seq`` (0: none); the new sequence, else
-    :class:`ObjectConflict`. Earlier meta messages of the name are rolled up."""
+    :class:`ObjectConflict`. Earlier meta messages of the name are rolled up. ``on``:
+    the check is on object ``on``'s last meta instead (a fence, e.g. a publisher's
+    claim: nats-server ≥ 2.11, see :func:`can_fence`)."""
+    headers = {"Nats-Rollup": "sub", "Nats-Expected-Last-Subject-Sequence": str(expect_seq)}
+    if on is not None:
+        headers["Nats-Expected-Last-Subject-Sequence-Subject"] = _meta_subject(bucket, on)
     try:
         ack = await nc.jetstream().publish(
-            _meta_subject(bucket, name),
-            json.dumps(info).encode(),
-            headers={
-                "Nats-Rollup": "sub",
-                "Nats-Expected-Last-Subject-Sequence": str(expect_seq),
-            },
+            _meta_subject(bucket, name), json.dumps(info).encode(), headers=headers
         )
     except APIError as e:
         if e.err_code == WRONG_LAST_SEQUENCE:
             raise ObjectConflict(f"{bucket}/{name}: written meanwhile by another writer") from None
         raise
     return int(ack.seq)
+
+
+def can_fence(nc: Client) -> bool:
+    """Whether the server checks ``put_meta_if(on=...)`` (nats-server 2.11 added the
+    header; an older one ignores it and would check ``name``'s own sequence)."""
+    v = nc.connected_server_version
+    try:
+        return (v.major, v.minor) >= (2, 11)
+    except Exception:  # noqa: BLE001 - a version nats-py cannot parse: assume not
+        return False
 
 
 # --------------------------------------------------------------------------- writer
@@ -339,6 +354,7 @@ async def put_object(
     cas: bool = False,
     expect_seq: int | None = None,
     nuid: str | None = None,
+    write_meta: Callable[[dict[str, Any], int], Awaitable[None]] | None = None,
 ) -> ObjectMeta:
     """Write ``data`` as object ``name``; chunks first (pipelined), meta last.
 
@@ -361,6 +377,9 @@ async def put_object(
     sequence (e.g. the writer's own claim, see :func:`put_meta_if`). ``nuid``: the
     chunk subject's id, chosen by the caller (a publisher records it beforehand, so the
     chunks of a put killed before its meta can be found and purged: :func:`purge_chunks`).
+    ``write_meta(info, seq)``: writes the meta instead (``seq``: the name's last meta
+    sequence when the put began), e.g. fenced on a claim; :class:`ObjectConflict` from
+    it fails the put like a lost compare-and-set.
     """
     if (ready is not None or gather is not None) and digest is None:
         raise ValueError(
@@ -490,7 +509,9 @@ async def put_object(
             digest=DIGEST_PREFIX + base64.urlsafe_b64encode(bytes.fromhex(hexd)).decode(),
             options=api.ObjectMetaOptions(max_chunk_size=chunk),
         )
-        if cas or expect_seq is not None:
+        if write_meta is not None:
+            await write_meta(info.as_dict(), seq0)
+        elif cas or expect_seq is not None:
             await put_meta_if(
                 nc, bucket, name, info.as_dict(), seq0 if expect_seq is None else expect_seq
             )

@@ -25,7 +25,9 @@ instance (:func:`pending`: the places a rank would look, none of them read in fu
 not — an event ahead of its upload, a snapshot dir still being copied — it does not
 pause: it looks again after ``WAIT_S`` doubling up to ``WAIT_MAX_S``, says so once (one
 ``auto_update`` event, ``action: waiting``, and one warning), and updates once they
-are there. Generation is not disturbed meanwhile.
+are there. Generation is not disturbed meanwhile, and the newest announced version
+between the served one and the awaited one whose files are there is served meanwhile
+(:func:`_meanwhile`).
 
 An event is acked only once it is applied, ignored as not newer, superseded (any event
 but the current target's: un-acked, events ahead of files that never come would pile
@@ -40,8 +42,9 @@ it; an engine that dies meanwhile gets it again from its durable. A sleeping eng
 updated too: its ranks validate and record the version, and wakeup loads it. A failed
 update resumes on the previous weights (``update_weights`` is all-or-nothing). At a fresh
 start it catches up: if a version newer than the served one was published, it updates to
-the newest. An engine restarted with its stored state gets what was published while it
-was down from its durable (un-acked) instead, so a deliberate rollback survives it.
+the newest. An engine restarted with its stored state catches up too, but never to a
+version at or below the highest one it served (stored: ``high``), so a deliberate
+rollback survives it (a state stored without ``high``: its durable only).
 """
 
 from __future__ import annotations
@@ -84,6 +87,9 @@ PERMANENT = frozenset({BAD_REQUEST, UNPROCESSABLE})
 # bound, so a version is taken within WAIT_MAX_S of its files landing
 WAIT_S = 0.25
 WAIT_MAX_S = 2.0
+# while the target's files are not there: how many older announced versions (newer than
+# the served one, newest first) are looked at per round for one to serve meanwhile
+MEANWHILE_LOOKS = 4
 MAX_REFUSED = 256  # refused versions kept in the stored state (the newest ones)
 
 
@@ -95,6 +101,11 @@ class VersionIndex:
     latest_seq: int = 0
     latest: str = ""
     served_seq: int = 0  # the highest sequence of any version this engine has served
+    high: str = ""  # the version at ``served_seq``
+    # ``high`` of the engine's stored state (services.engine.persist): a restored engine
+    # never moves back either, as if it had not restarted (its sequence may be learned
+    # only after the restore); None: not restored from a state that names it
+    stored_high: str | None = None
     changes: int = 0  # bumped whenever ``seqs`` changes (staleness is cached on it)
     # versions this engine can never load (an update failed for good: 400/422, e.g.
     # sharded for another tp): never a target again. They still count toward staleness:
@@ -151,7 +162,15 @@ class VersionIndex:
 
     def served(self, version: str) -> None:
         """The engine serves ``version`` (now): nothing at or below its sequence again."""
-        self.served_seq = max(self.served_seq, self.seq_of(version))
+        for v in (self.stored_high or "", version):
+            q = self.seq_of(v)
+            if q > self.served_seq:
+                self.served_seq, self.high = q, v
+
+    def high_mark(self, current: str) -> str:
+        """The version at the highest sequence served (what the stored state keeps)."""
+        self.served(current)
+        return self.high or self.stored_high or ""
 
     def is_newer(self, version: str, current: str) -> bool:
         """Whether an event for ``version`` should move an engine serving ``current``."""
@@ -233,22 +252,24 @@ async def track(engine: Engine) -> None:
             pass
 
 
-async def pending(engine: Engine, version: str) -> str | None:
+async def pending(engine: Engine, version: str, sure: bool = False) -> str | None:
     """Why ``version``'s files are not there yet for this instance, or None: they are
     (or that cannot be told — the update then decides, as before). Looked at where a
     rank would look (its strategy, then the fallbacks, see ``services.worker.sources``):
     with ``ipc`` the ipc dir (``manifest.json``: the SDK renames a complete dir into
     place), the snapshot dir ``versions/V`` (complete for every rank: the rule of
     :mod:`shared.presence`), the object store (the version's ``manifest.json`` object:
-    the SDK writes it after every shard). Present in any of them = go."""
+    the SDK writes it after every shard). Present in any of them = go. ``sure``: what
+    cannot be told counts as not there (a version served meanwhile, :func:`_meanwhile`:
+    a wrong guess there costs a pause and a failed update of a version nobody awaits)."""
     s = engine.settings
     model = s.served_model_name
     if version == model_dir_version(s.model_dir):
         return None
     try:
         check_version_name(version)
-    except ControlError:
-        return None  # the update says why (400)
+    except ControlError as e:
+        return e.message if sure else None  # the update says why (400)
     why: list[str] = []
     if s.load_strategy == "ipc":
         if (ipc_version_dir(s.ipc_dir, model, version) / presence.MANIFEST).exists():
@@ -263,9 +284,10 @@ async def pending(engine: Engine, version: str) -> str | None:
     else:
         why.append(f"no versions/{version}")
     name = ckpt_object_name(model, version, presence.MANIFEST)
-    if await objstore.object_present(engine.bus.nc, s.ckpt_bucket, name) is not False:
+    present = await objstore.object_present(engine.bus.nc, s.ckpt_bucket, name)
+    if present or (present is None and not sure):
         return None
-    why.append(f"no {name} in bucket {s.ckpt_bucket}")
+    why.append(f"no {name} in bucket {s.ckpt_bucket}" if present is False else f"{name}: no answer")
     return "; ".join(why)
 
 
@@ -354,6 +376,36 @@ async def _pending_safely(engine: Engine, version: str) -> str | None:
         return None
 
 
+async def _meanwhile(engine: Engine, target: str, skip: set[str], allowed: set[str]) -> str | None:
+    """While ``target``'s files are not there: the newest announced version between the
+    served one and ``target`` whose files are (one of ``allowed``, not refused, not in
+    ``skip``), or None.
+    An RL run wants the freshest weights it can have without stalling: before, the
+    engine stayed on its old version for as long as the newest one's files were
+    missing — for good for an event whose files never come — though a newer one was
+    loadable (its event had been settled as superseded)."""
+    idx = index_of(engine)
+    idx.served(engine.state.weight_version)
+    top = idx.seq_of(target)
+    older = sorted(
+        (
+            (q, v)
+            for v, q in idx.seqs.items()
+            if idx.served_seq < q < top and v in allowed and v not in idx.refused and v not in skip
+        ),
+        reverse=True,
+    )
+    for _, v in older[:MEANWHILE_LOOKS]:
+        try:
+            if await pending(engine, v, sure=True) is None:
+                return v
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - not this one now
+            log.debug("auto-update: cannot look for the files of %s: %r", v, e)
+    return None
+
+
 async def _keep(held: list[Any]) -> None:
     """Held events are kept: not redelivered meanwhile, not lost."""
     for msg in held:
@@ -394,16 +446,27 @@ async def follow(engine: Engine) -> None:
     for seq, ev in past:
         _learn(engine, seq, ev.version)
     # the pending target (catch-up first) and the events it answers, acked once settled.
-    # An engine that restored its state catches up through its durable only (what was
-    # published while it was down is not acked yet): the newest version may be one an
-    # operator rolled back from, which a catch-up would undo
-    target = None if getattr(engine, "restored", False) else newest(past, idx)
+    # An engine that restored a state naming the highest version it served (``high``)
+    # catches up like a fresh one: no version at or below it is ever newer
+    # (:meth:`VersionIndex.served`), so an operator's rollback is not undone, and the
+    # wait it was in when it died goes on at once (that event, held un-acked, would
+    # come back from the durable only after its ack wait, 10 min). One restored from an
+    # older record catches up through its durable only (what was published while it
+    # was down is not acked yet): the newest version may be one an operator rolled
+    # back from, which a catch-up would undo
+    restored = getattr(engine, "restored", False) and idx.stored_high is None
+    target = None if restored else newest(past, idx)
+    # what may be served while the target's files are awaited: a fresh start catches up,
+    # so any announced version; a restored engine without ``high`` only what its durable
+    # delivers (not a version an operator rolled back from, acked long ago)
+    meanwhile_ok: set[str] = set() if restored else {ev.version for _, ev in past}
     if target and not idx.is_newer(target[1].version, engine.state.weight_version):
         target = None
     held: list[tuple[str, Any]] = []  # (version, message) of every event not settled
     backoff, next_try = RETRY_S, 0.0
     wait_s, waiting = WAIT_S, ""  # the version whose files are awaited (said once)
     since = 0.0  # when that wait began
+    tried_for, tried = "", set[str]()  # versions tried meanwhile, for that target
     feed_errors = 0
     loop = asyncio.get_running_loop()
     while True:
@@ -434,6 +497,7 @@ async def follow(engine: Engine) -> None:
         for seq, ev, msg in batch:
             _learn(engine, seq, ev.version)
             held.append((ev.version, msg))
+            meanwhile_ok.add(ev.version)
         top = newest([(seq, ev) for seq, ev, _ in batch], idx)
         if top and (target is None or idx.seq_of(top[1].version) > idx.seq_of(target[1].version)):
             target, backoff, next_try = top, RETRY_S, 0.0  # a newer one replaces a retry
@@ -464,6 +528,17 @@ async def follow(engine: Engine) -> None:
             next_try = loop.time() + wait_s
             wait_s = min(wait_s * 2, WAIT_MAX_S)
             await _keep([msg for _, msg in held])
+            if tried_for != version:
+                tried_for, tried = version, set()
+            alt = await _meanwhile(engine, version, tried, meanwhile_ok)
+            if alt is not None:  # served meanwhile; the target is still waited for
+                log.info("auto-update: serving %s while waiting for %s", alt, version)
+                ev = VersionPublished(target[1].model, alt, target[1].tp)
+                done = await _apply_safely(engine, idx.seq_of(alt), ev)
+                if done["action"] == "failed":
+                    tried.add(alt)  # once per target: no retry loop beside the wait
+                    if not done.get("retry"):
+                        await engine.persist.save()  # refused: stored
             continue
         engine.auto_update_waiting = None
         if waiting == version:

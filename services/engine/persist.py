@@ -3,7 +3,8 @@ instance, see ``shared.statekv``), and what a restarted engine or restarted rank
 with it.
 
 * :class:`Record` — state (running / paused / sleeping / updating), the freed tags, the
-  serving version, the pause mode, the versions auto-update refused for good and, while
+  serving version, the pause mode, the versions auto-update refused for good, the
+  highest version ever served (a restored engine never moves back) and, while
   ``update_weights`` runs, the update in progress (id, version, previous version).
   Saved on every state change and after every mutating control call
   (:meth:`Persister.save`); a write that fails (NATS down) is retried every second
@@ -81,20 +82,60 @@ class Record(msgspec.Struct):
     # versions auto-update refused for good here (400/422): a restored engine does not
     # try them again (services.engine.autoupdate; they still count toward staleness)
     refused: list[str] = msgspec.field(default_factory=list)
+    # the version with the highest stream sequence this engine ever served: a restored
+    # engine never moves back to one at or below it either — so it catches up (and goes
+    # on with a wait for files) like a fresh start without undoing an operator's
+    # rollback ("": none published yet). None (a record of an older engine): it follows
+    # its durable only
+    high: str | None = None
 
 
 def encode(rec: Record) -> bytes:
     return msgspec.json.encode(rec)
 
 
+# without these a record says nothing: one that is not there (or not readable) is refused
+# whole. Every other field has a default: a bad one is dropped alone (below).
+REQUIRED = ("state", "weight_version")
+
+
 def decode(data: bytes) -> Record:
-    """Raises ``ValueError`` naming the problem for a record this version cannot read."""
+    """Raises ``ValueError`` naming the problem for a record this version cannot read.
+
+    A field other than :data:`REQUIRED` that does not read (a corrupt or hand-edited
+    ``refused``, ``asleep``, ``update``…) is dropped alone, with one warning naming it:
+    before, one such field made the whole record unreadable, and the engine started
+    from the ranks' state — losing its version, pause state and interrupted update."""
     try:
-        rec = msgspec.json.decode(data, type=Record)
+        raw = msgspec.json.decode(data)
+        if not isinstance(raw, dict):
+            raise ValueError(f"a JSON object is needed, not {type(raw).__name__}")
+        try:
+            rec = msgspec.convert(raw, type=Record)
+        except msgspec.ValidationError:
+            # the required fields alone first: a record refused whole says only why, not
+            # that each good optional field was "ignored" for the missing one's reason
+            msgspec.convert({k: raw[k] for k in REQUIRED if k in raw}, type=Record)
+            rec = _salvage(raw)
         State(rec.state)
     except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
         raise ValueError(f"unreadable engine state record: {e}") from None
     return rec
+
+
+def _salvage(raw: dict[str, Any]) -> Record:
+    """The record without the optional fields that do not read (each said once)."""
+    keep = {k: raw[k] for k in REQUIRED if k in raw}
+    for name in Record.__struct_fields__:
+        if name in REQUIRED or name not in raw:
+            continue
+        try:  # this field alone, beside the required ones
+            msgspec.convert({**keep, name: raw[name]}, type=Record)
+        except msgspec.ValidationError as e:
+            log.warning("engine state record: field %r ignored (%s)", name, e)
+            continue
+        keep[name] = raw[name]
+    return msgspec.convert(keep, type=Record)
 
 
 def snapshot(eng: Engine, update: Update | None = None) -> Record:
@@ -107,6 +148,7 @@ def snapshot(eng: Engine, update: Update | None = None) -> Record:
         update=update if st.state is State.UPDATING else None,
         saved_at=time.time(),
         refused=autoupdate.index_of(eng).still_refused(),
+        high=autoupdate.index_of(eng).high_mark(st.weight_version),
     )
 
 
@@ -125,6 +167,7 @@ def apply(eng: Engine, rec: Record) -> Update | None:
         st.pause_mode = st.pause_mode or "abort"
     st.state = state
     autoupdate.index_of(eng).restore_refused(rec.refused)
+    autoupdate.index_of(eng).stored_high = rec.high
     if state is not State.RUNNING:  # at start: nothing scheduled yet, no step in flight
         eng.scheduler.admit = eng.scheduler.run = False
     return rec.update
@@ -235,13 +278,14 @@ class Persister:
 
 
 def _same(a: Record, b: Record) -> bool:
-    return (a.state, a.weight_version, a.asleep, a.pause_mode, a.update, a.refused) == (
+    return (a.state, a.weight_version, a.asleep, a.pause_mode, a.update, a.refused, a.high) == (
         b.state,
         b.weight_version,
         b.asleep,
         b.pause_mode,
         b.update,
         b.refused,
+        b.high,
     )
 
 

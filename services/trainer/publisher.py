@@ -52,7 +52,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,12 +61,13 @@ from typing import Any
 import numpy as np
 
 from services.trainer import names
-from services.trainer.shards import ShardLayout, plan_shards, serialize
+from services.trainer.shards import NonFiniteWeight, ShardLayout, plan_shards, serialize
 from shared import manifest as mf
 from shared import objstore
 from shared import safetensors as st
 from shared.bus import Bus
 from shared.creds import default_dir, role_url
+from shared.errors import ControlError
 from shared.messages import ControlReply, VersionPublished, json_decode
 from shared.model_config import ModelConfig
 from shared.subjects import Subjects, ckpt_object_name, rank_shard_file
@@ -83,6 +84,14 @@ class NotAModelDir(ValueError):
 
 class VersionConflict(ValueError):
     """The version exists with different content."""
+
+
+class ClaimLost(VersionConflict):
+    """This publisher's claim was taken over (it stalled): the taker publishes."""
+
+
+class NotAnnounced(objstore.ObjectReadError):
+    """The version is stored, but its event could not be published (publish again)."""
 
 
 @dataclass
@@ -283,14 +292,29 @@ class CheckpointPublisher:
             layouts = None if ipc else plan_shards(cfg, state, tp)
             blobs: list[bytes] = []
             man: mf.Manifest | None = None
+            bad: NonFiniteWeight | None = None
             if layouts is None:
-                blobs, man = serialize(cfg, state, tp, model, version, check_finite=finite)
+                try:
+                    blobs, man = serialize(cfg, state, tp, model, version, check_finite=finite)
+                except NonFiniteWeight as e:
+                    if not os.path.lexists(ipc_version_dir(self.ipc_dir, model, version)):
+                        raise
+                    # published already: the re-publish rules decide (compared below)
+                    bad = e
+                    blobs, man = serialize(cfg, state, tp, model, version)
             bus = bus or await self._connect()  # one connection for the whole publish
             nc = bus.nc
             await objstore.ensure_ckpt_stream(nc, model)
             if ipc:
                 assert man is not None
-                uploaded = self._write_ipc(model, version, blobs, man, progress)
+                if bad is None:
+                    uploaded = self._write_ipc(model, version, blobs, man, progress)
+                else:  # compared only: a non-finite version is never written unasked
+                    d = ipc_version_dir(self.ipc_dir, model, version)
+                    if not os.path.lexists(d):
+                        raise bad
+                    uploaded = self._same_ipc(d, man)
+                    _warn_published_nonfinite(model, version, bad)
             else:
                 await objstore.ensure_bucket(nc, self.bucket)
                 name = ckpt_object_name(model, version, "manifest.json")
@@ -304,13 +328,15 @@ class CheckpointPublisher:
                     if layouts is not None:
                         man, uploaded = await claim.hold_while(
                             self._upload_layouts(
-                                nc, model, version, tp, layouts, progress, old, nuids, finite
+                                nc, model, version, tp, layouts, progress, old, nuids, finite, claim
                             )
                         )
                     else:
                         assert man is not None
                         uploaded = await claim.hold_while(
-                            self._upload(nc, model, version, blobs, man, progress, old, nuids)
+                            self._upload(
+                                nc, model, version, blobs, man, progress, old, nuids, claim
+                            )
                         )
                     if uploaded:
                         # last, over our claim only: a version without its manifest does
@@ -320,18 +346,55 @@ class CheckpointPublisher:
                         await objstore.put_object(
                             nc, self.bucket, name, mf.encode(man), expect_seq=claim.seq
                         )
-                except objstore.ObjectConflict:
+                except (objstore.ObjectConflict, ClaimLost) as e:
                     if old is None:
                         await asyncio.shield(self._abandon(nc, model, version, tp, claim))
-                    raise VersionConflict(
-                        f"{model}/{version}: another publisher took this version over "
-                        "while this one was uploading it"
-                    ) from None
+                    lost = (
+                        e
+                        if isinstance(e, ClaimLost)
+                        else ClaimLost(
+                            f"{model}/{version}: another publisher took this version over "
+                            "while this one was uploading it"
+                        )
+                    )
+                    # the taker may have published these very bytes (a trainer's retry,
+                    # a second publisher of one checkpoint): then this publish is the
+                    # no-op a re-publish is ("already published"), not a failure
+                    taken = await claim.published()
+                    if taken is None:
+                        raise lost from None
+                    try:
+                        if layouts is not None:
+                            man, uploaded = await self._upload_layouts(
+                                nc, model, version, tp, layouts, None, taken, nuids, finite
+                            )
+                        else:
+                            assert man is not None
+                            _same_content(taken, man)
+                            uploaded = False
+                    except VersionConflict:
+                        raise lost from None
+                    log.warning(
+                        "%s/%s: another publisher took this version over and published "
+                        "the same content",
+                        model,
+                        version,
+                    )
                 except BaseException:
                     if old is None:
                         await asyncio.shield(self._abandon(nc, model, version, tp, claim))
                     raise
-            seq = await self._announce(nc, man)
+            try:
+                seq = await self._announce(nc, man)
+            except Exception as e:  # noqa: BLE001 - any bus error: said what it means
+                # the version is whole in the bucket, only its event is missing: a retry
+                # (same content) is a no-op upload that announces it. Before, `rollbus
+                # publish` said only "nats: timeout" (or, for a nats error that is not
+                # an OSError, printed a traceback)
+                raise NotAnnounced(
+                    f"{model}/{version} is stored but its event was not published "
+                    f"({e!r}): publish it again to announce it"
+                ) from e
         finally:
             if bus is not None:
                 await bus.close()
@@ -415,6 +478,7 @@ class CheckpointPublisher:
         old: mf.Manifest | None,
         nuids: list[str],
         finite: bool = True,
+        claim: _Claim | None = None,
     ) -> tuple[mf.Manifest, bool]:
         """Every rank's shard at once: each is written (one copy per byte, hashed as it
         is copied) on its own thread into a small ring of reused memory (:class:`_Ring`)
@@ -428,18 +492,26 @@ class CheckpointPublisher:
         pool = ThreadPoolExecutor(len(layouts), thread_name_prefix="shard-fill")
         try:
             if old is not None:  # compare content first: hash without uploading
-                await asyncio.gather(
-                    *(
-                        loop.run_in_executor(pool, _fill_scratch, lay, sha, finite)
-                        for lay, sha in zip(layouts, shas, strict=True)
-                    )
-                )
+                bad: NonFiniteWeight | None = None
+                for check in (finite, False):
+                    shas = [hashlib.sha256() for _ in layouts]
+                    try:
+                        await asyncio.gather(
+                            *(
+                                loop.run_in_executor(pool, _fill_scratch, lay, sha, check)
+                                for lay, sha in zip(layouts, shas, strict=True)
+                            )
+                        )
+                        break
+                    except NonFiniteWeight as e:
+                        # nothing is published by a re-publish: the re-publish rules
+                        # decide (same bytes: a no-op; other bytes: refused), not the
+                        # check ("not published" was said of a version that was live)
+                        bad = e
                 man = _manifest(model, version, tp, layouts, shas)
-                if _digests(old) != _digests(man):
-                    raise VersionConflict(
-                        f"{model}/{version} is already published with different content "
-                        "(versions are immutable: publish a new version)"
-                    )
+                _same_content(old, man)
+                if bad is not None:
+                    _warn_published_nonfinite(model, version, bad)
                 if progress:
                     progress(total, total)
                 return man, False
@@ -499,11 +571,12 @@ class CheckpointPublisher:
                         progress(sum(acked), total)
 
                 ok = False
+                shard = ckpt_object_name(model, version, lay.file)
                 try:
                     await objstore.put_object(
                         nc,
                         self.bucket,
-                        ckpt_object_name(model, version, lay.file),
+                        shard,
                         ring.buf,
                         cb,
                         ready=ready,
@@ -511,6 +584,7 @@ class CheckpointPublisher:
                         gather=lay.gather(memoryview(ring.buf).cast("B")),
                         cas=True,
                         nuid=nuids[i],
+                        write_meta=claim.writer(shard) if claim is not None else None,
                     )
                     ok = True
                 finally:
@@ -547,13 +621,10 @@ class CheckpointPublisher:
         progress: Progress | None,
         old: mf.Manifest | None,
         nuids: list[str],
+        claim: _Claim | None = None,
     ) -> bool:
         if old is not None:
-            if _digests(old) != _digests(man):
-                raise VersionConflict(
-                    f"{model}/{version} is already published with different content "
-                    "(versions are immutable: publish a new version)"
-                )
+            _same_content(old, man)
             if progress:
                 progress(man.total_bytes, man.total_bytes)
             return False
@@ -562,14 +633,16 @@ class CheckpointPublisher:
             cb = None
             if progress:
                 cb = (lambda b: lambda n: progress(b + n, total))(base)  # noqa: B023
+            shard = ckpt_object_name(model, version, spec.file)
             await objstore.put_object(
                 nc,
                 self.bucket,
-                ckpt_object_name(model, version, spec.file),
+                shard,
                 blob,
                 cb,
                 cas=True,
                 nuid=nuid,
+                write_meta=claim.writer(shard) if claim is not None else None,
             )
             base += len(blob)
         return True
@@ -671,6 +744,7 @@ class _Claim:
         self.id = os.urandom(8).hex()
         self.seq = 0
         self.lock = asyncio.Lock()  # a refresh and the manifest's write never overlap
+        self.fence = objstore.can_fence(nc)  # the server checks a write against the claim
 
     def _deleted(self) -> dict[str, Any]:
         """A deleted object's meta as NATS object stores write it: a reader that parses
@@ -706,10 +780,7 @@ class _Claim:
         while True:
             seq, info = await objstore.last_meta(self.nc, self.bucket, self.name)
             if info.get("nuid") and not info.get("deleted"):
-                raw = await objstore.read_object(
-                    self.nc, self.bucket, self.name, max_size=mf.MAX_MANIFEST_BYTES
-                )
-                return mf.decode(bytes(raw), self.name)
+                return await self._manifest()
             claim = info.get("claim")
             if isinstance(claim, dict) and claim.get("id") == self.id:
                 self.seq = seq  # our own write, whose answer was lost: we hold it
@@ -737,6 +808,30 @@ class _Claim:
             if isinstance(claim, dict):  # taken over from a publisher that died
                 await self._purge_dead(claim)
             return None
+
+    async def _manifest(self) -> mf.Manifest:
+        raw = await objstore.read_object(
+            self.nc, self.bucket, self.name, max_size=mf.MAX_MANIFEST_BYTES
+        )
+        try:
+            return mf.decode(bytes(raw), self.name)
+        except ControlError as e:  # a foreign writer's, a corrupt store's
+            # the version exists (ranks get 422 for it): still immutable; before, this
+            # ControlError ended `rollbus publish` with a traceback
+            raise VersionConflict(
+                f"{e.message}: the version is already published and cannot be "
+                "read; versions are immutable: publish a new version"
+            ) from None
+
+    async def published(self) -> mf.Manifest | None:
+        """The version's manifest if it is published now (e.g. by a taker), else None."""
+        try:
+            _, info = await objstore.last_meta(self.nc, self.bucket, self.name)
+            if info.get("nuid") and not info.get("deleted"):
+                return await self._manifest()
+        except Exception:  # noqa: BLE001 - cannot tell: the claim was lost, said so
+            pass
+        return None
 
     async def _purge_dead(self, claim: dict[str, Any]) -> None:
         """Purge the chunks a dead holder's puts left without a meta (SIGKILL, power
@@ -780,8 +875,39 @@ class _Claim:
                     with contextlib.suppress(Exception):
                         await self.mine()
 
-    def lost(self) -> VersionConflict:
-        return VersionConflict(
+    def writer(self, shard: str) -> Callable[[dict[str, Any], int], Awaitable[None]]:
+        """The meta write of ``shard`` (an object of this version): it lands only while
+        this claim is the version's last claim write — the server checks the claim's
+        sequence in the same write —, else :class:`objstore.ObjectConflict`. So a
+        publisher that lost its claim (stalled while another took it over and published)
+        can never store a shard over the one the published manifest names: before, a
+        put begun after the takeover passed its own compare-and-set (the taker's shard
+        was the last write it had seen) and readers got 422 for good."""
+
+        async def write(info: dict[str, Any], seq0: int) -> None:
+            async with self.lock:  # no refresh moves the claim's sequence meanwhile
+                if not self.fence:
+                    # nats-server < 2.11: the claim looked at just before (a stall right
+                    # between the two is not covered), the shard's own compare-and-set
+                    if not await self.mine():
+                        raise objstore.ObjectConflict(f"{shard}: the claim was taken over")
+                    await objstore.put_meta_if(self.nc, self.bucket, shard, info, seq0)
+                    return
+                for again in (False, True):
+                    try:
+                        await objstore.put_meta_if(
+                            self.nc, self.bucket, shard, info, self.seq, on=self.name
+                        )
+                        return
+                    except objstore.ObjectConflict:
+                        # a refresh whose answer was lost moved the sequence: still ours?
+                        if again or not await self.mine():
+                            raise
+
+        return write
+
+    def lost(self) -> ClaimLost:
+        return ClaimLost(
             f"{self.name}: another publisher took this version over (this one did not "
             f"refresh its claim for {CLAIM_STALE_S:g}s)"
         )
@@ -1082,3 +1208,24 @@ def _manifest(
 
 def _digests(m: mf.Manifest) -> list[tuple[int, str]]:
     return sorted((s.rank, s.sha256) for s in m.shards)
+
+
+def _same_content(old: mf.Manifest, new: mf.Manifest) -> None:
+    """:class:`VersionConflict` unless ``new`` is the content ``old`` published."""
+    if _digests(old) != _digests(new):
+        raise VersionConflict(
+            f"{new.model}/{new.version} is already published with different content "
+            "(versions are immutable: publish a new version)"
+        )
+
+
+def _warn_published_nonfinite(model: str, version: str, e: NonFiniteWeight) -> None:
+    log.warning(
+        "%s/%s is already published with this content, which was published with "
+        "allow_nonfinite: tensor %s holds %s (in rank %d's shard); nothing changed",
+        model,
+        version,
+        e.tensor,
+        e.what,
+        e.rank,
+    )

@@ -43,7 +43,7 @@ class NonFiniteWeight(ValueError):
     """A tensor holds NaN or ±Inf: refused by the publisher unless asked to publish it."""
 
     def __init__(self, name: str, rank: int, what: str) -> None:
-        self.tensor, self.rank = name, rank
+        self.tensor, self.rank, self.what = name, rank, what
         super().__init__(
             f"tensor {name} holds {what} (in rank {rank}'s shard): a checkpoint with "
             "non-finite weights is not published (allow_nonfinite=True, or "

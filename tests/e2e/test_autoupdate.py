@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from unittest.mock import ANY
 
 import msgspec
 import pytest
@@ -180,6 +181,14 @@ def test_operator_rollback_survives_an_engine_restart(ustack: Stack) -> None:
     time.sleep(3)  # a catch-up would have started by now
     assert serving(ustack, "o1") and digests(ustack) == earlier
     assert not [e for e in auto_events(ustack, "o2") if e["action"] == "updated"][1:]
+    # a new version awaited (files not there yet): the one rolled back from is not what
+    # the restored engine serves meanwhile
+    announce_only(ustack, "o3")
+    wait_for(lambda: any(e["action"] == "waiting" for e in auto_events(ustack, "o3")))
+    time.sleep(3)  # several looks
+    assert serving(ustack, "o1") and digests(ustack) == earlier
+    publish(ustack, "o3", seed=92, ipc=True)
+    wait_for(lambda: serving(ustack, "o3"))
 
 
 def test_a_deleted_durable_is_made_again_and_updates_go_on(ustack: Stack) -> None:
@@ -370,3 +379,95 @@ def test_auto_update_failure_resumes_on_previous_weights(ustack: Stack) -> None:
     st = ustack.status()
     assert st["state"] == "running" and st["weight_version"] == version_before
     assert digests(ustack) == before
+
+
+def test_an_older_loadable_version_is_served_while_the_newest_is_waited_for(
+    ustack: Stack, tmp_path: Path
+) -> None:
+    """Two announcements ahead of their files (a snapshot copy in progress for each):
+    the older one's copy ends first. It is served meanwhile — the freshest weights
+    there are, without a stall —, the newest still waited for and served once its
+    files land. Before, the engine stayed on its old version until the newest one's
+    files came (for good if they never did): the older one's event had been settled
+    as superseded."""
+    cfg = ModelConfig.from_hf(model_config(ustack.model_dir))
+    versions = ustack.model_dir / "versions"
+    versions.mkdir(exist_ok=True)
+    announce_only(ustack, "mw1")
+    announce_only(ustack, "mw2")
+    wait_for(lambda: any(e["action"] == "waiting" for e in auto_events(ustack, "mw2")))
+    for v, seed in (("mw1", 61), ("mw2", 62)):
+        src = tmp_path / v
+        write_sharded_dir(src, cfg, sharding.init_weights(cfg, seed), 2, model_of(ustack), v)
+        src.rename(versions / v)  # the copy of v ends
+        wait_for(lambda v=v: serving(ustack, v), 30)
+        assert ustack.status()["auto_update_waiting"] == (
+            {"version": "mw2", "reason": auto_events(ustack, "mw2")[0]["reason"], "since": ANY}
+            if v == "mw1"
+            else None
+        )
+    assert [e["action"] for e in auto_events(ustack, "mw2")] == ["waiting", "updated"]
+
+
+@pytest.mark.parametrize("garbage", [b"\x00not json{", b'{"model": 1}'], ids=["bytes", "json"])
+def test_an_event_for_a_version_whose_manifest_is_garbage_is_refused_once(
+    ustack: Stack, garbage: bytes
+) -> None:
+    """A version whose ``manifest.json`` object is garbage (a foreign writer, `nats pub`
+    of an event by hand): its files "are there", the update is a 422 — refused for good,
+    no retry loop of pauses —, the engine stays on its version and running, and the
+    next good version is served."""
+    version = f"gm-{garbage[:1].hex()}"
+    serving_before = ustack.status()["weight_version"]
+
+    async def plant(nc: Any) -> None:
+        await objstore.ensure_bucket(nc, "rollbus_ckpt")
+        name = f"{model_of(ustack)}/{version}/manifest.json"
+        await objstore.put_object(nc, "rollbus_ckpt", name, garbage)
+
+    asyncio.run(_raw(ustack.nats_url, plant))
+    announce_only(ustack, version)
+    wait_for(lambda: any(e["action"] == "failed" for e in auto_events(ustack, version)))
+    time.sleep(2)  # a retry would show by now (1 s backoff)
+    got = auto_events(ustack, version)
+    assert [e["action"] for e in got] == ["failed"], got
+    assert got[0]["error_code"] == 422 and got[0]["retry"] is False, got
+    assert "manifest.json" in got[0]["error_message"], got
+    assert serving(ustack, serving_before)
+    want = publish(ustack, f"{version}-ok", seed=71, ipc=True)
+    wait_for(lambda: serving(ustack, f"{version}-ok"))
+    assert digests(ustack) == want
+
+
+def test_an_engine_restarted_mid_wait_takes_the_versions_as_their_files_land(
+    ustack: Stack, tmp_path: Path
+) -> None:
+    """The engine dies (SIGKILL) while it waits for the newest version's files, an older
+    announced one's files also missing. The restored engine goes on waiting: the older
+    one is served as soon as its files land, the newest as soon as its files do. Before,
+    the awaited event (held, un-acked) came back from the durable only after its ack
+    wait (10 min), and the older one (acked as superseded) never."""
+    cfg = ModelConfig.from_hf(model_config(ustack.model_dir))
+    versions = ustack.model_dir / "versions"
+    versions.mkdir(exist_ok=True)
+    announce_only(ustack, "rw1")
+    announce_only(ustack, "rw2")
+    wait_for(lambda: any(e["action"] == "waiting" for e in auto_events(ustack, "rw2")))
+    old = ustack.status()["engine_pid"]
+    os.kill(old, signal.SIGKILL)
+
+    def new_engine_serving() -> bool:
+        try:
+            st = ustack.status()
+        except Exception:  # noqa: BLE001 - 503 while it restarts
+            return False
+        return st["engine_pid"] != old and st["ranks_ready"] and st["state"] == "running"
+
+    wait_for(new_engine_serving, timeout=90)
+    # the restored engine says what it waits for
+    wait_for(lambda: (ustack.status()["auto_update_waiting"] or {}).get("version") == "rw2")
+    for v, seed in (("rw1", 63), ("rw2", 64)):
+        src = tmp_path / v
+        write_sharded_dir(src, cfg, sharding.init_weights(cfg, seed), 2, model_of(ustack), v)
+        src.rename(versions / v)  # the copy of v ends
+        wait_for(lambda v=v: serving(ustack, v), 30)

@@ -247,3 +247,42 @@ async def test_a_publisher_that_lost_its_claim_keeps_chunks_a_published_shard_na
     finally:
         await bus.close()
     await _stored_is_whole(nats_url, model, "v1")
+
+
+@pytest.mark.parametrize("fence", [True, False], ids=["server-fence", "look-first"])
+async def test_a_shard_write_of_a_publisher_that_lost_its_claim_is_refused(
+    nats_url: str, monkeypatch: pytest.MonkeyPatch, fence: bool
+) -> None:
+    """A stalled holder resumes after another took its claim over, before the taker
+    wrote this shard: its shard write must fail (the shard's own compare-and-set passed
+    it — nobody had written the shard —, and the taker's put then failed instead: the
+    version not published, by either). The taker's write lands."""
+    monkeypatch.setattr(publisher, "CLAIM_STALE_S", 1.0)
+    model = f"cf-{uuid.uuid4().hex[:6]}"
+    name = ckpt_object_name(model, "v1", "manifest.json")
+    shard = ckpt_object_name(model, "v1", "rank0-of-1.safetensors")
+    bus = await Bus.connect(nats_url, "fence")
+    try:
+        await objstore.ensure_bucket(bus.nc, BUCKET)
+        stalled = publisher._Claim(bus.nc, BUCKET, name, "stalled")
+        taker = publisher._Claim(bus.nc, BUCKET, name, "taker")
+        stalled.fence = taker.fence = fence and objstore.can_fence(bus.nc)
+        assert await stalled.take() is None
+        assert await taker.take() is None  # after 1 s unchanged
+        info = {"name": shard, "bucket": BUCKET, "nuid": "x", "size": 1, "chunks": 1}
+        if stalled.fence:
+            # the server checks the claim in the write itself: even a look that saw the
+            # claim as ours (just before the takeover: the stall right between look and
+            # write that the look-first fallback cannot cover) does not let it land
+
+            async def looked_before_the_takeover() -> bool:
+                return True
+
+            monkeypatch.setattr(stalled, "mine", looked_before_the_takeover)
+        with pytest.raises(objstore.ObjectConflict):
+            await stalled.writer(shard)({**info, "nuid": "stalled"}, 0)
+        await taker.writer(shard)({**info, "nuid": "taker"}, 0)
+        _, last = await objstore.last_meta(bus.nc, BUCKET, shard)
+        assert last["nuid"] == "taker"
+    finally:
+        await bus.close()

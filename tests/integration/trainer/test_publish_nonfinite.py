@@ -20,7 +20,7 @@ from safetensors.numpy import save_file
 
 from services.tiny_model import TINY_CONFIG
 from services.trainer import names, shards
-from services.trainer.publisher import CheckpointPublisher
+from services.trainer.publisher import CheckpointPublisher, VersionConflict
 from services.trainer.shards import NonFiniteWeight
 from shared import objstore, sharding
 from shared.bus import Bus
@@ -182,3 +182,37 @@ async def test_every_failed_fill_is_retrieved(
     finally:
         loop.set_exception_handler(old)
     assert not seen, [c.get("message") for c in seen]
+
+
+@pytest.mark.parametrize("ipc", [False, True], ids=["object-store", "ipc"])
+def test_republishing_a_non_finite_version_without_the_flag_says_what_happened(
+    nats_url: str, tmp_path: Path, ipc: bool
+) -> None:
+    """A version published with --allow-nonfinite is live: re-publishing it without the
+    flag follows the re-publish rules — the same bytes are a no-op ("already
+    published", with one warning naming the bad tensor), other bytes are refused as
+    versions are (immutable). Before, both said "… is not published" though it was."""
+    d, other = tmp_path / "m", tmp_path / "other"
+    for where, seed_value in ((d, float("nan")), (other, -np.inf)):
+        where.mkdir()
+        save_file(_hf(LAST_DOWN, seed_value), str(where / "model.safetensors"))
+        (where / "config.json").write_text(json.dumps(CFG))
+    model, env = f"nfa-{uuid.uuid4().hex[:6]}", clean_env(tmp_path / "data")
+    env["ROLLBUS_IPC_DIR"] = str(tmp_path / "ipc")
+
+    # the SDK around the one CLI run whose output is checked (each CLI run costs seconds)
+    pub = CheckpointPublisher(nats_url, ipc_dir=tmp_path / "ipc")
+
+    def sdk(src: Path, allow: bool) -> Any:
+        return asyncio.run(
+            pub.apublish(model, "v1", str(src), tp=2, ipc=ipc, allow_nonfinite=allow)
+        )
+
+    assert sdk(d, True).uploaded
+    argv = [*("publish", str(d), "--model", model, "--version", "v1", "--tp", "2")]
+    r = rollbus(*argv, "--nats-url", nats_url, *(["--ipc"] if ipc else []), env=env)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert r.stdout.startswith(f"already published {model}/v1"), r.stdout
+    assert "not published" not in r.stderr and f"{LAST_DOWN} holds NaN" in r.stderr, r.stderr
+    with pytest.raises(VersionConflict, match="different content"):
+        sdk(other, False)

@@ -267,3 +267,45 @@ def test_pending_looks_where_a_rank_would_and_any_place_will_do(tmp_path: Any) -
     (ipc / "manifest.json").write_text("{}")
     asked = len(store.asked)
     assert look("s2") is None and len(store.asked) == asked  # found first: no NATS look
+
+
+class Silent(Store):
+    """A bucket whose direct get gets no answer (a server too slow, a lost reply)."""
+
+    async def request(self, subject: str, data: bytes, timeout: float) -> Any:
+        self.asked.append(subject)
+        raise TimeoutError
+
+
+def test_meanwhile_serves_only_a_version_known_to_be_there(tmp_path: Any) -> None:
+    """While the newest version's files are awaited, an older one is served meanwhile
+    only if its files are known to be there: a look that cannot answer is not a go
+    (before: a pause and a failed update of a version nobody awaits, per such look).
+    The awaited version's own look still goes ahead then (the update decides)."""
+    from services.engine.autoupdate import _meanwhile, index_of, pending
+    from services.tiny_model import TINY_CONFIG, create_model_dir
+
+    model_dir = create_model_dir(tmp_path / "m", TINY_CONFIG, seed=0)
+    store = Store()
+    eng = SimpleNamespace(
+        bus=SimpleNamespace(nc=store),
+        state=SimpleNamespace(weight_version="v1"),
+        settings=SimpleNamespace(
+            served_model_name="m",
+            model_dir=model_dir,
+            load_strategy="object_store",
+            ipc_dir=tmp_path / "shm",
+            tp=1,
+            ckpt_bucket="b",
+        ),
+    )
+    idx = index_of(eng)  # type: ignore[arg-type]
+    for seq, v in enumerate(("v1", "v2", "v3"), 1):
+        idx.add(v, seq)
+    meanwhile = lambda: asyncio.run(_meanwhile(eng, "v3", set(), {"v2"}))  # type: ignore[arg-type]  # noqa: E731
+    assert meanwhile() is None  # v2's files: not there
+    store.names.add("m/v2/manifest.json")
+    assert meanwhile() == "v2"
+    eng.bus.nc = Silent()
+    assert meanwhile() is None and eng.bus.nc.asked  # looked, no answer: not a go
+    assert asyncio.run(pending(eng, "v3")) is None  # type: ignore[arg-type]

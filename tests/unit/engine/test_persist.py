@@ -295,3 +295,61 @@ def test_refused_versions_are_stored_and_restored() -> None:
     persist.apply(back, rec)
     assert index_of(back).refused == {"unseen", "bad1", "bad2"}  # type: ignore[arg-type]
     assert index_of(back).fallback("v1") is None  # type: ignore[arg-type]
+
+
+def test_the_highest_version_served_is_stored_and_a_restored_engine_never_moves_back() -> None:
+    """An operator rolled back from v3 to v1: the stored state names v3, so the restored
+    engine takes neither v3 nor v2 (at or below it) as newer — its events learned after
+    the restore —, a later v4 it does. Before, only the in-memory index knew it."""
+    from services.engine.autoupdate import index_of
+
+    assert persist.decode(b'{"state": "running", "weight_version": "v1"}').high is None
+    eng = engine(Ranks(["v1"]), weight_version="v1")
+    # none served yet (the model dir's version): named as such, not as an older record
+    assert persist.decode(persist.encode(persist.snapshot(eng))).high == ""
+    idx = index_of(eng)  # type: ignore[arg-type]
+    for seq, v in enumerate(("v1", "v2", "v3"), 1):
+        idx.add(v, seq)
+    idx.served("v3")  # served, then rolled back to v1 (the engine's version)
+    rec = persist.decode(persist.encode(persist.snapshot(eng)))
+    assert (rec.weight_version, rec.high) == ("v1", "v3")
+    back = engine(Ranks(["v1"]), weight_version="v1")
+    persist.apply(back, rec)
+    bidx = index_of(back)  # type: ignore[arg-type]
+    assert persist.snapshot(back).high == "v3"  # kept while its sequence is not known
+    for seq, v in enumerate(("v1", "v2", "v3", "v4"), 1):
+        bidx.add(v, seq)
+    assert not bidx.is_newer("v3", "v1") and not bidx.is_newer("v2", "v1")
+    assert bidx.is_newer("v4", "v1")
+    assert persist.snapshot(back).high == "v3"
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("refused", "bad1"),  # a string where a list goes: hand-edited
+        ("refused", [1, {"x": 2}]),
+        ("asleep", {"weight": True}),
+        ("update", {"version": 3}),
+        ("saved_at", "yesterday"),
+    ],
+)
+def test_a_bad_optional_field_is_dropped_alone(
+    field: str, value: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One corrupt or hand-edited field loses only itself: the rest of the state (the
+    version, the pause) is restored, and one warning names the field. Before, the whole
+    record was unreadable and the engine started from the ranks' state."""
+    good = {"state": "paused", "weight_version": "v7", "pause_mode": "keep", "refused": ["b"]}
+    rec = persist.decode(msgspec.json.encode({**good, field: value}))
+    assert (rec.state, rec.weight_version, rec.pause_mode) == ("paused", "v7", "keep")
+    assert rec.refused == ([] if field == "refused" else ["b"])
+    said = [r.getMessage() for r in caplog.records if "field" in r.getMessage()]
+    assert len(said) == 1 and repr(field) in said[0], said
+    caplog.clear()
+    for bad in ({"weight_version": "v7"}, {"state": "paused", "weight_version": 7}):
+        with pytest.raises(ValueError, match="unreadable engine state"):  # still refused whole
+            rest = {k: v for k, v in good.items() if k not in persist.REQUIRED}
+            persist.decode(msgspec.json.encode({**rest, **bad, field: value}))
+    # ... saying why, not that good fields were "ignored" (for the required one's reason)
+    assert not [r for r in caplog.records if "field" in r.getMessage()], caplog.text
