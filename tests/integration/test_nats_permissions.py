@@ -832,6 +832,9 @@ async def test_micro_discovery_answers_only_into_an_inbox(server: Server, as_rol
         await engine.close()
 
 
+STORED_S = 20.0  # how long the responder waits to see a request stored before it answers
+
+
 async def test_a_jetstream_ack_in_a_request_inbox_is_dropped(nats_url: str) -> None:
     """Bypass 2's second half: a stream that captures a request's subject sends its
     publish ack to the request's reply inbox. The bus drops and counts it; the request
@@ -846,22 +849,27 @@ async def test_a_jetstream_ack_in_a_request_inbox_is_dropped(nats_url: str) -> N
         """Answer only once the stream has stored the request (its ack is then on its way
         to the caller, ahead of our reply): on a loaded machine a fixed sleep let the
         reply overtake the ack, and the test proved nothing."""
-        for _ in range(300):
+        # bounded in time, not in rounds: each look is a JetStream request, which a loaded
+        # host (CI's two lanes) answers slowly; the caller waits longer than this
+        deadline = asyncio.get_running_loop().time() + STORED_S
+        while True:
             try:
                 last = await rjs.get_last_msg("JSACK_TEST", subject)
                 if (last.headers or {}).get("Rollbus-Request-Id") == rid:
                     break
             except nats.js.errors.NotFoundError:
                 pass
+            if asyncio.get_running_loop().time() > deadline:
+                raise AssertionError(f"the request on {subject} was never stored")
             await asyncio.sleep(0.02)
-        else:
-            raise AssertionError(f"the request on {subject} was never stored")
         await asyncio.sleep(0.2)
 
     try:
         svc = await responder.add_service("jsack", "0.1.0")
 
         async def slow(data: bytes, headers: dict[str, str]) -> bytes:
+            if data == b"probe":
+                return b"routed"
             await after_the_ack("jsack.test.ctl", headers.get("Rollbus-Request-Id", ""))
             return b"real"
 
@@ -874,10 +882,21 @@ async def test_a_jetstream_ack_in_a_request_inbox_is_dropped(nats_url: str) -> N
 
         await responder.subscribe("jsack.test.gen", chunks)
         await responder.flush()
-        await routed(caller, "jsack.test.ctl")
+        # routed(): the stream captures the subject, so a request the responder's
+        # subscription does not see yet gets the stream's ack (dropped), never
+        # NoResponders: it timed out (a loaded full run). Probes are answered at once and
+        # retried on a timeout too.
+        deadline = asyncio.get_running_loop().time() + STORED_S
+        while True:
+            try:
+                await caller.request("jsack.test.ctl", b"probe", timeout=1)
+                break
+            except (NoResponders, Timeout):
+                assert asyncio.get_running_loop().time() < deadline, "never routed"
         before = caller.dropped_replies
-        assert (await caller.request("jsack.test.ctl", b"{}", timeout=5)).data == b"real"
-        async for rep in caller.stream("jsack.test.gen", b"{}", idle_timeout=5):
+        reply = await caller.request("jsack.test.ctl", b"{}", timeout=STORED_S + 10)
+        assert reply.data == b"real"
+        async for rep in caller.stream("jsack.test.gen", b"{}", idle_timeout=STORED_S + 10):
             assert rep.data == b"chunk"
             break
         assert caller.dropped_replies >= before + 2
