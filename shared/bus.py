@@ -176,6 +176,22 @@ class _Client(Client):
         if self._flush_queue is not None and self._flush_queue.empty():
             await self._flush_pending()
 
+    async def _process_pong(self) -> None:
+        """nats-py's own, but a PONG whose ``flush`` already timed out is consumed
+        quietly. nats-py (2.16) cancels a timed-out flush's future and leaves it queued;
+        the PONG that comes later (the server was stopped, or slow) then raised
+        ``InvalidStateError`` in its read loop, which ends the loop without a reconnect:
+        the process read nothing from the bus again, its connection still open (seen
+        here: both ranks deaf for good after a nats-server SIGSTOP during a commit,
+        whose bus barrier is a flush with a timeout). PONGs come in PING order, so this
+        PONG is that flush's, and the next waiting one stays in line."""
+        if self._pongs:
+            future = self._pongs.pop(0)
+            if not future.done():
+                future.set_result(True)
+            self._pongs_received += 1
+            self._pings_outstanding = 0
+
     @staticmethod
     def _parse_header_lines(raw: bytes) -> dict[str, str]:
         """nats-py's own parse of a header block (the one its newer versions call:
