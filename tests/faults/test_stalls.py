@@ -194,11 +194,10 @@ def test_concurrent_control_calls_while_a_rank_is_stopped(faults: Faults) -> Non
                 (c.Call(f.stack, "/v1/wakeup"), c.CONTROL_BOUND),
                 (c.Call(f.stack, "/v1/update_weights", json={"version": "v2"}), c.CONTROL_BOUND),
                 (c.Call(f.stack, "/v1/resume"), one_hop),
-                (c.Call(f.stack, "/v1/is_paused"), one_hop),
             ]
         t0 = time.monotonic()
         h = c.get(f.stack, "/health", timeout=c.CONTROL_BOUND)
-        assert h.status_code == 503 and "rank 1" in h.text, h.text
+        assert h.status_code == 503 and "ranks [1]" in h.text, h.text
         assert time.monotonic() - t0 < one_hop
         for call, bound in calls:
             r = call.result(bound)
@@ -270,7 +269,12 @@ def test_engine_stopped_during_update_weights(faults: Faults, phase: str) -> Non
         assert r.status_code == 503 and "engine: no reply" in r.text, r.text
     finally:
         c.signal_quietly(pid, signal.SIGCONT)
-    st = c.wait_recovered(f.stack)
+    # continued, the engine ends the update it was running (its scatter found late,
+    # then a rollback), bounded by its own timeouts
+    continued = time.monotonic()
+    while (st := c.wait_recovered(f.stack))["state"] == "updating":
+        assert time.monotonic() - continued < c.CONTROL_BOUND, st
+        time.sleep(0.3)
     assert st["engine_pid"] == pid and st["state"] in ("paused", "running"), st
     assert c.ctl(f.stack, "/v1/resume").status_code == 200
     c.assert_consistent(f.stack, str(st["weight_version"]))
