@@ -81,6 +81,9 @@ from shared.tasks import guarded
 log = logging.getLogger("rollbus.bus")
 
 REQUEST_ID = "Rollbus-Request-Id"
+# after a stream's idle timeout and a PING/PONG: how long its callback may take to hand
+# over what was read (a few loop turns; see Bus._after_silence)
+SILENCE_GRACE_S = 0.25
 # the longest request id a responder echoes (a client's ``X-Request-Id`` fits: the API's
 # request head is at most 64 KiB); a longer one is not echoed (the engine answers 400)
 MAX_REQUEST_ID_BYTES = 64 * 1024
@@ -175,6 +178,22 @@ class _Client(Client):
         await self._send_command(cmd)
         if self._flush_queue is not None and self._flush_queue.empty():
             await self._flush_pending()
+
+    async def _process_pong(self) -> None:
+        """nats-py's own, but a PONG whose ``flush`` already timed out is consumed
+        quietly. nats-py (2.16) cancels a timed-out flush's future and leaves it queued;
+        the PONG that comes later (the server was stopped, or slow) then raised
+        ``InvalidStateError`` in its read loop, which ends the loop without a reconnect:
+        the process read nothing from the bus again, its connection still open (seen
+        here: both ranks deaf for good after a nats-server SIGSTOP during a commit,
+        whose bus barrier is a flush with a timeout). PONGs come in PING order, so this
+        PONG is that flush's, and the next waiting one stays in line."""
+        if self._pongs:
+            future = self._pongs.pop(0)
+            if not future.done():
+                future.set_result(True)
+            self._pongs_received += 1
+            self._pings_outstanding = 0
 
     @staticmethod
     def _parse_header_lines(raw: bytes) -> dict[str, str]:
@@ -855,7 +874,7 @@ class Bus:
                         async with asyncio.timeout(idle_timeout):  # no task per reply
                             item = await stream.queue.get()
                     except TimeoutError:
-                        raise Timeout(subject, idle_timeout) from None
+                        item = await self._after_silence(stream, subject, idle_timeout)
                 if isinstance(item, Exception):
                     raise item
                 yield item
@@ -863,6 +882,25 @@ class Bus:
             self._pending.pop(token, None)
             self._rids.pop(token, None)
             self._subjects.pop(token, None)
+
+    async def _after_silence(self, stream: _Stream, subject: str, idle: float) -> Reply | Exception:
+        """A stream's idle timer fired: its next reply, if it was only unread, else
+        :class:`Timeout`. The silent one may be this process (stopped, or starved of
+        CPU): the replies then wait in its socket, and the timer runs before the read
+        that would deliver them (seen: an API SIGSTOPped for 10 s told every client
+        `engine: no answer for 6s` while the engine's tokens sat in its socket). A
+        PING/PONG with the server settles it — the server sends in order, so what it
+        sent before the PONG has been read once the flush returns, and the inbox's
+        callback hands it over within a few loop turns. At most ~1.25 s more on a
+        real silence (a server that does not answer the PING in 1 s: silent too)."""
+        if self.nc.is_connected:
+            try:
+                await self.nc.flush(timeout=1)
+                async with asyncio.timeout(SILENCE_GRACE_S):
+                    return await stream.queue.get()
+            except (TimeoutError, nats.errors.Error):
+                pass
+        raise Timeout(subject, idle) from None
 
     async def publish(
         self, subject: str, data: bytes, headers: dict[str, str] | None = None
