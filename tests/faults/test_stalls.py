@@ -139,7 +139,9 @@ def test_nats_stopped_mid_stream(faults: Faults) -> None:
     c.wait_recovered(f.stack)
 
 
-@pytest.mark.parametrize("phase", ["stage", "commit"])
+# commit only: its window is the one where a late call switches a rank (stage's, tried
+# too, found nothing; CI time)
+@pytest.mark.parametrize("phase", ["commit"])
 def test_nats_stopped_during_update_weights(faults: Faults, phase: str) -> None:
     """The nats-server stopped while the ranks sit in their ``phase`` window, for longer
     than the API's bound: the call answers 503 within it; once continued, the engine's
@@ -250,7 +252,9 @@ def test_a_flush_timed_out_while_the_server_was_stopped_leaves_the_bus_reading(
         server.stop()
 
 
-@pytest.mark.parametrize("phase", ["stage", "commit"])
+# commit only: its window is the one where a late call switches a rank (stage's, tried
+# too, found nothing; CI time)
+@pytest.mark.parametrize("phase", ["commit"])
 def test_engine_stopped_during_update_weights(faults: Faults, phase: str) -> None:
     """The engine stopped while the ranks sit in their ``phase`` window, until the API
     gave up (503 within its bound). Continued, the engine finds its scatter late (the
