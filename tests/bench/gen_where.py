@@ -318,25 +318,42 @@ async def main_async(args: argparse.Namespace, tmp: Path) -> None:
                         ),
                         flush=True,
                     )
-        for k, v in res.items():
-            print(f"{k}: median {statistics.median(v):.3f} (min {min(v):.3f} max {max(v):.3f})")
+        print_medians(res, 3)
         if args.show_log:
             for stack in stacks.values():
                 for line in stack.log.read_text(errors="replace").splitlines():
                     if args.show_log in line:
                         print(line)
     finally:
-        await bus.close()
-        for stack in stacks.values():
-            stack.stop()
-        server.stop()
+        await stop_all(bus, stacks, server)
+
+
+def print_medians(res: dict[str, list[float]], digits: int) -> None:
+    for k, v in res.items():
+        med, lo, hi = statistics.median(v), min(v), max(v)
+        print(f"{k}: median {med:.{digits}f} (min {lo:.{digits}f} max {hi:.{digits}f})")
+
+
+async def stop_all(bus: Any, stacks: dict[str, Any], server: Any) -> None:
+    """The bench's client, then every stack, then the nats-server they share."""
+    await bus.close()
+    for stack in stacks.values():
+        stack.stop()
+    server.stop()
+
+
+def arg_parser(tp: int) -> argparse.ArgumentParser:
+    """The options every stack-per-variant tool here shares (runs, tp, batch, model dir)."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--tp", type=int, default=tp)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--model-dir", default="/tmp/rollbus-gen-where/bench")
+    return ap
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--tp", type=int, default=2)
-    ap.add_argument("--batch", type=int, default=16)
+    ap = arg_parser(tp=2)
     ap.add_argument("--prefill", action="store_true", help="also selfbench with prefill")
     ap.add_argument(
         "--paths",
@@ -352,7 +369,6 @@ def main() -> None:
         f"{AUX_NICE}: the nice of that stack's engine and API",
     )
     ap.add_argument("--show-log", default="", help="print the stack's log lines with this")
-    ap.add_argument("--model-dir", default="/tmp/rollbus-gen-where/bench")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="rollbus-gen-where-") as tmp:
         asyncio.run(main_async(args, Path(tmp)))

@@ -21,7 +21,6 @@ import bisect
 import json
 import os
 import re
-import statistics
 import subprocess
 import tempfile
 import time
@@ -196,26 +195,18 @@ async def main_async(args: argparse.Namespace, tmp: Path) -> None:
                     res[f"{key} foreign_s / wall"].append(
                         a["preempted_s"].get("foreign", 0.0) / wall
                     )
-        for k, v in res.items():
-            print(f"{k}: median {statistics.median(v):.4f} (min {min(v):.4f} max {max(v):.4f})")
+        gw.print_medians(res, 4)
     finally:
-        await bus.close()
-        for stack in stacks.values():
-            stack.stop()
-        server.stop()
+        await gw.stop_all(bus, stacks, server)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--batch", type=int, default=16)
+    ap = gw.arg_parser(tp=1)
     ap.add_argument(
         "--variants",
         default='{"default": {}}',
         help=f"JSON {{name: {{ENV: value}}}}; {gw.AUX_NICE}: its engine's and API's nice",
     )
-    ap.add_argument("--model-dir", default="/tmp/rollbus-gen-where/bench")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="rollbus-preempt-") as tmp:
         asyncio.run(main_async(args, Path(tmp)))
