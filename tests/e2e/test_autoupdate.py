@@ -96,6 +96,22 @@ def serving(stack: Stack, version: str) -> bool:
     return bool(st["weight_version"] == version and st["state"] == "running")
 
 
+def kill_engine_and_wait_for_the_next(stack: Stack) -> None:
+    """SIGKILL the engine; return once the launcher's new engine serves (running, ranks
+    ready)."""
+    old = stack.status()["engine_pid"]
+    os.kill(old, signal.SIGKILL)
+
+    def new_engine_serving() -> bool:
+        try:
+            st = stack.status()
+        except Exception:  # noqa: BLE001 - 503 while it restarts
+            return False
+        return st["engine_pid"] != old and st["ranks_ready"] and st["state"] == "running"
+
+    wait_for(new_engine_serving, timeout=90)
+
+
 def test_reannounced_old_and_current_versions_never_move_back(ustack: Stack) -> None:
     want = {v: publish(ustack, v, seed=50 + i, ipc=True) for i, v in enumerate(("r1", "r2"))}
     wait_for(lambda: serving(ustack, "r2"))
@@ -167,17 +183,7 @@ def test_operator_rollback_survives_an_engine_restart(ustack: Stack) -> None:
     assert post(ustack, "/v1/pause").status_code == 200
     assert post(ustack, "/v1/update_weights", json={"version": "o1"}).status_code == 200
     assert post(ustack, "/v1/resume").status_code == 200
-    old = ustack.status()["engine_pid"]
-    os.kill(old, signal.SIGKILL)
-
-    def new_engine_serving() -> bool:
-        try:
-            st = ustack.status()
-        except Exception:  # noqa: BLE001 - 503 while it restarts
-            return False
-        return st["engine_pid"] != old and st["ranks_ready"] and st["state"] == "running"
-
-    wait_for(new_engine_serving, timeout=90)
+    kill_engine_and_wait_for_the_next(ustack)
     time.sleep(3)  # a catch-up would have started by now
     assert serving(ustack, "o1") and digests(ustack) == earlier
     assert not [e for e in auto_events(ustack, "o2") if e["action"] == "updated"][1:]
@@ -453,17 +459,7 @@ def test_an_engine_restarted_mid_wait_takes_the_versions_as_their_files_land(
     announce_only(ustack, "rw1")
     announce_only(ustack, "rw2")
     wait_for(lambda: any(e["action"] == "waiting" for e in auto_events(ustack, "rw2")))
-    old = ustack.status()["engine_pid"]
-    os.kill(old, signal.SIGKILL)
-
-    def new_engine_serving() -> bool:
-        try:
-            st = ustack.status()
-        except Exception:  # noqa: BLE001 - 503 while it restarts
-            return False
-        return st["engine_pid"] != old and st["ranks_ready"] and st["state"] == "running"
-
-    wait_for(new_engine_serving, timeout=90)
+    kill_engine_and_wait_for_the_next(ustack)
     # the restored engine says what it waits for
     wait_for(lambda: (ustack.status()["auto_update_waiting"] or {}).get("version") == "rw2")
     for v, seed in (("rw1", 63), ("rw2", 64)):
