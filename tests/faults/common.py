@@ -31,6 +31,9 @@ CONTROL_BOUND = 2 * CT + 5 + MARGIN
 # a generation stream hears from the engine at least every 30 s (heartbeats), and a
 # failed step ends it after CONTROL_TIMEOUT_S
 GEN_BOUND = 30 + CT + MARGIN
+# the engine probes every live request's reply inbox every 2 s (1 s probe timeout) and
+# cancels after two no-responders in a row (services/engine/orphans.py)
+ORPHAN_BOUND = 2 * 2 + 1 + MARGIN
 PROMPT = "rollout"
 PROMPT_IDS = [256, *PROMPT.encode()]
 N_GREEDY = 8
@@ -110,6 +113,19 @@ def wait_log(stack: Stack, needle: str, before: int, timeout: float = 60) -> Non
     while log_count(stack, needle) <= before:
         assert time.monotonic() < deadline, f"{needle!r} not logged:\n{stack.log_tail()}"
         time.sleep(0.02)
+
+
+def engine_requests(stack: Stack) -> int:
+    """Requests the engine holds (running or queued), asked through the API (the new one
+    once the launcher restarted it)."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            st = status(stack)
+            return int(st["running"]) + int(st["waiting"])
+        except (AssertionError, OSError, httpx.HTTPError):
+            assert time.monotonic() < deadline, stack.log_tail()
+            time.sleep(0.2)
 
 
 def wait_recovered(stack: Stack, timeout: float = 150) -> dict[str, Any]:

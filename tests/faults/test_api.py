@@ -6,7 +6,6 @@ from __future__ import annotations
 import signal
 import time
 
-import httpx
 import pytest
 
 from tests.faults import common as c
@@ -14,22 +13,7 @@ from tests.faults.common import Faults
 
 pytestmark = pytest.mark.faults
 
-# the engine probes every live request's reply inbox every 2 s (1 s probe timeout) and
-# cancels after two no-responders in a row (services/engine/orphans.py)
-ORPHAN_BOUND = 2 * 2 + 1 + c.MARGIN
-
-
-def _engine_requests(f: Faults) -> int:
-    """Requests the engine holds (running or queued), asked through the API (the new one
-    once the launcher restarted it)."""
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            st = c.status(f.stack)
-            return int(st["running"]) + int(st["waiting"])
-        except (AssertionError, OSError, httpx.HTTPError):
-            assert time.monotonic() < deadline, f.stack.log_tail()
-            time.sleep(0.2)
+ORPHAN_BOUND = c.ORPHAN_BOUND
 
 
 def test_api_killed_its_requests_stop_in_the_engine(faults: Faults) -> None:
@@ -38,14 +22,14 @@ def test_api_killed_its_requests_stop_in_the_engine(faults: Faults) -> None:
     streams = [c.Stream(f.stack) for _ in range(2)]
     for s in streams:
         assert s.started.wait(c.GEN_BOUND)
-    assert _engine_requests(f) == 2
+    assert c.engine_requests(f.stack) == 2
     before = c.log_count(f.stack, "nobody reads")
     api = c.child_pid(f.stack.proc.pid, "services.api")
     c.signal_quietly(api, signal.SIGKILL)
     killed = time.monotonic()
     for s in streams:
         assert s.result().outcome == "cut", (s.outcome, s.error)
-    while (n := _engine_requests(f)) != 0:
+    while (n := c.engine_requests(f.stack)) != 0:
         assert time.monotonic() - killed < ORPHAN_BOUND, f"{n} requests still in the engine"
         time.sleep(0.2)
     assert c.log_count(f.stack, "nobody reads") > before  # cancelled, not finished

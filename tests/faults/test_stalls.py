@@ -10,7 +10,6 @@ import signal
 import time
 from pathlib import Path
 
-import httpx
 import nats.errors
 import pytest
 
@@ -20,9 +19,7 @@ from tests.faults.common import Faults, NatsProc
 
 pytestmark = pytest.mark.faults
 
-# the engine probes every live request's reply inbox every 2 s (1 s probe timeout) and
-# cancels after two no-responders in a row (services/engine/orphans.py)
-ORPHAN_BOUND = 2 * 2 + 1 + c.MARGIN
+ORPHAN_BOUND = c.ORPHAN_BOUND
 # the API ends a stream after CONTROL_TIMEOUT_S without a chunk or heartbeat
 STREAM_BOUND = c.CT + c.MARGIN
 HELD = c.CT + 4  # stopped for longer than every per-call timeout of the API
@@ -44,21 +41,26 @@ def _wait_stopped(pid: int) -> None:
         time.sleep(0.005)
 
 
-def _engine_requests(f: Faults) -> int:
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            st = c.status(f.stack)
-            return int(st["running"]) + int(st["waiting"])
-        except (AssertionError, OSError, httpx.HTTPError):
-            assert time.monotonic() < deadline, f.stack.log_tail()
-            time.sleep(0.2)
-
-
 def _until_no_requests(f: Faults, since: float, bound: float) -> None:
-    while (n := _engine_requests(f)) != 0:
+    while (n := c.engine_requests(f.stack)) != 0:
         assert time.monotonic() - since < bound, f"{n} requests still in the engine"
         time.sleep(0.2)
+
+
+def _streams_fail_health_says_so(
+    f: Faults, streams: list[c.Stream], stopped: float, says: str = ""
+) -> None:
+    """Each stream ends with an error (naming ``says``) within STREAM_BOUND of the stop,
+    ``/health`` answers 503 within its bound; then the process stays stopped until HELD."""
+    for s in streams:
+        s.result(STREAM_BOUND)
+        assert s.outcome == "error" and says in str(s.error), (s.outcome, s.error, s.tokens)
+        assert s.ended_at - stopped < STREAM_BOUND, s.ended_at - stopped
+    t0 = time.monotonic()
+    h = c.get(f.stack, "/health", timeout=c.CONTROL_BOUND)
+    assert h.status_code == 503, h.text
+    assert time.monotonic() - t0 < c.CT + 5 + 2
+    time.sleep(max(0.0, stopped + HELD - time.monotonic()))
 
 
 def test_engine_stopped_mid_stream(faults: Faults) -> None:
@@ -72,14 +74,7 @@ def test_engine_stopped_mid_stream(faults: Faults) -> None:
     c.signal_quietly(pid, signal.SIGSTOP)
     stopped = time.monotonic()
     try:
-        s = stream.result(STREAM_BOUND)
-        assert s.outcome == "error" and "engine" in str(s.error), (s.outcome, s.error)
-        assert s.ended_at - stopped < STREAM_BOUND, s.ended_at - stopped
-        t0 = time.monotonic()
-        h = c.get(f.stack, "/health", timeout=c.CONTROL_BOUND)
-        assert h.status_code == 503, h.text
-        assert time.monotonic() - t0 < c.CT + 5 + 2
-        time.sleep(max(0.0, stopped + HELD - time.monotonic()))
+        _streams_fail_health_says_so(f, [stream], stopped, "engine")
     finally:
         c.signal_quietly(pid, signal.SIGCONT)
     _until_no_requests(f, time.monotonic(), ORPHAN_BOUND)
@@ -124,15 +119,7 @@ def test_nats_stopped_mid_stream(faults: Faults) -> None:
     c.signal_quietly(pid, signal.SIGSTOP)
     stopped = time.monotonic()
     try:
-        for s in streams:
-            s.result(STREAM_BOUND)
-            assert s.outcome == "error", (s.outcome, s.error, s.tokens)
-            assert s.ended_at - stopped < STREAM_BOUND, s.ended_at - stopped
-        t0 = time.monotonic()
-        h = c.get(f.stack, "/health", timeout=c.CONTROL_BOUND)
-        assert h.status_code == 503, h.text
-        assert time.monotonic() - t0 < c.CT + 5 + 2
-        time.sleep(max(0.0, stopped + HELD - time.monotonic()))
+        _streams_fail_health_says_so(f, streams, stopped)
     finally:
         c.signal_quietly(pid, signal.SIGCONT)
     _until_no_requests(f, time.monotonic(), ORPHAN_BOUND)
