@@ -16,11 +16,11 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
 
+from tests.e2e.procs import descendants
 from tests.e2e.stack import Stack
 
 State = tuple[str, str, str]  # (state, weight_version, the asleep tags joined by ",")
@@ -61,28 +61,10 @@ def snapshot(stack: Stack) -> State | None:
         return None
 
 
-def _descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            tasks = list(Path(f"/proc/{p}/task").iterdir())
-        except OSError:
-            continue
-        for t in tasks:
-            try:
-                kids = [int(k) for k in (t / "children").read_text().split()]
-            except OSError:
-                continue
-            out += kids
-            todo += kids
-    return out
-
-
 def _continue_all(stack: Stack) -> None:
     """SIGCONT to the launcher and every process under it (a failed test may have left a
     rank, the engine or the API stopped)."""
-    for pid in [stack.proc.pid, *_descendants(stack.proc.pid)]:
+    for pid in [stack.proc.pid, *descendants(stack.proc.pid)]:
         try:
             os.kill(pid, signal.SIGCONT)
         except ProcessLookupError:

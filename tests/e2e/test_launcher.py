@@ -16,6 +16,7 @@ import httpx
 
 from shared import sharding
 from shared.model_config import ModelConfig
+from tests.e2e.procs import alive
 from tests.e2e.stack import free_port, wait_healthy
 
 
@@ -31,14 +32,6 @@ def _children(pid: int) -> set[int]:
         text = (task / "children").read_text().split()
         out |= {int(x) for x in text}
     return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
 
 
 def _serve(cwd: Path, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
@@ -164,4 +157,4 @@ def test_plain_hf_dir_without_version_txt_then_a_dead_child_stops_it(
     assert "worker rank 1 exited" in log.read_text()
     assert "worker ranks restarted 0 times within 60s already" in log.read_text()
     time.sleep(0.5)
-    assert not [k for k in kids if _alive(k)]
+    assert not [k for k in kids if alive(k)]

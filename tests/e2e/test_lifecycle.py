@@ -17,6 +17,7 @@ import httpx
 
 from services.serveproc import serve_env, spawn
 from services.tiny_model import create_model_dir
+from tests.e2e.procs import alive, descendants
 from tests.e2e.stack import free_port, wait_healthy
 
 STOP_S = 10.0
@@ -39,36 +40,10 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def _descendants(pid: int) -> set[int]:
-    out: set[int] = set()
-    todo = [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            tasks = list(Path(f"/proc/{p}/task").iterdir())
-        except OSError:
-            continue
-        for t in tasks:
-            try:
-                kids = {int(x) for x in (t / "children").read_text().split()}
-            except OSError:
-                continue
-            todo += list(kids - out)
-            out |= kids
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
-
-
 def _roles(launcher: int, status: dict[str, object]) -> dict[str, int]:
     """Every process of the stack by role, from the process tree and /v1/status."""
     roles = {"launcher": launcher}
-    for pid in _descendants(launcher):
+    for pid in descendants(launcher):
         cmd = _cmdline(pid)
         if "nats-server" in cmd:
             roles["nats-server"] = pid
@@ -93,7 +68,7 @@ def _watch_deaths(pids: dict[str, int]) -> tuple[dict[str, float], threading.Eve
         while not done.is_set() and len(died) < len(pids):
             now = time.monotonic()  # one time per pass: deaths seen together tie
             for role, pid in pids.items():
-                if role not in died and not _alive(pid):
+                if role not in died and not alive(pid):
                     died[role] = now
             time.sleep(0.005)
 
@@ -210,7 +185,7 @@ def test_ctrl_c_stops_in_order_quietly_and_restarts_on_the_same_ports(tmp_path: 
     out = log2.read_text(errors="replace")
     assert code == 0 and "Traceback" not in out and "busy" not in out, out
     time.sleep(0.2)
-    assert not [r for r, pid in roles.items() if _alive(pid)]
+    assert not [r for r, pid in roles.items() if alive(pid)]
 
 
 def _run(tmp_path: Path, env: dict[str, str], timeout: float = 120) -> tuple[int, str, float]:
@@ -373,7 +348,7 @@ def test_ctrl_c_while_starting_is_a_clean_stop(tmp_path: Path) -> None:
             time.sleep(0.002)
         t0 = time.monotonic()
         while True:
-            for pid in _descendants(proc.pid) - seen.keys():
+            for pid in descendants(proc.pid) - seen.keys():
                 seen[pid] = _start_time(pid)
             if time.monotonic() - t0 >= delay:
                 break
@@ -390,6 +365,6 @@ def test_ctrl_c_while_starting_is_a_clean_stop(tmp_path: Path) -> None:
         left = dict(seen)
         deadline = time.monotonic() + STOP_S
         while left and time.monotonic() < deadline:
-            left = {p: t for p, t in left.items() if _alive(p) and _start_time(p) == t}
+            left = {p: t for p, t in left.items() if alive(p) and _start_time(p) == t}
             time.sleep(0.05)
         assert not left, (delay, {p: _cmdline(p) for p in left}, out)

@@ -21,6 +21,7 @@ import pytest
 from safetensors import safe_open
 
 from shared import creds
+from tests.e2e.procs import alive
 from tests.e2e.stack import free_port, wait_healthy
 
 
@@ -55,14 +56,6 @@ async def _ctl(url: str, method: str, body: dict[str, object]) -> dict[str, obje
         return dict(json.loads(rep.data))
     finally:
         await nc.close()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
 
 
 async def test_embedded_stack_defaults_roles_and_sigterm(tmp_path: Path) -> None:
@@ -160,4 +153,4 @@ async def test_embedded_stack_defaults_roles_and_sigterm(tmp_path: Path) -> None
         code = proc.wait(60)
     assert code == 0
     time.sleep(0.5)
-    assert not [k for k in all_kids if _alive(k)]
+    assert not [k for k in all_kids if alive(k)]

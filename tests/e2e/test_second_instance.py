@@ -16,13 +16,7 @@ import httpx
 
 from services.serveproc import free_port, serve_env, spawn, wait_healthy
 from services.serveproc import stop as stop_serve
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except (OSError, IndexError):
-        return False
+from tests.e2e.procs import alive
 
 
 def _children(pid: int) -> list[str]:
@@ -121,14 +115,14 @@ def test_second_instance_joins_the_embedded_server(tmp_path: Path) -> None:
         assert second.stop() == 0
         (stopped,) = [x for x in second.text().splitlines() if x.startswith("rollbus: stopped")]
         assert "worker rank 0" in stopped and "nats-server" not in stopped, stopped
-        assert _alive(nats_pid)
+        assert alive(nats_pid)
         assert first.complete()["choices"] and first.status()["state"] == "running"
         assert httpx.get(first.base + "/health", timeout=5).status_code == 200
 
         # the first (the server's owner) stops: a joined instance takes the server over
         assert third.complete()["choices"]
         assert first.stop() == 0
-        assert not _alive(nats_pid)
+        assert not alive(nats_pid)
         deadline = time.monotonic() + 60
         while "this instance runs it now" not in third.text():
             assert time.monotonic() < deadline, third.text()[-2000:]
@@ -136,9 +130,9 @@ def test_second_instance_joins_the_embedded_server(tmp_path: Path) -> None:
         wait_healthy(third.base, third.proc, third.log, timeout=60)
         assert third.complete()["choices"]
         owner = json.loads((tmp_path / "data" / "nats" / "owner.json").read_text())
-        assert owner["instance"] == "third" and _alive(owner["nats_pid"])
+        assert owner["instance"] == "third" and alive(owner["nats_pid"])
         assert third.stop() == 0
-        assert not _alive(owner["nats_pid"])
+        assert not alive(owner["nats_pid"])
         assert not (tmp_path / "data" / "nats" / "owner.json").exists()
     finally:
         for s in (third, second, first):

@@ -30,6 +30,7 @@ from services.tiny_model import write_version
 from shared import messages as m
 from shared.bus import Bus, new_request_id
 from shared.subjects import Subjects
+from tests.e2e.procs import alive
 from tests.e2e.stack import Stack, start_stack
 
 CONTROL_TIMEOUT_S = 4.0
@@ -377,9 +378,9 @@ def test_a_rank_blocked_in_a_step_past_the_bound_exits_and_is_named(
         wait_running(s)
         os.kill(ranks[1], signal.SIGSTOP)
         deadline = time.monotonic() + 40
-        while time.monotonic() < deadline and _alive(ranks[0]):
+        while time.monotonic() < deadline and alive(ranks[0]):
             time.sleep(0.2)
-        assert not _alive(ranks[0]), f"rank 0 still blocked:\n{s.log_tail()}"
+        assert not alive(ranks[0]), f"rank 0 still blocked:\n{s.log_tail()}"
         for _ in range(50):  # the launcher names the exit
             log = s.log.read_text(errors="replace")
             if "code 4" in log:
@@ -395,12 +396,3 @@ def test_a_rank_blocked_in_a_step_past_the_bound_exits_and_is_named(
         except ProcessLookupError:  # the launcher restarted the ranks (killed it)
             pass
         s.stop()
-
-
-def _alive(pid: int) -> bool:
-    """False once ``pid`` exited (a zombie not yet reaped counts as exited)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
