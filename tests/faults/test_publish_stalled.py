@@ -27,7 +27,6 @@ import nats
 import pytest
 from safetensors.numpy import save_file
 
-from services.tiny_model import TINY_CONFIG
 from services.trainer import publisher
 from services.trainer.publisher import CheckpointPublisher
 from shared import manifest as mf
@@ -35,17 +34,8 @@ from shared import objstore, sharding
 from shared.model_config import ModelConfig
 from shared.subjects import ckpt_object_name
 from tests.clirun import clean_env
+from tests.integration.trainer.test_publish_concurrent import BUCKET, CFG
 
-BUCKET = "rollbus_ckpt"
-CFG = {
-    **TINY_CONFIG,
-    "vocab_size": 1024,
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-}
 # the CLI as a user runs it, which stops itself once it holds the claim (the test then
 # lets it go on with SIGCONT)
 STOP_AFTER_CLAIM = """
