@@ -107,25 +107,6 @@ def test_api_stopped_mid_stream(faults: Faults) -> None:
     c.wait_recovered(f.stack)
 
 
-def test_nats_stopped_mid_stream(faults: Faults) -> None:
-    """The nats-server stopped (no connection drops: clients ping every 2 min): every
-    stream ends with an error within CONTROL_TIMEOUT_S; /health answers 503 within the
-    control bound; after SIGCONT nothing is left running and the stack serves again."""
-    f = faults
-    streams = [c.Stream(f.stack, max_tokens=1500) for _ in range(2)]
-    assert all(s.started.wait(c.GEN_BOUND) for s in streams)
-    assert f.nats.proc is not None
-    pid = f.nats.proc.pid
-    c.signal_quietly(pid, signal.SIGSTOP)
-    stopped = time.monotonic()
-    try:
-        _streams_fail_health_says_so(f, streams, stopped)
-    finally:
-        c.signal_quietly(pid, signal.SIGCONT)
-    _until_no_requests(f, time.monotonic(), ORPHAN_BOUND)
-    c.wait_recovered(f.stack)
-
-
 # commit only: its window is the one where a late call switches a rank (stage's, tried
 # too, found nothing; CI time)
 @pytest.mark.parametrize("phase", ["commit"])
