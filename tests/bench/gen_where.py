@@ -243,23 +243,8 @@ async def main_async(args: argparse.Namespace, tmp: Path) -> None:
     paths = args.paths.split(",")
     try:
         await tap.start(bus)
-        for name, env in variants.items():
-            stacks[name] = start_stack(
-                tmp / name,
-                server.url,
-                tp=args.tp,
-                model_dir=model_dir,
-                model_name="bench",
-                env={"ROLLBUS_KV_CACHE_BLOCKS": "1024", "ROLLBUS_CONTROL_TIMEOUT_S": "120", **env},
-            )
-        time.sleep(2)
-        procs = {n: named(st.proc.pid, server.proc.pid) for n, st in stacks.items()}
-        for name, env in variants.items():
-            if AUX_NICE in env:
-                renice_aux(procs[name], int(env[AUX_NICE]))
+        procs = await start_variants(stacks, variants, tmp, server, model_dir, args)
         print("processes:", procs, flush=True)
-        for st in stacks.values():
-            await g.via_http(st.base_url, args.batch, stream=False)  # warm up
         res: dict[str, list[float]] = {}
         for i in range(args.runs):
             for name, stack in stacks.items():
@@ -326,6 +311,35 @@ async def main_async(args: argparse.Namespace, tmp: Path) -> None:
                         print(line)
     finally:
         await stop_all(bus, stacks, server)
+
+
+async def start_variants(
+    stacks: dict[str, Any],
+    variants: dict[str, dict[str, str]],
+    tmp: Path,
+    server: Any,
+    model_dir: Path,
+    args: argparse.Namespace,
+) -> dict[str, dict[str, int]]:
+    """One stack per variant into ``stacks`` (the caller stops them), its processes by
+    role (``AUX_NICE`` applied), each warmed up by one batch over HTTP."""
+    for name, env in variants.items():
+        stacks[name] = start_stack(
+            tmp / name,
+            server.url,
+            tp=args.tp,
+            model_dir=model_dir,
+            model_name="bench",
+            env={"ROLLBUS_KV_CACHE_BLOCKS": "1024", "ROLLBUS_CONTROL_TIMEOUT_S": "120", **env},
+        )
+    time.sleep(2)
+    procs = {n: named(st.proc.pid, server.proc.pid) for n, st in stacks.items()}
+    for name, env in variants.items():
+        if AUX_NICE in env:
+            renice_aux(procs[name], int(env[AUX_NICE]))
+    for st in stacks.values():
+        await g.via_http(st.base_url, args.batch, stream=False)  # warm up
+    return procs
 
 
 def print_medians(res: dict[str, list[float]], digits: int) -> None:

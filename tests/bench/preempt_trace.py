@@ -33,7 +33,6 @@ from shared.bus import Bus
 from shared.subjects import Subjects
 from tests.bench import gen_where as gw
 from tests.bench import generation as g
-from tests.e2e.stack import start_stack
 
 SWITCH = re.compile(
     r"^\s*(\d+\.\d+):\s+sched:sched_switch:.*?prev_pid=(\d+) .*?prev_state=(\S+)"
@@ -140,22 +139,7 @@ async def main_async(args: argparse.Namespace, tmp: Path) -> None:
     stacks = {}
     res: dict[str, list[float]] = defaultdict(list)
     try:
-        for name, env in variants.items():
-            stacks[name] = start_stack(
-                tmp / name,
-                server.url,
-                tp=args.tp,
-                model_dir=model_dir,
-                model_name="bench",
-                env={"ROLLBUS_KV_CACHE_BLOCKS": "1024", "ROLLBUS_CONTROL_TIMEOUT_S": "120", **env},
-            )
-        time.sleep(2)
-        procs = {n: gw.named(st.proc.pid, server.proc.pid) for n, st in stacks.items()}
-        for name, env in variants.items():
-            if gw.AUX_NICE in env:
-                gw.renice_aux(procs[name], int(env[gw.AUX_NICE]))
-        for st in stacks.values():
-            await g.via_http(st.base_url, args.batch, stream=False)  # warm up
+        procs = await gw.start_variants(stacks, variants, tmp, server, model_dir, args)
         for i in range(args.runs):
             for name, stack in stacks.items():
                 s = Subjects(stack.instance)
