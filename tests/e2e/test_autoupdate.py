@@ -96,6 +96,23 @@ def serving(stack: Stack, version: str) -> bool:
     return bool(st["weight_version"] == version and st["state"] == "running")
 
 
+def announce_two_waited_for(stack: Stack, older: str, newest: str) -> None:
+    """Announce ``older`` then ``newest``, neither with files; until the engine waits."""
+    (stack.model_dir / "versions").mkdir(exist_ok=True)
+    announce_only(stack, older)
+    announce_only(stack, newest)
+    wait_for(lambda: any(e["action"] == "waiting" for e in auto_events(stack, newest)))
+
+
+def land_and_serve(stack: Stack, tmp: Path, version: str, seed: int) -> None:
+    """``version``'s snapshot dir lands whole (written aside, renamed in); until served."""
+    cfg = ModelConfig.from_hf(model_config(stack.model_dir))
+    src = tmp / version
+    write_sharded_dir(src, cfg, sharding.init_weights(cfg, seed), 2, model_of(stack), version)
+    src.rename(stack.model_dir / "versions" / version)  # the copy of the version ends
+    wait_for(lambda: serving(stack, version), 30)
+
+
 def kill_engine_and_wait_for_the_next(stack: Stack) -> None:
     """SIGKILL the engine; return once the launcher's new engine serves (running, ranks
     ready)."""
@@ -396,17 +413,9 @@ def test_an_older_loadable_version_is_served_while_the_newest_is_waited_for(
     files land. Before, the engine stayed on its old version until the newest one's
     files came (for good if they never did): the older one's event had been settled
     as superseded."""
-    cfg = ModelConfig.from_hf(model_config(ustack.model_dir))
-    versions = ustack.model_dir / "versions"
-    versions.mkdir(exist_ok=True)
-    announce_only(ustack, "mw1")
-    announce_only(ustack, "mw2")
-    wait_for(lambda: any(e["action"] == "waiting" for e in auto_events(ustack, "mw2")))
+    announce_two_waited_for(ustack, "mw1", "mw2")
     for v, seed in (("mw1", 61), ("mw2", 62)):
-        src = tmp_path / v
-        write_sharded_dir(src, cfg, sharding.init_weights(cfg, seed), 2, model_of(ustack), v)
-        src.rename(versions / v)  # the copy of v ends
-        wait_for(lambda v=v: serving(ustack, v), 30)
+        land_and_serve(ustack, tmp_path, v, seed)
         assert ustack.status()["auto_update_waiting"] == (
             {"version": "mw2", "reason": auto_events(ustack, "mw2")[0]["reason"], "since": ANY}
             if v == "mw1"
@@ -453,17 +462,9 @@ def test_an_engine_restarted_mid_wait_takes_the_versions_as_their_files_land(
     one is served as soon as its files land, the newest as soon as its files do. Before,
     the awaited event (held, un-acked) came back from the durable only after its ack
     wait (10 min), and the older one (acked as superseded) never."""
-    cfg = ModelConfig.from_hf(model_config(ustack.model_dir))
-    versions = ustack.model_dir / "versions"
-    versions.mkdir(exist_ok=True)
-    announce_only(ustack, "rw1")
-    announce_only(ustack, "rw2")
-    wait_for(lambda: any(e["action"] == "waiting" for e in auto_events(ustack, "rw2")))
+    announce_two_waited_for(ustack, "rw1", "rw2")
     kill_engine_and_wait_for_the_next(ustack)
     # the restored engine says what it waits for
     wait_for(lambda: (ustack.status()["auto_update_waiting"] or {}).get("version") == "rw2")
     for v, seed in (("rw1", 63), ("rw2", 64)):
-        src = tmp_path / v
-        write_sharded_dir(src, cfg, sharding.init_weights(cfg, seed), 2, model_of(ustack), v)
-        src.rename(versions / v)  # the copy of v ends
-        wait_for(lambda v=v: serving(ustack, v), 30)
+        land_and_serve(ustack, tmp_path, v, seed)
