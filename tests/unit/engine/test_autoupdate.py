@@ -224,6 +224,22 @@ class Store:
         return SimpleNamespace(data=b"", headers={"Status": "404"})
 
 
+def _engine(store: Any, model_dir: Any, tmp_path: Any, strategy: str, tp: int) -> Any:
+    """What :func:`pending` and :func:`_meanwhile` read of an engine: its bus and settings
+    (model ``m``, bucket ``b``, ipc dir under ``tmp_path``)."""
+    return SimpleNamespace(
+        bus=SimpleNamespace(nc=store),
+        settings=SimpleNamespace(
+            served_model_name="m",
+            model_dir=model_dir,
+            load_strategy=strategy,
+            ipc_dir=tmp_path / "shm",
+            tp=tp,
+            ckpt_bucket="b",
+        ),
+    )
+
+
 def test_pending_looks_where_a_rank_would_and_any_place_will_do(tmp_path: Any) -> None:
     """Not there yet = in none of the places the strategy's ranks look (ipc dir, a
     complete ``versions/V``, the object store's manifest); there in any = go."""
@@ -235,17 +251,7 @@ def test_pending_looks_where_a_rank_would_and_any_place_will_do(tmp_path: Any) -
 
     model_dir = create_model_dir(tmp_path / "m", TINY_CONFIG, seed=0)
     store = Store()
-    eng = SimpleNamespace(
-        bus=SimpleNamespace(nc=store),
-        settings=SimpleNamespace(
-            served_model_name="m",
-            model_dir=model_dir,
-            load_strategy="ipc",
-            ipc_dir=tmp_path / "shm",
-            tp=2,
-            ckpt_bucket="b",
-        ),
-    )
+    eng = _engine(store, model_dir, tmp_path, "ipc", tp=2)
     look = lambda v: asyncio.run(pending(eng, v))  # type: ignore[arg-type]  # noqa: E731
     assert look("v0") is None  # the model dir's own version: always there
     why = look("s1")
@@ -287,18 +293,8 @@ def test_meanwhile_serves_only_a_version_known_to_be_there(tmp_path: Any) -> Non
 
     model_dir = create_model_dir(tmp_path / "m", TINY_CONFIG, seed=0)
     store = Store()
-    eng = SimpleNamespace(
-        bus=SimpleNamespace(nc=store),
-        state=SimpleNamespace(weight_version="v1"),
-        settings=SimpleNamespace(
-            served_model_name="m",
-            model_dir=model_dir,
-            load_strategy="object_store",
-            ipc_dir=tmp_path / "shm",
-            tp=1,
-            ckpt_bucket="b",
-        ),
-    )
+    eng = _engine(store, model_dir, tmp_path, "object_store", tp=1)
+    eng.state = SimpleNamespace(weight_version="v1")
     idx = index_of(eng)  # type: ignore[arg-type]
     for seq, v in enumerate(("v1", "v2", "v3"), 1):
         idx.add(v, seq)
