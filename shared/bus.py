@@ -81,9 +81,11 @@ from shared.tasks import guarded
 log = logging.getLogger("rollbus.bus")
 
 REQUEST_ID = "Rollbus-Request-Id"
-# after a stream's idle timeout and a PING/PONG: how long its callback may take to hand
-# over what was read (a few loop turns; see Bus._after_silence)
+# after a reply timer fired and a PING/PONG (Bus.settle): how long the inbox's callback
+# may take to hand over what was read (a few loop turns, unless the inbox is busy)
 SILENCE_GRACE_S = 0.25
+# how long Bus.settle waits for the server's PONG (nats-py's flush takes whole seconds)
+SETTLE_PONG_S = 1
 # the longest request id a responder echoes (a client's ``X-Request-Id`` fits: the API's
 # request head is at most 64 KiB); a longer one is not echoed (the engine answers 400)
 MAX_REQUEST_ID_BYTES = 64 * 1024
@@ -335,9 +337,20 @@ class _Expired(Exception):
     """A request's timer fired before its reply came (see :meth:`Sent.reply`)."""
 
 
-def _expire(fut: asyncio.Future[Reply]) -> None:
-    if not fut.done():
-        fut.set_exception(_Expired())
+def _expire(sent: Sent) -> None:
+    """``sent``'s timer fired: its future fails with :class:`_Expired`, and a fresh one
+    takes its place under the same token, here in the timer's callback, so a reply the
+    inbox hands over from now on (one that waited unread in the socket while this
+    process was stopped) lands in it while :meth:`Sent.reply` settles; a failed future
+    would have it dropped as late."""
+    fut = sent.fut
+    if fut.done():
+        return
+    late: asyncio.Future[Reply] = fut.get_loop().create_future()
+    sent.fut = late
+    if sent.bus._pending.get(sent.token) is fut:
+        sent.bus._pending[sent.token] = late
+    fut.set_exception(_Expired())
 
 
 class Sent:
@@ -347,13 +360,19 @@ class Sent:
         self.bus, self.subject, self.token, self.fut = bus, subject, token, fut
 
     async def reply(self, timeout: float) -> Reply:
-        """The one reply, within ``timeout`` from now; ``Timeout`` or ``NoResponders``."""
+        """The one reply, within ``timeout`` from now; ``Timeout`` or ``NoResponders``.
+        When the timer fires, the reply may be this process's own delay (stopped, or
+        starved of CPU: it waits unread in the socket): :meth:`Bus.settle` first, then
+        ``Timeout`` only if it is still not there."""
         # the future awaited directly under one timer (not wait_for: a waiter future and
         # a done-callback more per request); a cancelled caller cancels it, as wait_for did
-        timer = asyncio.get_running_loop().call_later(timeout, _expire, self.fut)
+        timer = asyncio.get_running_loop().call_later(timeout, _expire, self)
         try:
             return await self.fut
         except _Expired:
+            await self.bus.settle()
+            if self.fut.done():  # _expire's fresh future: the reply was only unread
+                return self.fut.result()
             raise Timeout(self.subject, timeout) from None
         finally:
             timer.cancel()
@@ -506,6 +525,10 @@ class Bus:
         self.fail_when_disconnected = False
         self.callback_errors: dict[str, int] = {}  # by subject, see shared.tasks.guarded
         self._late_log = RateLimited(log)
+        self._inbox: Any = None  # the reply inbox's nats-py subscription (see settle)
+        # a settle whose PING is not sent yet: timers firing meanwhile share it
+        self._settling: asyncio.Task[None] | None = None
+        self._settles: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -596,7 +619,7 @@ class Bus:
         # later flush really means "the server has processed it".
         await self.nc.flush()
         # The one wildcard inbox, before any request can be made.
-        await self.nc.subscribe(
+        self._inbox = await self.nc.subscribe(
             self._inbox_prefix + ".*", cb=guarded("replies", self._on_reply, self.callback_errors)
         )
         await self.nc.flush()
@@ -829,8 +852,12 @@ class Bus:
                 return gather.replies
             raise TimeoutError  # the connection dropped: the missing ranks are named
         except TimeoutError:
+            if not gather.lost and len(gather.replies) < expected:
+                # the gather stays registered, so replies still come into it: those
+                # only unread (this process was the late one) are in after the settle
+                await self.settle()
             missing = [r for r in range(expected) if r not in gather.replies]
-            if not missing:  # the last reply came in the loop turn the timer fired
+            if not missing:  # the last replies were only unread, or came as the timer fired
                 return gather.replies
             err = Timeout(subject, timeout, missing)
             if gather.lost:
@@ -884,23 +911,51 @@ class Bus:
             self._subjects.pop(token, None)
 
     async def _after_silence(self, stream: _Stream, subject: str, idle: float) -> Reply | Exception:
-        """A stream's idle timer fired: its next reply, if it was only unread, else
-        :class:`Timeout`. The silent one may be this process (stopped, or starved of
-        CPU): the replies then wait in its socket, and the timer runs before the read
-        that would deliver them (seen: an API SIGSTOPped for 10 s told every client
-        `engine: no answer for 6s` while the engine's tokens sat in its socket). A
-        PING/PONG with the server settles it — the server sends in order, so what it
-        sent before the PONG has been read once the flush returns, and the inbox's
-        callback hands it over within a few loop turns. At most ~1.25 s more on a
-        real silence (a server that does not answer the PING in 1 s: silent too)."""
-        if self.nc.is_connected:
-            try:
-                await self.nc.flush(timeout=1)
+        """A stream's idle timer fired: its next reply, if it was only unread (seen: an
+        API SIGSTOPped for 10 s told every client `engine: no answer for 6s` while the
+        engine's tokens sat in its socket), else :class:`Timeout` (:meth:`settle`)."""
+        await self.settle()
+        try:
+            return stream.queue.get_nowait()
+        except asyncio.QueueEmpty:
+            raise Timeout(subject, idle) from None
+
+    async def settle(self) -> None:
+        """Every reply the server sent this process before now is handed to its waiter.
+
+        For a reply timer that fired: the silent one may be this process (stopped, or
+        starved of CPU). The replies then wait in its socket, and asyncio runs the due
+        timer in the same loop turn as the socket's read event, before nats-py's read
+        task has parsed them: without this, a caller blames its peer for its own delay
+        (an engine stopped past its scatter rolled back an update every rank had made).
+        A PING/PONG with the server settles it: the server sends in order, so what it
+        sent before the PONG has been parsed once the flush returns; then the inbox's
+        callback hands it over (its queue drained, at most ``SILENCE_GRACE_S``).
+
+        Cost on a real silence: one round trip (plus draining a busy inbox, ≤ 0.25 s);
+        at most ``SETTLE_PONG_S + SILENCE_GRACE_S`` (~1.25 s) when the server does not
+        answer (stopped: silent too). Nothing when not connected (a lost connection
+        has failed every waiter already). Timers that fire together share one PING.
+        Never raises but for its caller's cancellation."""
+        if not self.nc.is_connected:
+            return
+        if self._settling is None:
+            task = asyncio.get_running_loop().create_task(self._settle_once())
+            self._settling = task
+            self._settles.add(task)  # held: a task only shielded may be collected
+            task.add_done_callback(self._settles.discard)
+        await asyncio.shield(self._settling)
+
+    async def _settle_once(self) -> None:
+        self._settling = None  # the PING goes out now: a timer firing later needs its own
+        try:
+            await self.nc.flush(timeout=SETTLE_PONG_S)
+            queue = getattr(self._inbox, "_pending_queue", None)  # nats-py's, per callback sub
+            if queue is not None:
                 async with asyncio.timeout(SILENCE_GRACE_S):
-                    return await stream.queue.get()
-            except (TimeoutError, nats.errors.Error):
-                pass
-        raise Timeout(subject, idle) from None
+                    await queue.join()  # every message queued before is through its callback
+        except (TimeoutError, OSError, nats.errors.Error):
+            pass  # no answer in time: the waiters' timeouts stand
 
     async def publish(
         self, subject: str, data: bytes, headers: dict[str, str] | None = None
