@@ -698,6 +698,11 @@ class Generation:
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    # the late one may be the engine (stopped: the reply unread in its
+                    # socket): Sent.reply's settle, on this loop's own timer
+                    await self.engine.bus.settle()
+                    if sent.fut.done():
+                        return sent.fut.result()
                     raise Timeout(sent.subject, t)
                 await asyncio.wait((sent.fut,), timeout=min(left, GONE_POLL_S))
                 if sent.fut.done():
