@@ -213,6 +213,7 @@ async def commit_ranks(eng: Engine, version: str, uid: str, previous: str) -> No
     except RankError as e:
         # some ranks may have switched: every one of them swaps back, and a late
         # commit for this update is refused, so no rank serves the new version alone
+        log.warning("update to %r failed: %s; rolling the ranks back", version, e.message)
         await settle(eng, "rollback", m.UpdateIdArgs(uid))
         raise RankError(
             e.code,

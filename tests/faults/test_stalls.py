@@ -250,3 +250,37 @@ def test_engine_stopped_during_update_weights(faults: Faults, phase: str) -> Non
     assert st["engine_pid"] == pid and st["state"] in ("paused", "running"), st
     assert c.ctl(f.stack, "/v1/resume").status_code == 200
     c.assert_consistent(f.stack, str(st["weight_version"]))
+
+
+def test_engine_stopped_past_its_commit_scatter_keeps_the_update(faults: Faults) -> None:
+    """The engine stopped while the ranks sit in their commit window, for longer than
+    its scatter's CONTROL_TIMEOUT_S but less than the API waits: the ranks' commit
+    replies come while it is stopped and wait in its socket. Continued, its timer is due
+    first; the bus settles (PING/PONG) before it blames them, so the update stands:
+    200, every rank on the new version, nothing rolled back. Before: `commit: ranks
+    [0, 1] did not answer within 6s; ranks that had committed were rolled back`."""
+    f = faults
+    needle = "rank 1: test delay before commit"
+    before = c.log_count(f.stack, needle)
+    rollbacks = c.log_count(f.stack, "rolling the ranks back")
+    assert c.ctl(f.stack, "/v1/pause").status_code == 200
+    pid = int(c.status(f.stack)["engine_pid"])
+    call = c.Call(f.stack, "/v1/update_weights", json={"version": "v1"})
+    c.wait_log(f.stack, needle, before)
+    c.signal_quietly(pid, signal.SIGSTOP)
+    try:
+        _wait_stopped(pid)
+        # past the scatter's timer (sent before the stop), with room for the ranks'
+        # commit window and replies; the API waits 2 x CT + 5 s for the whole call
+        time.sleep(c.CT + 3)
+    finally:
+        c.signal_quietly(pid, signal.SIGCONT)
+    r = call.result(c.CONTROL_BOUND)
+    assert c.log_count(f.stack, "rolling the ranks back") == rollbacks, f.stack.log_tail()
+    assert r.status_code == 200, r.text
+    assert r.json()["result"]["version"] == "v1", r.text
+    st = c.status(f.stack)
+    assert st["engine_pid"] == pid and st["weight_version"] == "v1", st
+    assert [x["version"] for x in st["ranks"]] == ["v1", "v1"], st
+    assert c.ctl(f.stack, "/v1/resume").status_code == 200
+    c.assert_consistent(f.stack, "v1")
