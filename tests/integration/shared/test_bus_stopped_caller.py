@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from shared.bus import RANK, REQUEST_ID, Bus
+from shared.errors import Timeout
 from tests.integration.shared.test_bus import connect, settle, subject
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -102,3 +103,36 @@ async def test_a_caller_stopped_past_its_timer_gets_the_replies_it_was_sent(
     want = ["rank 0", "rank 1"] if mode == "scatter" else ["rank 0"]
     assert got.get("got") == want, got
     assert got["waited"] >= TIMEOUT, got  # by its own clock too: the timer had fired
+
+
+async def test_timers_firing_together_settle_with_one_ping(nats_url: str) -> None:
+    """Genuine timeouts (nobody answers) still raise ``Timeout``; those firing in the
+    same loop turn (e.g. the engine's reply probes, one per live request) share one
+    PING/PONG instead of one each."""
+    subj = subject()
+    nc = await connect(nats_url)
+
+    async def silent(msg):  # noqa: ANN001 - a reader that never answers
+        return None
+
+    await nc.subscribe(subj, cb=silent)
+    bus = await Bus.connect(nats_url, "settle-once")
+    await settle(bus, nc)
+    pings = 0
+    flush = bus.nc.flush
+
+    async def counted(*args: object, **kw: object) -> None:
+        nonlocal pings
+        pings += 1
+        await flush(*args, **kw)  # type: ignore[arg-type]
+
+    bus.nc.flush = counted  # type: ignore[method-assign]
+    try:
+        sent = [await bus.send(subj, b"x") for _ in range(5)]  # one timer deadline each
+        got = await asyncio.gather(*(s.reply(0.2) for s in sent), return_exceptions=True)
+        assert all(isinstance(g, Timeout) for g in got), got
+        assert pings == 1
+        assert bus.pending == 0
+    finally:
+        await bus.close()
+        await nc.close()
