@@ -12,7 +12,10 @@ One :class:`Bus` per process. It owns:
   ``Rollbus-Request-Id`` header, never in a subject, so it cannot break or cross replies;
 * ``request`` (one reply) and ``scatter`` (exactly ``expected`` replies, one per rank,
   or a timeout naming the ranks that did not answer). No-responder markers
-  (``Status: 503``) fail a request at once and are ignored by a scatter;
+  (``Status: 503``) fail a request at once and are ignored by a scatter. A reply timer
+  that fires (request, scatter, stream) first settles with the server
+  (:meth:`Bus.settle`): a reply that only waited unread in this process's socket (it
+  was stopped) is taken, not blamed on the peer;
 * a lost connection (nats-py then reconnects by itself) fails every request, scatter
   and stream still waiting at once with a 503 saying so (``ConnectionLost``; a scatter
   names the ranks that had not answered): a reply published while our inbox was away is
