@@ -118,7 +118,7 @@ def read_slices(
 def load_buffer(
     buf: Any, where: str, dtype: str, stored: dict[str, mf.TensorSpec] | None = None
 ) -> dict[str, np.ndarray]:
-    """Every tensor of a safetensors buffer (a pulled shard, a mapped file) in the
+    """Every tensor of a safetensors buffer (a pulled shard, a shard file read whole) in the
     compute ``dtype``: float tensors converted, others as zero-copy views; 422 naming
     the file and tensor when malformed. ``stored``: the manifest's tensors (names,
     shapes, stored dtypes) the header must equal before anything is converted."""
@@ -136,19 +136,27 @@ def load_buffer(
     return out
 
 
-def read_file(path: Path, size: int, where: str) -> mmap.mmap:
-    """The first ``size`` bytes (the size checked) of the file at ``path``, read into
-    private anonymous memory (``pread``: one copy, which paddle then takes without
-    another). Not a mapping of the file: tensors that were views of one touched pages
-    past its end when the file was cut short meanwhile (``cp`` over a version truncates
-    first) — SIGBUS, the rank died — and a SHA-256 of the file read before the mapping
-    did not bind what the mapping held. A file shorter than ``size`` is ``OSError``."""
+def read_file(src: Path | int, size: int, where: str) -> mmap.mmap:
+    """The first ``size`` bytes (the size checked) of a file, read into private anonymous
+    memory (``pread``: one copy, which paddle then takes without another). ``src``: its
+    path, or a descriptor already open on it (the ipc strategy's, opened confined; read
+    with ``pread``, left open). Not a mapping of the file: tensors that were views of
+    one touched pages past its end when the file was cut short meanwhile (``cp`` over a
+    version truncates first, a trainer rewrites its ipc dir) — SIGBUS, the rank died —
+    and a SHA-256 of the mapping did not bind what it held when copied later. A file
+    shorter than ``size`` is ``OSError``."""
     if size == 0:
         raise ControlError(UNPROCESSABLE, f"{where}: not a valid safetensors file: empty")
     buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
     try:
-        with open(path, "rb") as f:
-            _pread_into(f.fileno(), memoryview(buf), 0)
+        # released on the way out, failed read or not: a view still held by the error's
+        # frames made ``close`` below raise BufferError instead of the read's error
+        with memoryview(buf) as view:
+            if isinstance(src, int):
+                _pread_into(src, view, 0)
+            else:
+                with open(src, "rb") as f:
+                    _pread_into(f.fileno(), view, 0)
     except BaseException:
         buf.close()
         raise

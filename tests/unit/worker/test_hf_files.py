@@ -139,3 +139,23 @@ def test_rank_reads_only_its_slice_bytes(tmp_path: Path) -> None:
     for rank in range(2):
         shard = SnapshotSource(CFG, tmp_path, rank, 2)("v0", False)
         assert shard.nbytes == whole + split // 2
+
+
+def test_read_file_of_a_file_shorter_than_its_size_is_oserror(tmp_path: Path) -> None:
+    """A file cut short since its size was checked: the read's own error (the sources
+    make it a 422 naming the file), by path or by descriptor. Before, the buffer's
+    ``close`` on the way out failed (a view of it was still held) and raised
+    BufferError instead."""
+    import os
+
+    p = tmp_path / "x.safetensors"
+    p.write_bytes(b"\0" * 5000)
+    with pytest.raises(OSError, match="file ended at byte 5000"):
+        hf_files.read_file(p, 9000, "w")
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        with pytest.raises(OSError, match="file ended at byte 5000"):
+            hf_files.read_file(fd, 9000, "w")
+        assert bytes(hf_files.read_file(fd, 5000, "w")) == b"\0" * 5000
+    finally:
+        os.close(fd)
