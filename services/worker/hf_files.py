@@ -129,11 +129,44 @@ def load_buffer(
     if stored is not None:
         got = {n: mf.TensorSpec(list(e.shape), e.dtype_name) for n, e in header.tensors.items()}
         mf.check_tensors(stored, got, where)
-    out = {}
-    for name, e in header.tensors.items():
+    out: dict[str, np.ndarray] = {}
+    # in file order, so that a run of converted tensors is given back whole, the pages
+    # two neighbours share included (see _drop_pages); kept views stay resident
+    private = isinstance(buf, mmap.mmap)
+    lo = _page_up(header.data_start)  # below: the header or a kept view, or given back
+    for name, e in sorted(header.tensors.items(), key=lambda kv: (kv[1].start, kv[1].end)):
         v = st.view(buf, e)
-        out[name] = st.convert(v, dtype) if e.dtype_name in st.FLOATS else v
-    return out
+        if e.dtype_name not in st.FLOATS:
+            out[name] = v
+            lo = max(lo, _page_up(e.end))
+            continue
+        out[name] = c = st.convert(v, dtype)
+        if np.may_share_memory(c, v):  # not converted: a view, kept
+            lo = max(lo, _page_up(e.end))
+        elif private:
+            hi = e.end // mmap.PAGESIZE * mmap.PAGESIZE
+            if hi > lo:
+                _drop_pages(buf, lo, hi)
+                lo = hi
+    return {name: out[name] for name in header.tensors}
+
+
+def _page_up(n: int) -> int:
+    return -(-n // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+def _drop_pages(buf: mmap.mmap, lo: int, hi: int) -> None:
+    """Give back pages ``[lo, hi)`` of ``buf``: bytes of tensors already converted
+    (hashed before, never read again). A bf16 / fp16 shard read whole (:func:`read_file`)
+    otherwise stayed resident beside its fp32 result until the load ended: a peak of
+    1.5x the weights, where the ipc mapping it replaced cost nothing beside them.
+    ``buf`` is :func:`read_file`'s private anonymous memory: a dropped page reads back
+    as zeros, never as other bytes. Whole runs, not each tensor's inner pages: a huge
+    page (see :func:`_huge_pages`) is freed only once none of it is mapped."""
+    try:
+        buf.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+    except OSError:  # only memory: the load goes on
+        pass
 
 
 def read_file(src: Path | int, size: int, where: str) -> mmap.mmap:
