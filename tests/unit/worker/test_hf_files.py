@@ -229,3 +229,24 @@ def test_a_converted_shard_frees_each_tensors_read_bytes_as_it_goes(
     assert list(got) == list(tensors)  # in the header's order still
     del got
     buf.close()
+
+
+@pytest.mark.parametrize("advice", ["MADV_HUGEPAGE", "MADV_DONTNEED"])
+def test_a_refused_memory_hint_never_fails_the_load(
+    tmp_path: Path, advice: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Huge pages for the read and giving converted bytes back are memory hints only: a
+    kernel without THP or a seccomp filter refuses the ``madvise`` (EINVAL / EPERM) and
+    the shard still loads, every value right. The advice made unknown to the kernel
+    (a real EINVAL) stands for such a host."""
+    import mmap
+
+    monkeypatch.setattr(mmap, advice, 0x7FFF, raising=False)
+    w = np.random.default_rng(3).standard_normal((512, 1024)).astype(np.float32)
+    raw = (w.view(np.uint32) >> 16).astype(np.uint16)
+    p = tmp_path / "s.safetensors"
+    write_safetensors(p, {"a": ("BF16", raw), "b": ("BF16", raw[::-1].copy())})
+    got = hf_files.load_buffer(hf_files.read_file(p, p.stat().st_size, "w"), "w", "float32")
+    want = (raw.astype(np.uint32) << 16).view(np.float32)
+    np.testing.assert_array_equal(got["a"], want)
+    np.testing.assert_array_equal(got["b"], want[::-1])
