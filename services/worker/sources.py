@@ -17,10 +17,11 @@ compute dtype (a bf16 / fp16 checkpoint on CPU) is converted tensor by tensor
 (:func:`services.worker.hf_files.load_buffer`).
 
 ``ipc``: a trainer on the same host wrote ``<ipc_dir>/<model>/<version>/`` (manifest and
-shards, see :mod:`services.trainer.publisher`); the rank maps its shard file
-(``mmap``, shared memory under ``/dev/shm``) and parses it as views of the mapping: no
-copy through the bus, one copy into paddle tensors. Only what the service can trust is
-read: see :class:`IpcSource`.
+shards, see :mod:`services.trainer.publisher`); the rank reads its shard file (shared
+memory under ``/dev/shm``) once into private memory, hashes that and parses it as
+views of it: no copy through the bus, one copy in all (paddle takes the views without
+another). Never a mapping of the file: the trainer may rewrite or remove it meanwhile.
+Only what the service can trust is read: see :class:`IpcSource`.
 
 Integrity by default: ``verify_checksum`` None (not given) means verify, since both
 strategies always have a manifest. The manifest is validated first
@@ -38,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import hashlib
-import mmap
 import os
 import stat
 import threading
@@ -253,7 +253,7 @@ def open_confined(
 
 
 class IpcSource:
-    """Map this rank's shard from shared memory written by a same-host trainer.
+    """Read this rank's shard from shared memory written by a same-host trainer.
 
     Trust rules (else 422 naming the file): every directory from the ipc root down to
     the version dir and every file read is opened without following symlinks
@@ -348,14 +348,20 @@ class IpcSource:
         missing = ControlError(UNPROCESSABLE, f"{where}: shard file is missing")
         fd = self._open(spec.file, vdir, where, False, missing)
         try:
-            fst = os.fstat(fd)  # before it is mapped: see stat_pin
+            fst = os.fstat(fd)  # before it is read: see stat_pin
             size = fst.st_size
             if size != spec.size:
                 raise ControlError(UNPROCESSABLE, f"{where}: size {size} != manifest {spec.size}")
-            # MAP_POPULATE: map every page now, in one kernel call, not one fault a page
-            buf = mmap.mmap(
-                fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ
-            )
+            # read once into private memory, never mapped: the file is the trainer's to
+            # rewrite or clean up, and a mapping of it cut short meanwhile was SIGBUS (the
+            # rank died) at the next touch, and changed after the hash was served unhashed.
+            # What is hashed below is what is parsed and handed to paddle (writable,
+            # C-contiguous views: taken over without another copy).
+            try:
+                buf = hf_files.read_file(fd, size, where)
+            except OSError as e:  # short: cut short since the size check
+                why = e.strerror if e.errno else f"{e} of {size}: changed while read"
+                raise ControlError(UNPROCESSABLE, f"{where}: cannot read: {why}") from None
         finally:
             os.close(fd)
         timings: dict[str, Any] = {"verified": verify}

@@ -602,6 +602,6 @@ def run(tmp: Path, nats_url: str, runs: int = 5, quick: bool = False,
 
     ipc_t = Table("ipc", f"ipc, rank 0 shard {ipc_size / MIB:.0f} MiB: seconds", "s")
     ipc_t.add("memcpy of the same bytes", values=copy)
-    ipc_t.add("ipc stage: mmap + parse + one copy, handed to paddle", values=ipc,
+    ipc_t.add("ipc stage: read into private memory + parse, handed to paddle", values=ipc,
               baseline="memcpy of the same bytes", target=("<=", 2.0))
     return [*pub_ts, *pull_ts, sec, ipc_t]

@@ -139,3 +139,114 @@ def test_rank_reads_only_its_slice_bytes(tmp_path: Path) -> None:
     for rank in range(2):
         shard = SnapshotSource(CFG, tmp_path, rank, 2)("v0", False)
         assert shard.nbytes == whole + split // 2
+
+
+def test_read_file_of_a_file_shorter_than_its_size_is_oserror(tmp_path: Path) -> None:
+    """A file cut short since its size was checked: the read's own error (the sources
+    make it a 422 naming the file), by path or by descriptor. Before, the buffer's
+    ``close`` on the way out failed (a view of it was still held) and raised
+    BufferError instead."""
+    import os
+
+    p = tmp_path / "x.safetensors"
+    p.write_bytes(b"\0" * 5000)
+    with pytest.raises(OSError, match="file ended at byte 5000"):
+        hf_files.read_file(p, 9000, "w")
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        with pytest.raises(OSError, match="file ended at byte 5000"):
+            hf_files.read_file(fd, 9000, "w")
+        assert bytes(hf_files.read_file(fd, 5000, "w")) == b"\0" * 5000
+    finally:
+        os.close(fd)
+
+
+def _resident(buf: object) -> int:
+    """Bytes of ``buf`` (an anonymous mapping) in memory now: ``mincore`` over its
+    pages, exact (RSS would count every other allocation of the process too)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    holder = ctypes.c_char.from_buffer(buf)  # type: ignore[arg-type]
+    addr = ctypes.addressof(holder)
+    del holder  # the export: the buffer must stay closable
+    n = len(buf)  # type: ignore[arg-type]
+    pages = -(-n // mmap.PAGESIZE)
+    vec = ctypes.create_string_buffer(pages)
+    assert libc.mincore(addr, n, vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec.raw) * mmap.PAGESIZE
+
+
+@pytest.mark.parametrize("dtype", ["BF16", "F16"])
+def test_a_converted_shard_frees_each_tensors_read_bytes_as_it_goes(
+    tmp_path: Path, dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bf16 / fp16 shard read whole (ipc, pre-sharded) and converted to the fp32
+    compute dtype: the bytes of a tensor once converted are never read again, so their
+    pages go back as each tensor is converted. Kept, the whole half-precision shard
+    stayed resident beside the fp32 result until the load ended: the peak was 1.5x
+    the weights (the ipc mapping it replaced cost nothing beside them). Non-float
+    tensors stay views of the buffer (kept), and every value is still right."""
+    rng = np.random.default_rng(5)
+    w = {f"w{i}": rng.standard_normal((256, 1024)).astype(np.float32) for i in range(6)}
+    raw = {
+        n: (a.view(np.uint32) >> 16).astype(np.uint16) if dtype == "BF16" else a.astype(np.float16)
+        for n, a in w.items()
+    }
+    ids = np.arange(4096, dtype=np.int64)
+    p = tmp_path / "s.safetensors"
+    tensors = {n: (dtype, r) for n, r in raw.items()}
+    names = list(tensors)  # a kept view between converted tensors: its pages stay
+    tensors = {**{n: tensors[n] for n in names[:3]}, "ids": ("I64", ids),
+               **{n: tensors[n] for n in names[3:]}}  # fmt: skip
+    write_safetensors(p, tensors)
+    buf = hf_files.read_file(p, p.stat().st_size, "w")
+    whole = _resident(buf)
+    assert whole >= len(buf) - 4096  # all read in
+    left = sum(r.nbytes for r in raw.values())
+    seen: list[tuple[int, int]] = []  # (resident, bytes of float tensors not yet converted)
+    real_convert = st.convert
+
+    def convert(a: np.ndarray, target: str) -> np.ndarray:
+        nonlocal left
+        seen.append((_resident(buf), left))
+        left -= a.nbytes
+        return real_convert(a, target)
+
+    monkeypatch.setattr(st, "convert", convert)
+    got = hf_files.load_buffer(buf, "w", "float32")
+    slack = ids.nbytes + 64 * 1024  # the header, ids and a page either side of each tensor
+    assert len(seen) == len(raw)
+    for resident, unconverted in seen:
+        assert resident <= unconverted + slack, seen
+    assert _resident(buf) <= slack
+    for n in w:
+        want = (raw[n].astype(np.uint32) << 16).view(np.float32) if dtype == "BF16" else raw[n]
+        np.testing.assert_array_equal(got[n], want.astype(np.float32), err_msg=n)
+    np.testing.assert_array_equal(got["ids"], ids)  # a view, its pages kept
+    assert list(got) == list(tensors)  # in the header's order still
+    del got
+    buf.close()
+
+
+@pytest.mark.parametrize("advice", ["MADV_HUGEPAGE", "MADV_DONTNEED"])
+def test_a_refused_memory_hint_never_fails_the_load(
+    tmp_path: Path, advice: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Huge pages for the read and giving converted bytes back are memory hints only: a
+    kernel without THP or a seccomp filter refuses the ``madvise`` (EINVAL / EPERM) and
+    the shard still loads, every value right. The advice made unknown to the kernel
+    (a real EINVAL) stands for such a host."""
+    import mmap
+
+    monkeypatch.setattr(mmap, advice, 0x7FFF, raising=False)
+    w = np.random.default_rng(3).standard_normal((512, 1024)).astype(np.float32)
+    raw = (w.view(np.uint32) >> 16).astype(np.uint16)
+    p = tmp_path / "s.safetensors"
+    write_safetensors(p, {"a": ("BF16", raw), "b": ("BF16", raw[::-1].copy())})
+    got = hf_files.load_buffer(hf_files.read_file(p, p.stat().st_size, "w"), "w", "float32")
+    want = (raw.astype(np.uint32) << 16).view(np.float32)
+    np.testing.assert_array_equal(got["a"], want)
+    np.testing.assert_array_equal(got["b"], want[::-1])

@@ -38,8 +38,9 @@ def source(ipc_dir: Path, rank: int = 0, **kw: object) -> IpcSource:
     return IpcSource(s, None, rank, 2)  # type: ignore[arg-type]
 
 
-def load(ipc_dir: Path, man: mf.Manifest, rank: int = 0, verify: bool | None = None,
-         **kw: object) -> object:
+def load(
+    ipc_dir: Path, man: mf.Manifest, rank: int = 0, verify: bool | None = None, **kw: object
+) -> object:
     return source(ipc_dir, rank, **kw)("s1", verify, man.shards[rank].tensors)
 
 
@@ -221,3 +222,136 @@ def test_a_short_version_never_takes_a_long_ones_ipc_dir(tmp_path: Path) -> None
     short = ipc_version_dir(tmp_path, MODEL, long).name  # 193 characters: a valid version
     assert check_version_name(short) == short
     assert ipc_version_dir(tmp_path, MODEL, short) != ipc_version_dir(tmp_path, MODEL, long)
+
+
+def test_a_shard_cut_short_during_the_load_cannot_kill_the_rank(
+    ipc: tuple[Path, mf.Manifest],
+) -> None:
+    """The trainer rewriting or cleaning its ipc dir (``O_TRUNC``) while a rank loads
+    the shard: it used to be mapped, and the next touch of a page past the new end (the
+    parse, the staging copy) was SIGBUS — the rank process died. Now it is read once
+    into private memory: cut short before the read, a 422 naming the rank and file; cut
+    short after it, the bytes read (and hashed) are served. The truncate is real; the
+    seams only place it: right after the size check's ``os.fstat``, or just before the
+    tensors are parsed. Run in a child, since the old code kills the process it runs in."""
+    import subprocess
+    import sys
+    import textwrap
+
+    ipc_dir, man = ipc
+    code = textwrap.dedent(
+        f"""
+        import os, sys
+        import numpy as np
+        from pathlib import Path
+        from services.worker import hf_files, sources
+        from shared import manifest as mf
+        from shared import safetensors as st
+        from shared.errors import ControlError
+        from shared.settings import Settings
+        from shared.versions import ipc_version_dir
+
+        ipc_dir = Path({str(ipc_dir)!r})
+        shard = ipc_version_dir(ipc_dir, {MODEL!r}, "s1") / "rank0-of-2.safetensors"
+        original = shard.read_bytes()
+        want = {{k: v.copy() for k, v in st.load(original, "orig").items()}}
+        man = mf.decode((shard.parent / "manifest.json").read_bytes())
+        real_fstat, real_load_buffer = os.fstat, hf_files.load_buffer
+
+        def cut():
+            os.truncate(shard, len(original) // 2)  # as O_TRUNC before a rewrite
+
+        def fstat(fd):
+            st = real_fstat(fd)
+            # the size check's fstat of this shard (not the trust check's in open_confined)
+            if sys._getframe(1).f_code.co_name == "_load" and os.readlink(
+                f"/proc/self/fd/{{fd}}"
+            ) == str(shard):
+                cut()
+            return st
+
+        def load_buffer(*args, **kw):
+            cut()
+            return real_load_buffer(*args, **kw)
+
+        s = Settings(model="/nonexistent", model_name={MODEL!r}, tp=2, ipc_dir=ipc_dir)
+        src = sources.IpcSource(s, None, 0, 2)
+        for when in ("before_parse", "after_size_check"):
+            for verify in (None, False):
+                shard.write_bytes(original)  # whole again, same inode
+                if when == "before_parse":
+                    hf_files.load_buffer = load_buffer
+                else:
+                    sources.os.fstat = fstat
+                try:
+                    got = src("s1", verify, man.shards[0].tensors)
+                except ControlError as e:
+                    print(when, "refused", e.code, e.message, flush=True)
+                    continue
+                finally:
+                    sources.os.fstat, hf_files.load_buffer = real_fstat, real_load_buffer
+                # every byte touched, as the staging copy does
+                same = all(np.array_equal(got.arrays[k], want[k]) for k in want)
+                print(when, "served", "original" if same else "other bytes", flush=True)
+        """
+    )
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    r = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+    lines = r.stdout.splitlines()
+    assert lines[:2] == ["before_parse served original"] * 2, lines
+    assert len(lines) == 4, lines
+    for line in lines[2:]:
+        prefix = f"after_size_check refused 422 rank 0: ipc {MODEL}/s1/rank0-of-2.safetensors: "
+        assert line.startswith(prefix), line
+        assert "changed while read" in line and str(ipc_dir) not in line, line
+
+
+def test_the_served_bytes_are_the_hashed_bytes(
+    ipc: tuple[Path, mf.Manifest], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hash and the parse read the shard once, in the rank's own memory: bytes the
+    trainer writes in place after the hash (the old mapping showed them to the staging
+    copy, never hashed) or after the load are not served. The seam only places the
+    real in-place write between the hash and the parse. And the tensors are writable and
+    C-contiguous, so ``to_paddle`` takes them over without another copy."""
+    import numpy as np
+
+    from services.worker import hf_files
+    from shared import safetensors as st
+
+    ipc_dir, man = ipc
+    shard = ipc_version_dir(ipc_dir, MODEL, "s1") / "rank0-of-2.safetensors"
+    original = shard.read_bytes()
+    hashed = {k: v.copy() for k, v in st.load(original, "orig").items()}
+    data_start = 8 + int.from_bytes(original[:8], "little")
+
+    def scribble() -> None:  # every data byte flipped, in place: same inode, same size
+        flipped = np.frombuffer(original, np.uint8, offset=data_start) ^ np.uint8(0xFF)
+        fd = os.open(shard, os.O_WRONLY)
+        try:
+            os.pwrite(fd, flipped.tobytes(), data_start)
+        finally:
+            os.close(fd)
+
+    def load_buffer(*args: object, **kw: object) -> object:
+        scribble()  # after the SHA-256 check, before the tensors are parsed
+        return real_load_buffer(*args, **kw)
+
+    real_load_buffer = hf_files.load_buffer
+    monkeypatch.setattr(hf_files, "load_buffer", load_buffer)
+    got = load(ipc_dir, man, 0)
+    assert got.timings["verified"] is True  # type: ignore[attr-defined]
+    assert shard.read_bytes() != original  # the file did change under the load
+    arrays = got.arrays  # type: ignore[attr-defined]
+    assert sorted(arrays) == sorted(hashed)
+    for name, a in arrays.items():
+        np.testing.assert_array_equal(a, hashed[name], err_msg=name)
+        assert a.flags.writeable and a.flags.c_contiguous, name
+    shard.write_bytes(original)
+    scribble()  # after the load too
+    for name, a in arrays.items():
+        np.testing.assert_array_equal(a, hashed[name], err_msg=name)
