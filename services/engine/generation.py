@@ -183,6 +183,8 @@ class Generation:
 
     async def start(self, svc: Service) -> None:
         subj = self.engine.subjects.gen
+        # a step's sample specs get half of what one message may carry (Scheduler.schedule)
+        self.sched.max_spec_bytes = getattr(self.engine.bus, "max_payload", NATS_MAX_PAYLOAD) // 2
         # a request its API stopped waiting for (Rollbus-Deadline) is not queued
         await self.engine.bus.subscribe(subj, self.on_gen, queue="engine", deadline=True)
         await self.engine.bus.subscribe(subj + ".cancel", self.on_cancel)
