@@ -205,7 +205,9 @@ class Generation:
             self._json_replies[msg.reply] = time.monotonic()
         try:
             if bad := unreadable_deadline(msg.headers or {}):  # not queued (Bus._expired)
-                raise Refused(BAD_REQUEST, f"{bad}: not unix epoch milliseconds", DEADLINE)
+                refused = Refused(BAD_REQUEST, f"{bad}: not unix epoch milliseconds", DEADLINE)
+                refused.request_id = peek_request_id(msg.data)  # the refusal names it
+                raise refused
             gen = self.admit_request(msg.data)
             rid = gen.request_id
             self.sched.add(gen, msg.reply)

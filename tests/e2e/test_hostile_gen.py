@@ -4,9 +4,15 @@ output and ``/health`` stays 200."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import nats
+
+from shared.bus import DEADLINE
+from shared.subjects import Subjects
 from tests.e2e.stack import Stack
 
 NORMAL: dict[str, Any] = {
@@ -43,3 +49,24 @@ def test_sampling_data_past_a_step_message_fails_alone(stack: Stack) -> None:
     assert code == 200 and body["choices"][0]["token_ids"] == alone, body
     with stack.client() as c:
         assert c.get("/health").status_code == 200
+
+
+async def _json_gen(stack: Stack, data: bytes, headers: dict[str, str]) -> dict[str, Any]:
+    """``data`` on ``gen`` as a raw JSON client (no rollbus code): its first reply."""
+    nc = await nats.connect(stack.nats_url)
+    try:
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        await nc.publish(Subjects(stack.instance).gen, data, reply=inbox, headers=headers)
+        return dict(json.loads((await sub.next_msg(timeout=30)).data))
+    finally:
+        await nc.close()
+
+
+def test_a_gen_refused_for_its_deadline_header_names_its_request_id(stack: Stack) -> None:
+    """A raw client reading several requests' chunks from one inbox routes a refusal by
+    its ``request_id``: the one for an unreadable ``Rollbus-Deadline`` named none."""
+    body = {"request_id": "raw-deadline", "prompt_token_ids": [1, 2], "max_tokens": 2}
+    chunk = asyncio.run(_json_gen(stack, json.dumps(body).encode(), {DEADLINE: "soon"}))
+    assert (chunk["error_code"], chunk["error_param"]) == (400, DEADLINE), chunk
+    assert chunk["request_id"] == "raw-deadline", chunk
