@@ -6,6 +6,7 @@ Control and event messages are JSON so the ``nats`` CLI can speak them; the hot 
 
 from __future__ import annotations
 
+import json
 import re
 import struct
 import sys
@@ -152,11 +153,46 @@ def decode_args(data: bytes, kind: type[T]) -> T:
             {"param": param or "body"},
         ) from None
     except msgspec.DecodeError as e:
-        raise ControlError(
-            BAD_REQUEST, f"body is not valid JSON: {e}", {"param": "body"}
-        ) from None
+        param = _unreadable_field(data)
+        if param:
+            raise ControlError(
+                BAD_REQUEST,
+                f"bad argument '{param}': not a finite number or not valid unicode",
+                {"param": param},
+            ) from None
+        raise ControlError(BAD_REQUEST, f"body is not valid JSON: {e}", {"param": "body"}) from None
     except RecursionError:
         raise ControlError(BAD_REQUEST, "body nests too deeply", {"param": "body"}) from None
+
+
+def _unreadable(value: Any) -> bool:
+    if isinstance(value, float):
+        return value != value or value in (float("inf"), float("-inf"))
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:  # a lone surrogate ("\ud800")
+            return True
+    return False
+
+
+def _unreadable_field(data: bytes) -> str | None:
+    """The field of a control body that Python's json reads but msgspec refuses to (NaN,
+    Infinity, a lone surrogate: msgspec says "JSON is malformed" or even "Input data was
+    truncated"), so that the 400 names it; None when the body is not JSON at all."""
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(doc, dict):
+        return None
+    for key, value in doc.items():
+        if _unreadable(key) or _unreadable(value):
+            return clip(key.encode("utf-8", "replace").decode(), 256)
+        for i, item in enumerate(value if isinstance(value, list) else ()):
+            if _unreadable(item):
+                return clip(f"{key}[{i}]", 256)
+    return None
 
 
 # --------------------------------------------------------------------------- workers

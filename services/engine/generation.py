@@ -183,6 +183,8 @@ class Generation:
 
     async def start(self, svc: Service) -> None:
         subj = self.engine.subjects.gen
+        # a step's sample specs get half of what one message may carry (Scheduler.schedule)
+        self.sched.max_spec_bytes = getattr(self.engine.bus, "max_payload", NATS_MAX_PAYLOAD) // 2
         # a request its API stopped waiting for (Rollbus-Deadline) is not queued
         await self.engine.bus.subscribe(subj, self.on_gen, queue="engine", deadline=True)
         await self.engine.bus.subscribe(subj + ".cancel", self.on_cancel)
@@ -203,7 +205,9 @@ class Generation:
             self._json_replies[msg.reply] = time.monotonic()
         try:
             if bad := unreadable_deadline(msg.headers or {}):  # not queued (Bus._expired)
-                raise Refused(BAD_REQUEST, f"{bad}: not unix epoch milliseconds", DEADLINE)
+                refused = Refused(BAD_REQUEST, f"{bad}: not unix epoch milliseconds", DEADLINE)
+                refused.request_id = peek_request_id(msg.data)  # the refusal names it
+                raise refused
             gen = self.admit_request(msg.data)
             rid = gen.request_id
             self.sched.add(gen, msg.reply)

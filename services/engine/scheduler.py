@@ -73,6 +73,27 @@ def bad_words(gen: m.GenRequest) -> BadWords | None:
     return BadWords(single, multi, max((len(w) - 1 for w in multi), default=0))
 
 
+# a step message must fit the NATS server's max_payload (1 MiB by default) or its publish
+# fails and every request in the step with it: the sample specs (which repeat a request's
+# logit_bias, allowed ids and bad words once per choice) get at most half of it per step
+SPEC_BYTES = 512 * 1024
+
+
+def spec_bytes(gen: m.GenRequest, bad: BadWords | None) -> int:
+    """An upper bound of the bytes one sample spec of ``gen`` takes in a step message:
+    128 KiB with a long ``bad_words`` list, a few dozen bytes for most requests."""
+    if gen.logit_bias is None and gen.allowed_token_ids is None and bad is None:
+        return 64
+    multi = bad.multi if bad is not None else None
+    tail = [m.TOKEN_LIMIT] * bad.reach if bad is not None else None  # ids up to 5 bytes
+    ban = [*gen.stop_token_ids, *(bad.single if bad is not None else ())] or None
+    spec = m.SamplingSpec(
+        m.TOKEN_LIMIT, logit_bias=gen.logit_bias, ban=ban, seed=m.INT64_MAX,
+        limits=m.Limits(gen.min_p, gen.allowed_token_ids, multi or None, tail),
+    )  # fmt: skip
+    return len(m.pack(spec)) + 64
+
+
 class BlockAllocator:
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
@@ -114,6 +135,7 @@ class Request:
     penalties: m.Penalties | None = None  # its sample specs' (see ``penalties``)
     limits: m.Limits | None = None  # its sample specs' (see ``limits``)
     bad: BadWords | None = None  # its bad_words (see ``bad_words``)
+    spec_bytes: int = 64  # of one of its sample specs in a step message (``spec_bytes``)
 
     @property
     def request_id(self) -> str:
@@ -190,6 +212,7 @@ class Scheduler:
         self.max_batch = max_batch
         self.max_step_tokens = max_step_tokens
         self.max_model_len = max_model_len
+        self.max_spec_bytes = SPEC_BYTES  # per step (the engine sets it from max_payload)
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
         self.requests: dict[str, Request] = {}
@@ -223,12 +246,27 @@ class Scheduler:
             return (
                 f"needs {self.blocks_for(total)} KV blocks, the cache has {self.alloc.num_blocks}"
             ), param
+        size = gen.n * spec_bytes(gen, bad_words(gen))
+        if size > self.max_spec_bytes:  # its prefill row alone carries all n specs
+            heavy = max(
+                ("bad_words", sum(len(w) for w in gen.bad_words or ())),
+                ("allowed_token_ids", len(gen.allowed_token_ids or ())),
+                ("logit_bias", 2 * len(gen.logit_bias.ids) if gen.logit_bias else 0),
+                key=lambda kv: kv[1],
+            )[0]
+            return (
+                f"n ({gen.n}) x the sampling data of one choice (bad_words, "
+                f"allowed_token_ids, logit_bias) is {size} bytes per step, more than a step "
+                f"message carries ({self.max_spec_bytes}): ask fewer choices or less data"
+            ), heavy
         return None
 
     def add(self, gen: m.GenRequest, reply: str) -> Request:
+        bad = bad_words(gen)
         req = Request(
-            gen, reply, penalties=penalties(gen), limits=limits(gen), bad=bad_words(gen)
-        )
+            gen, reply, penalties=penalties(gen), limits=limits(gen), bad=bad,
+            spec_bytes=spec_bytes(gen, bad),
+        )  # fmt: skip
         prompt = list(gen.prompt_token_ids)
         for i in range(max(1, gen.n)):
             req.seqs.append(Seq(self._next_seq, req, i, list(prompt), len(prompt)))
@@ -297,6 +335,13 @@ class Scheduler:
         return m.StepRow(
             seq.seq_id, new, seq.num_computed, list(seq.blocks), sample, prev, history
         )
+
+    @staticmethod
+    def _spec_cost(seq: Seq) -> int:
+        """The most bytes of sample specs a row of ``seq`` may carry: the first sequence of
+        a request not forked yet samples for every choice."""
+        req = seq.req
+        return req.spec_bytes * (len(req.seqs) if seq.index == 0 and not req.forked else 1)
 
     @staticmethod
     def _bad_words(spec: m.SamplingSpec, seq: Seq, bad: BadWords) -> None:
@@ -374,11 +419,12 @@ class Scheduler:
         rows: list[m.StepRow] = []
         seqs: list[Seq] = []
         budget = self.max_step_tokens
+        room = self.max_spec_bytes  # sample specs' bytes (a row that would pass it waits)
         admitting = admit and any(self._may_start(s, behind, max_staleness) for s in self.waiting)
         for seq in self._fair_order(admitting):
             if seq not in self.running or len(rows) >= self.max_batch or budget <= 0:
                 continue
-            if self._ends_ahead(seq):
+            if self._ends_ahead(seq) or (rows and self._spec_cost(seq) > room):
                 continue
             upto = min(seq.length, seq.num_computed + budget)
             if ahead and not self._ensure_blocks(seq, upto):
@@ -389,6 +435,7 @@ class Scheduler:
                 had = [i for i, q in enumerate(seqs) if q is victim]
                 for i in had:  # it had a row in this step already: not any more
                     budget += rows[i].num_new
+                    room += len(rows[i].sample) * victim.req.spec_bytes
                     del rows[i], seqs[i]
                 if victim is seq:
                     break
@@ -396,12 +443,15 @@ class Scheduler:
                 continue
             row = self._row(seq, budget)
             budget -= row.num_new
+            room -= len(row.sample) * seq.req.spec_bytes
             rows.append(row)
             seqs.append(seq)
         ready = [s for s in self.waiting if self._may_start(s, behind, max_staleness)]
         for seq in ready if admit else []:
             if len(rows) >= self.max_batch or budget <= 0:
                 break
+            if rows and self._spec_cost(seq) > room:
+                continue  # the next step (admission guarantees a row of it fits alone)
             upto = min(seq.length, seq.num_computed + budget)
             if not self._ensure_blocks(seq, upto):
                 break
@@ -410,6 +460,7 @@ class Scheduler:
             seq.req.started = True
             row = self._row(seq, budget)
             budget -= row.num_new
+            room -= len(row.sample) * seq.req.spec_bytes
             rows.append(row)
             seqs.append(seq)
         # finished ids alone are no step: they go with the next one (a rank only drops

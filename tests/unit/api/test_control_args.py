@@ -69,6 +69,11 @@ def test_bearer_scheme_is_case_insensitive(calls: list[tuple[str, dict[str, Any]
     "path, content, param",
     [
         ("/v1/pause", b'{"bogus": 1}', "bogus"),  # an unknown field is named, not ignored
+        ("/v1/pause", b'{"mod": null}', "mod"),  # ... even null or "": never a default abort
+        ("/v1/pause", b'{"mod": ""}', "mod"),
+        ("/v1/resume", b'{"x": null}', "x"),
+        ("/v1/sleep", b'{"tag": null}', "tag"),
+        ("/v1/wakeup", b'{"tag": ""}', "tag"),
         ("/v1/pause", b'{"mode": "bogus"}', "mode"),
         ("/v1/pause", b"{bad", "body"),
         ("/v1/resume", b"{bad", "body"),

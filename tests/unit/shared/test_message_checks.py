@@ -29,6 +29,11 @@ from shared.errors import ControlError
         (b'{"tags": ["x"]}', m.SleepWorkerArgs, "tags[0]"),  # a rank checks its tags too
         (b'{"tags": ["weight", 1], "version": "v"}', m.WakeupWorkerArgs, "tags[1]"),
         (b'{"fresh": "yes"}', m.StatusArgs, "fresh"),
+        # valid JSON msgspec does not read (it said "Input data was truncated", param body)
+        (b'{"mode": "\\ud800"}', m.PauseArgs, "mode"),
+        (b'{"tags": ["weight", "\\udc00"]}', m.TagArgs, "tags[1]"),
+        (b'{"fresh": NaN}', m.StatusArgs, "fresh"),
+        (b'{"verify_checksum": -Infinity}', m.UpdateWeightsArgs, "verify_checksum"),
     ],
 )
 def test_bad_control_arguments_name_the_field(data: bytes, kind: type, param: str) -> None:
