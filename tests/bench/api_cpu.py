@@ -112,13 +112,24 @@ COLUMNS = ("api", "engine", "rank0 other", "nats", "rank0 compute")
 
 class Served:
     def __init__(
-        self, code: Path, tmp: Path, model: Path, tp: int, profile: Path | None, extra: str = ""
+        self,
+        code: Path,
+        tmp: Path,
+        nats_url: str | None,
+        model: Path,
+        tp: int,
+        profile: Path | None,
+        extra: str = "",
     ) -> None:
+        """One stack of ``code``; on ``nats_url``, or on a nats-server of its own (None:
+        its CPU is then this stack's alone)."""
         self.code = f"{code} + {extra}" if extra else str(code)
         tmp.mkdir(parents=True, exist_ok=True)
-        # a nats-server of its own: its CPU is this stack's alone
-        self.server = natsd.start(tmp / "nats", port=0)
-        self.nats_url = self.server.url
+        self.server: natsd.NatsServer | None = None
+        if nats_url is None:
+            self.server = natsd.start(tmp / "nats", port=0)
+            nats_url = self.server.url
+        self.nats_url = nats_url
         port = free_port()
         self.instance = f"c{uuid.uuid4().hex[:8]}"
         env = serve_env(
@@ -147,7 +158,8 @@ class Served:
     def cpu(self) -> tuple[dict[str, float], dict[int, float]]:
         """CPU seconds of the API, the engine and nats-server; rank 0's per thread."""
         procs = {k: v for k, v in self.pids.items() if k != "rank0"}
-        procs["nats"] = self.server.proc.pid
+        if self.server is not None:
+            procs["nats"] = self.server.proc.pid
         return {role: cpu_seconds(pid) for role, pid in procs.items()}, thread_seconds(
             self.pids["rank0"]
         )
@@ -157,7 +169,8 @@ class Served:
 
     def stop(self) -> None:
         stop(self.proc)
-        self.server.stop()
+        if self.server is not None:
+            self.server.stop()
 
 
 def _prompt(i: int) -> list[int]:
@@ -302,9 +315,11 @@ def main() -> None:
     try:
         for i, code in enumerate(codes):
             prof = args.profile if args.profile and i == len(codes) - 1 else None
-            stacks.append(Served(code, tmp / f"s{i}", model, args.tp, prof))
+            stacks.append(Served(code, tmp / f"s{i}", None, model, args.tp, prof))
         if args.extra_path:
-            stacks.append(Served(codes[-1], tmp / "extra", model, args.tp, None, args.extra_path))
+            stacks.append(
+                Served(codes[-1], tmp / "extra", None, model, args.tp, None, args.extra_path)
+            )
         asyncio.run(measure(stacks, args.rounds, modes))
     finally:
         for st in stacks:
