@@ -15,7 +15,9 @@ rank 0's threads other than its two busiest (its event loop and the like: at TP=
 two busiest are paddle's compute thread and its OpenMP worker, and every CPU-second the
 others take on a 2-core host comes out of them), and prints it per 1024 generated
 tokens, median and min–max over the rounds: robust on a busy machine, where wall-clock
-throughput is not. ``--profile OUT`` also runs the API, the engine and the ranks of the
+throughput is not. What a stack spends while idle (status refresh, heartbeats, probes) goes
+with wall time, which on a loaded host varies from run to run: each round first measures
+each stack's idle rate (``--idle`` seconds) and a run's CPU above it is what is reported. ``--profile OUT`` also runs the API, the engine and the ranks of the
 last ``--code`` under cProfile (their main thread: a rank's event loop; stats in
 ``OUT.api``, ``OUT.engine``, ``OUT.worker<pid>`` when the stack stops)."""
 
@@ -224,31 +226,54 @@ def _spread(xs: Sequence[float]) -> str:
     return f"{statistics.median(xs):.0f} ({min(xs):.0f}–{max(xs):.0f})"
 
 
-async def measure(stacks: list[Served], rounds: int, modes: Sequence[str]) -> None:
+def _used(
+    a: tuple[dict[str, float], dict[int, float]], b: tuple[dict[str, float], dict[int, float]]
+) -> dict[str, float]:
+    """CPU seconds per column between two :meth:`Served.cpu` readings."""
+    used = {k: b[0][k] - a[0][k] for k in b[0]}
+    used["rank0 compute"], used["rank0 other"] = split_compute(a[1], b[1])
+    return used
+
+
+async def idle_rates(st: Served, seconds: float) -> dict[str, float]:
+    """CPU seconds per second each column uses while the stack is idle (the rank status
+    refresh, the engine's heartbeats and probes, nats-server's pings)."""
+    before, t0 = st.cpu(), time.perf_counter()
+    await asyncio.sleep(seconds)
+    after, wall = st.cpu(), time.perf_counter() - t0
+    return {k: v / wall for k, v in _used(before, after).items()}
+
+
+async def measure(stacks: list[Served], rounds: int, modes: Sequence[str], idle_s: float) -> None:
     buses = [await Bus.connect(st.nats_url, "bench-api-cpu") for st in stacks]
     # (code, mode) -> per round: {column: ms / 1024 tok, "tok/s": ..., "steps": ...}
     res: dict[tuple[int, str], list[dict[str, float]]] = {}
+    idle: dict[int, list[dict[str, float]]] = {}
     try:
         clients = [httpx.AsyncClient(base_url=st.base, timeout=600) for st in stacks]
         for c in clients:
             await http_batch(c, False)  # warm up
         for r in range(rounds + 1):
             for k, (st, c, bus) in enumerate(zip(stacks, clients, buses, strict=True)):
+                # the stack's idle rate, this round: a run's CPU above it is what serving
+                # costs (on a loaded host a run's wall, so its idle work, varies a lot)
+                rate = await idle_rates(st, idle_s) if idle_s > 0 else {}
                 for mode in modes:
-                    steps0, (before, th0), t0 = st.steps(), st.cpu(), time.perf_counter()
+                    steps0, before, t0 = st.steps(), st.cpu(), time.perf_counter()
                     toks = 0
                     for _ in range(REPEAT):
                         if mode == "engine":
                             toks += await bus_batch(bus, Subjects(st.instance))
                         else:
                             toks += await http_batch(c, mode == "stream")
-                    wall, (after, th1) = time.perf_counter() - t0, st.cpu()
+                    wall, used = time.perf_counter() - t0, _used(before, st.cpu())
                     steps = (st.steps() - steps0) / REPEAT
                     if r == 0:
                         continue  # warm-up round
-                    used = {k2: after[k2] - before[k2] for k2 in after}
-                    used["rank0 compute"], used["rank0 other"] = split_compute(th0, th1)
-                    row = {k2: v * 1e3 * 1024 / toks for k2, v in used.items()}
+                    row = {
+                        k2: (v - rate.get(k2, 0.0) * wall) * 1e3 * 1024 / toks
+                        for k2, v in used.items()
+                    }
                     row["tok/s"], row["steps"] = toks / wall, steps
                     res.setdefault((k, mode), []).append(row)
                     print(
@@ -256,15 +281,18 @@ async def measure(stacks: list[Served], rounds: int, modes: Sequence[str]) -> No
                         + ", ".join(f"{k2} {v:.0f}" for k2, v in row.items()),
                         flush=True,
                     )
+                if r:
+                    idle.setdefault(k, []).append(rate)
         for c in clients:
             await c.aclose()
     finally:
         for bus in buses:
             await bus.close()
+    above = f"above the stack's idle rate (measured {idle_s:g} s before each run)"
     print(
-        f"\nCPU ms per 1024 generated tokens: median (min–max) of {rounds} rounds of "
-        f"{REPEAT} batches of {BATCH} requests, {STEPS} new tokens each; rank0 other = "
-        "rank 0's threads but its two busiest\n"
+        f"\nCPU ms per 1024 generated tokens{' ' + above if idle_s > 0 else ''}: median "
+        f"(min–max) of {rounds} rounds of {REPEAT} batches of {BATCH} requests, {STEPS} new "
+        "tokens each; rank0 other = rank 0's threads but its two busiest\n"
     )
     print("| code | path | " + " | ".join(COLUMNS) + " | tokens/s (noisy) | steps/batch |")
     print("|---|---|" + "---|" * (len(COLUMNS) + 2))
@@ -275,6 +303,13 @@ async def measure(stacks: list[Served], rounds: int, modes: Sequence[str]) -> No
             tps = statistics.median(x["tok/s"] for x in rows)
             steps = statistics.median(x["steps"] for x in rows)
             print(f"| {st.code} | {mode} | " + " | ".join(cells) + f" | {tps:.0f} | {steps:.1f} |")
+    if idle:
+        print("\nidle CPU ms per second (median, min–max)\n")
+        print("| code | " + " | ".join(COLUMNS) + " |")
+        print("|---|" + "---|" * len(COLUMNS))
+        for k, st in enumerate(stacks):
+            cells = [_spread([x.get(col, 0.0) * 1e3 for x in idle[k]]) for col in COLUMNS]
+            print(f"| {st.code} | " + " | ".join(cells) + " |")
 
 
 def main() -> None:
@@ -292,6 +327,13 @@ def main() -> None:
         "bench's (`python -m tests.bench.hf_generate build DIR JSON`)",
     )
     ap.add_argument("--repeat", type=int, default=REPEAT, help="batches per measurement")
+    ap.add_argument(
+        "--idle",
+        type=float,
+        default=5.0,
+        help="seconds of each stack's idle CPU measured before each round; what a run "
+        "uses above that rate is reported (0: gross CPU)",
+    )
     ap.add_argument(
         "--modes",
         default=",".join(MODES),
@@ -320,7 +362,7 @@ def main() -> None:
             stacks.append(
                 Served(codes[-1], tmp / "extra", None, model, args.tp, None, args.extra_path)
             )
-        asyncio.run(measure(stacks, args.rounds, modes))
+        asyncio.run(measure(stacks, args.rounds, modes, args.idle))
     finally:
         for st in stacks:
             st.stop()
