@@ -15,10 +15,12 @@ rank 0's threads other than its two busiest (its event loop and the like: at TP=
 two busiest are paddle's compute thread and its OpenMP worker, and every CPU-second the
 others take on a 2-core host comes out of them), and prints it per 1024 generated
 tokens, median and min–max over the rounds: robust on a busy machine, where wall-clock
-throughput is not. What a stack spends while idle (status refresh, heartbeats, probes) goes
-with wall time, which on a loaded host varies from run to run: each round first measures
-each stack's idle rate (``--idle`` seconds) and a run's CPU above it is what is reported. ``--profile OUT`` also runs the API, the engine and the ranks of the
-last ``--code`` under cProfile (their main thread: a rank's event loop; stats in
+throughput is not. What a stack spends while idle (status refresh, heartbeats, probes)
+goes with wall time, which on a loaded host varies from run to run: each round first
+measures each stack's idle rate (``--idle`` seconds; rank 0's per thread, split as the
+run's busiest two) and a run's CPU above it is what is reported. ``--profile OUT`` also
+runs the API, the engine and the ranks of the last ``--code`` under cProfile (their main
+thread: a rank's event loop; CPU time; stats in
 ``OUT.api``, ``OUT.engine``, ``OUT.worker<pid>`` when the stack stops)."""
 
 from __future__ import annotations
@@ -79,11 +81,11 @@ def thread_seconds(pid: int) -> dict[int, float]:
     return out
 
 
-def split_compute(before: dict[int, float], after: dict[int, float]) -> tuple[float, float]:
-    """(the two busiest threads' CPU seconds, the others') between two ``thread_seconds``:
-    at TP=1 the two busiest are paddle's compute thread and its OpenMP worker."""
-    used = sorted((v - before.get(t, 0.0) for t, v in after.items()), reverse=True)
-    return sum(used[:2]), sum(used[2:])
+def busiest(before: dict[int, float], after: dict[int, float], n: int = 2) -> set[int]:
+    """The ``n`` threads that used the most CPU between two ``thread_seconds``: at TP=1
+    rank 0's compute thread and its OpenMP worker during a run."""
+    used = sorted(after, key=lambda t: after[t] - before.get(t, 0.0), reverse=True)
+    return set(used[:n])
 
 
 def children(pid: int) -> dict[str, int]:
@@ -226,22 +228,28 @@ def _spread(xs: Sequence[float]) -> str:
     return f"{statistics.median(xs):.0f} ({min(xs):.0f}–{max(xs):.0f})"
 
 
-def _used(
-    a: tuple[dict[str, float], dict[int, float]], b: tuple[dict[str, float], dict[int, float]]
-) -> dict[str, float]:
-    """CPU seconds per column between two :meth:`Served.cpu` readings."""
+Reading = tuple[dict[str, float], dict[int, float]]  # Served.cpu()
+
+
+def _used(a: Reading, b: Reading, compute: set[int]) -> dict[str, float]:
+    """CPU seconds per column between two :meth:`Served.cpu` readings; rank 0's threads
+    ``compute`` and the others apart."""
     used = {k: b[0][k] - a[0][k] for k in b[0]}
-    used["rank0 compute"], used["rank0 other"] = split_compute(a[1], b[1])
+    threads = {t: v - a[1].get(t, 0.0) for t, v in b[1].items()}
+    used["rank0 compute"] = sum(v for t, v in threads.items() if t in compute)
+    used["rank0 other"] = sum(v for t, v in threads.items() if t not in compute)
     return used
 
 
-async def idle_rates(st: Served, seconds: float) -> dict[str, float]:
-    """CPU seconds per second each column uses while the stack is idle (the rank status
-    refresh, the engine's heartbeats and probes, nats-server's pings)."""
+async def idle_rates(st: Served, seconds: float) -> tuple[dict[str, float], dict[int, float]]:
+    """CPU seconds per second each process, and each thread of rank 0, uses while the
+    stack is idle (the rank status refresh, the engine's heartbeats and probes,
+    nats-server's pings)."""
     before, t0 = st.cpu(), time.perf_counter()
     await asyncio.sleep(seconds)
     after, wall = st.cpu(), time.perf_counter() - t0
-    return {k: v / wall for k, v in _used(before, after).items()}
+    procs = {k: (v - before[0][k]) / wall for k, v in after[0].items()}
+    return procs, {t: (v - before[1].get(t, 0.0)) / wall for t, v in after[1].items()}
 
 
 async def measure(stacks: list[Served], rounds: int, modes: Sequence[str], idle_s: float) -> None:
@@ -257,7 +265,7 @@ async def measure(stacks: list[Served], rounds: int, modes: Sequence[str], idle_
             for k, (st, c, bus) in enumerate(zip(stacks, clients, buses, strict=True)):
                 # the stack's idle rate, this round: a run's CPU above it is what serving
                 # costs (on a loaded host a run's wall, so its idle work, varies a lot)
-                rate = await idle_rates(st, idle_s) if idle_s > 0 else {}
+                rate = await idle_rates(st, idle_s) if idle_s > 0 else ({}, {})
                 for mode in modes:
                     steps0, before, t0 = st.steps(), st.cpu(), time.perf_counter()
                     toks = 0
@@ -266,12 +274,20 @@ async def measure(stacks: list[Served], rounds: int, modes: Sequence[str], idle_
                             toks += await bus_batch(bus, Subjects(st.instance))
                         else:
                             toks += await http_batch(c, mode == "stream")
-                    wall, used = time.perf_counter() - t0, _used(before, st.cpu())
+                    wall, after = time.perf_counter() - t0, st.cpu()
+                    compute = busiest(before[1], after[1])
+                    used = _used(before, after, compute)
+                    # the idle rate of the same columns: rank 0's threads split as here
+                    idle_rate = {**rate[0]}
+                    idle_rate["rank0 compute"] = sum(v for t, v in rate[1].items() if t in compute)
+                    idle_rate["rank0 other"] = sum(
+                        v for t, v in rate[1].items() if t not in compute
+                    )
                     steps = (st.steps() - steps0) / REPEAT
                     if r == 0:
                         continue  # warm-up round
                     row = {
-                        k2: (v - rate.get(k2, 0.0) * wall) * 1e3 * 1024 / toks
+                        k2: (v - idle_rate.get(k2, 0.0) * wall) * 1e3 * 1024 / toks
                         for k2, v in used.items()
                     }
                     row["tok/s"], row["steps"] = toks / wall, steps
@@ -281,8 +297,8 @@ async def measure(stacks: list[Served], rounds: int, modes: Sequence[str], idle_
                         + ", ".join(f"{k2} {v:.0f}" for k2, v in row.items()),
                         flush=True,
                     )
-                if r:
-                    idle.setdefault(k, []).append(rate)
+                    if r:
+                        idle.setdefault(k, []).append(idle_rate)
         for c in clients:
             await c.aclose()
     finally:
