@@ -47,7 +47,7 @@ from shared.errors import (
 from shared.redact import public_url
 from shared.settings import Settings, settings_or_exit
 from shared.subjects import Subjects
-from shared.tasks import Supervisor
+from shared.tasks import Supervisor, run_loop
 
 log = logging.getLogger("rollbus.engine")
 
@@ -538,7 +538,7 @@ def main() -> int:
         format="%(asctime)s engine %(levelname)s %(name)s: %(message)s",
     )
     try:
-        return asyncio.run(amain(settings))
+        return run_loop(amain(settings))
     except ControlError as e:
         print(f"rollbus-engine: {e.message}", file=sys.stderr)
         return 1

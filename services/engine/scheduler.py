@@ -125,7 +125,10 @@ class BlockAllocator:
         self.refs = [0] * self.num_blocks
 
 
-@dataclass
+# eq=False on Request and Seq: one is the same as another only if it is that one (the
+# field-by-field ``__eq__`` a dataclass gets made every ``seq in self.running`` of a
+# step's plan cost ~240 tuple compares at 16 rows, the plan's largest cost)
+@dataclass(eq=False)
 class Request:
     gen: m.GenRequest
     reply: str
@@ -142,7 +145,7 @@ class Request:
         return self.gen.request_id
 
 
-@dataclass
+@dataclass(eq=False)
 class Seq:
     seq_id: int
     req: Request
@@ -156,6 +159,9 @@ class Seq:
     finish_reason: str | None = None
     last_step: int = 0
     pending: int = 0  # tokens sampled by steps in flight, not yet applied (0 or 1)
+    # (min_tokens' ban on, the spec) of its last decode row: sent again while the same
+    # (never changed once built: a step in flight may still hold it)
+    spec: tuple[bool, m.SamplingSpec] | None = None
 
     @property
     def output_len(self) -> int:
@@ -312,29 +318,36 @@ class Scheduler:
             req = seq.req
             # the prompt's one sample position serves every choice (until they fork)
             first = seq.index == 0 and not req.forked and seq.length == seq.prompt_len
-            targets = req.seqs if first else [seq]
-            g = req.gen
-            sample = [
-                m.SamplingSpec(
-                    t.seq_id, g.temperature, g.top_p, g.top_k, g.seed, t.index, g.logprobs,
-                    g.top_logprobs, g.logit_bias,
-                    # min_tokens: no stop id before the minimum (this samples output index
-                    # t.length - t.prompt_len)
-                    g.stop_token_ids or None
-                    if t.length - t.prompt_len < g.min_tokens
-                    else None,
-                    req.penalties,
-                    req.limits,
-                )
-                for t in targets
-            ]
-            if req.bad is not None:
-                for spec, t in zip(sample, targets, strict=True):
-                    self._bad_words(spec, t, req.bad)
+            if first or req.bad is not None:
+                targets = req.seqs if first else [seq]
+                sample = [self._spec(t) for t in targets]
+                if req.bad is not None:
+                    for spec, t in zip(sample, targets, strict=True):
+                        self._bad_words(spec, t, req.bad)
+            else:
+                # a decode row's spec is the one of its row before unless min_tokens' ban
+                # just ended (bad words' tail changes every token: built afresh above)
+                banned = seq.length - seq.prompt_len < req.gen.min_tokens
+                if seq.spec is None or seq.spec[0] != banned:
+                    seq.spec = (banned, self._spec(seq))
+                sample = [seq.spec[1]]
         history = seq.req.penalties is not None  # rank 0 records this sequence's tokens
-        return m.StepRow(
-            seq.seq_id, new, seq.num_computed, list(seq.blocks), sample, prev, history
-        )
+        return m.StepRow(seq.seq_id, new, seq.num_computed, list(seq.blocks), sample, prev, history)
+
+    @staticmethod
+    def _spec(t: Seq) -> m.SamplingSpec:
+        """How rank 0 samples ``t``'s next token (a new struct: ``_bad_words`` adds to it)."""
+        req = t.req
+        g = req.gen
+        return m.SamplingSpec(
+            t.seq_id, g.temperature, g.top_p, g.top_k, g.seed, t.index, g.logprobs,
+            g.top_logprobs, g.logit_bias,
+            # min_tokens: no stop id before the minimum (this samples output index
+            # t.length - t.prompt_len)
+            g.stop_token_ids or None if t.length - t.prompt_len < g.min_tokens else None,
+            req.penalties,
+            req.limits,
+        )  # fmt: skip
 
     @staticmethod
     def _spec_cost(seq: Seq) -> int:

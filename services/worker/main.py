@@ -42,7 +42,7 @@ from shared.errors import INTERNAL, UNAVAILABLE, ControlError
 from shared.model_config import ModelConfig, load_config
 from shared.settings import Settings, settings_or_exit
 from shared.subjects import Subjects
-from shared.tasks import Supervisor
+from shared.tasks import Supervisor, run_loop
 from shared.versions import model_dir_version
 
 X86 = ("x86_64", "amd64", "i686", "i386")  # total store order: see shm_bytes
@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         configure_env(args.rank, settings.tp, eps, settings.device)
     try:
-        return asyncio.run(amain(settings, args.rank))
+        return run_loop(amain(settings, args.rank))
     except ControlError as e:
         print(f"rollbus-worker rank {args.rank}: {e.message}", file=sys.stderr)
         return 1

@@ -35,23 +35,41 @@ def check_step(req: m.StepRequest, lim: StepLimits) -> str | None:
             return f"block copy {src}->{dst} outside 0..{lim.num_blocks - 1}"
     samples = 0
     seen: set[int] = set()
+    # min/max over a row's ids, and its message named only once it fails: checked on
+    # every rank's event loop for every step, so in as few Python steps as it takes
     for i, row in enumerate(req.rows):
-        where = f"row {i} (seq {row.seq_id})"
-        if not row.num_new:
-            return f"{where}: no tokens"
-        if row.seq_id in seen:
-            return f"{where}: sequence twice in one step"
+        ids, table = row.token_ids, row.block_table
+        new = len(ids) + row.prev
+        end = row.start_pos + new
+        if (
+            not new
+            or row.seq_id in seen
+            or (ids and (min(ids) < 0 or max(ids) >= lim.vocab_size))
+            or row.start_pos < 0
+            or end > lim.max_model_len
+            or len(table) * lim.block_size < end
+            or (table and (min(table) < 0 or max(table) >= lim.num_blocks))
+        ):
+            return _bad_row(i, row, seen, lim)
         seen.add(row.seq_id)
-        if any(not 0 <= t < lim.vocab_size for t in row.token_ids):
-            return f"{where}: token id outside 0..{lim.vocab_size - 1}"
-        end = row.start_pos + row.num_new
-        if row.start_pos < 0 or end > lim.max_model_len:
-            return f"{where}: positions {row.start_pos}..{end} outside 0..{lim.max_model_len}"
-        if len(row.block_table) * lim.block_size < end:
-            return f"{where}: {len(row.block_table)} blocks cannot hold {end} positions"
-        if any(not 0 <= b < lim.num_blocks for b in row.block_table):
-            return f"{where}: block id outside 0..{lim.num_blocks - 1}"
         samples += len(row.sample)
     if samples > lim.max_samples:
         return f"{samples} sampled sequences; the limit is {lim.max_samples}"
     return None
+
+
+def _bad_row(i: int, row: m.StepRow, seen: set[int], lim: StepLimits) -> str:
+    """Why row ``i`` fails :func:`check_step` (``seen``: the sequences of the rows before)."""
+    where = f"row {i} (seq {row.seq_id})"
+    if not row.num_new:
+        return f"{where}: no tokens"
+    if row.seq_id in seen:
+        return f"{where}: sequence twice in one step"
+    if any(not 0 <= t < lim.vocab_size for t in row.token_ids):
+        return f"{where}: token id outside 0..{lim.vocab_size - 1}"
+    end = row.start_pos + row.num_new
+    if row.start_pos < 0 or end > lim.max_model_len:
+        return f"{where}: positions {row.start_pos}..{end} outside 0..{lim.max_model_len}"
+    if len(row.block_table) * lim.block_size < end:
+        return f"{where}: {len(row.block_table)} blocks cannot hold {end} positions"
+    return f"{where}: block id outside 0..{lim.num_blocks - 1}"

@@ -158,7 +158,7 @@ class Stepper:
             error = f"rank {self.rank}: bad step: {why}"
         else:
             error = self.gap(req.step)
-            if not error:
+            if not error and self.missed:  # (no coroutine per step when nothing was missed)
                 blocked = await self.blocked_peer()
                 if blocked:
                     error = f"rank {self.rank}: step {req.step} not run: {blocked}"
@@ -212,8 +212,12 @@ class Stepper:
             short = m.StepReply(reply.step, [], [], [], error=why[:1000])
             await self.bus.publish(msg.reply, m.pack(short), headers=headers)
         except Exception as e:  # noqa: BLE001 - the engine times out; counted above
-            log.error("rank %d: the error reply of step %d was not sent either: %r",
-                      self.rank, reply.step, e)
+            log.error(
+                "rank %d: the error reply of step %d was not sent either: %r",
+                self.rank,
+                reply.step,
+                e,
+            )
 
     def run(self, req: m.StepRequest) -> m.StepReply:
         t0 = time.perf_counter()
@@ -301,8 +305,14 @@ class Stepper:
                 pen = s.penalties
                 seen, counts = self._penalty_view(req.rows[row], s) if pen else ((), ())
                 p = SamplingParams(
-                    s.temperature, s.top_p, s.top_k, s.seed, s.logprobs, s.top_logprobs,
-                    bias_ids=bias.ids if bias else (), bias_values=bias.values if bias else (),
+                    s.temperature,
+                    s.top_p,
+                    s.top_k,
+                    s.seed,
+                    s.logprobs,
+                    s.top_logprobs,
+                    bias_ids=bias.ids if bias else (),
+                    bias_values=bias.values if bias else (),
                     ban_ids=self._bans(req.rows[row], s, new[row] if new else None),
                     presence_penalty=pen.presence if pen else 0.0,
                     frequency_penalty=pen.frequency if pen else 0.0,
@@ -358,9 +368,7 @@ class Stepper:
             tail.append(new[-1])
         return [*(spec.ban or ()), *bad_word_bans(lim.bad_words, tail)]
 
-    def _penalty_view(
-        self, row: m.StepRow, spec: m.SamplingSpec
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def _penalty_view(self, row: m.StepRow, spec: m.SamplingSpec) -> tuple[np.ndarray, np.ndarray]:
         """The ids and output counts ``spec``'s penalties act on: from the record of
         ``row``'s sequence (another choice sampling from its prompt gets a copy of it)."""
         assert spec.penalties is not None

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from shared.tasks import Supervisor, guarded
+from shared.tasks import Supervisor, guarded, run_loop
 
 
 async def test_failure_is_logged_counted_hooked_and_restarted(
@@ -148,3 +148,12 @@ def test_stall_s_setting_must_be_a_positive_number(
     with pytest.raises(ValidationError) as e:
         Settings()
     assert "ROLLBUS_STALL_S" in describe_error(e.value)
+
+
+def test_run_loop_runs_the_engine_and_ranks_on_uvloop() -> None:
+    uvloop = pytest.importorskip("uvloop")  # a runtime dependency where it builds
+
+    async def loop_type() -> type:
+        return type(asyncio.get_running_loop())
+
+    assert issubclass(run_loop(loop_type()), uvloop.Loop)

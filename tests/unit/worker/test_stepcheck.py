@@ -75,3 +75,22 @@ def test_a_failing_row_does_not_fail_the_others() -> None:
     )
     assert out[0][:2] == (0, pytest.approx(np.log(1 / 8)))
     assert isinstance(out[1], ValueError)
+
+
+@pytest.mark.parametrize(
+    ("bad", "why"),
+    [
+        (step(token_ids=[]), "no tokens"),
+        (step(token_ids=[1, 320]), "token id outside 0..319"),
+        (step(token_ids=[-1]), "token id outside"),
+        (step(start_pos=-1), "positions -1..2 outside"),
+        (step(start_pos=62), "positions 62..65 outside"),
+        (step(block_table=[]), "0 blocks cannot hold"),
+        (step(block_table=[16]), "block id outside 0..15"),
+        (step(block_table=[-1]), "block id outside"),
+        (m.StepRequest(1, [step().rows[0], step().rows[0]]), "row 1 (seq 0): sequence twice"),
+    ],
+)
+def test_a_refused_row_is_named_with_its_own_reason(bad: m.StepRequest, why: str) -> None:
+    # the rows are checked in one pass and the reason found only for the one that failed
+    assert why in (check_step(bad, LIM) or "")
