@@ -952,7 +952,11 @@ class Bus:
     async def _settle_once(self) -> None:
         self._settling = None  # the PING goes out now: a timer firing later needs its own
         try:
-            await self.nc.flush(timeout=SETTLE_PONG_S)
+            # bounded here too: nats-py's flush timer starts only once its PING is queued
+            # for the flusher (1024 at most), and that waits while the flusher sits in a
+            # full socket's drain (a stopped server): settles past that had no timer
+            async with asyncio.timeout(SETTLE_PONG_S):
+                await self.nc.flush(timeout=SETTLE_PONG_S)
             queue = getattr(self._inbox, "_pending_queue", None)  # nats-py's, per callback sub
             if queue is not None:
                 async with asyncio.timeout(SILENCE_GRACE_S):
