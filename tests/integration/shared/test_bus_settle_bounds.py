@@ -23,6 +23,7 @@ from services import natsd
 from shared.bus import SETTLE_PONG_S, SILENCE_GRACE_S, Bus
 from shared.errors import Timeout
 from tests.integration.shared.test_bus import subject
+from tests.integration.shared.test_bus_stopped_caller import _wait_stopped
 
 FLUSHER_QUEUE = 1024  # nats-py's DEFAULT_MAX_FLUSHER_QUEUE_SIZE
 
@@ -74,4 +75,116 @@ async def test_requests_timing_out_on_a_stopped_server_never_hang(
         if stopped:
             server.proc.send_signal(signal.SIGCONT)
         await asyncio.gather(*calls, return_exceptions=True)
+        await bus.close()
+
+
+def _leftovers(bus: Bus) -> dict[str, int]:
+    """What a finished call must not leave behind (the bus's tables, settles, PONGs)."""
+    return {
+        "pending": len(bus._pending),
+        "rids": len(bus._rids),
+        "subjects": len(bus._subjects),
+        "settles": len(bus._settles),
+        "pongs": len(bus.nc._pongs),
+    }
+
+
+async def test_callers_cancelled_while_settling_leave_nothing_and_others_still_time_out(
+    server: natsd.NatsServer,
+) -> None:
+    """The server stopped: every settle waits for its PONG. Callers cancelled meanwhile
+    (request, scatter, stream) get ``CancelledError`` and leave no table entry; the
+    others sharing the same PING still end with ``Timeout``; once the server is back,
+    the PONGs of the given-up flushes are consumed and later calls work."""
+    bus = await Bus.connect(server.url, "settle-cancel")
+    peer = await Bus.connect(server.url, "settle-silent")
+    subj = subject()
+
+    async def silent(msg) -> None:  # noqa: ANN001 - a reader that never answers
+        return None
+
+    await peer.nc.subscribe(subj, cb=silent)
+    await peer.nc.flush()
+    await bus.flush()
+    try:
+        server.proc.send_signal(signal.SIGSTOP)
+        await asyncio.to_thread(_wait_stopped, server.proc.pid)
+
+        async def stream() -> None:
+            async for _ in bus.stream(subj, b"x", idle_timeout=0.1):
+                pass
+
+        calls = [
+            asyncio.ensure_future(bus.request(subj, b"x", timeout=0.1)),
+            asyncio.ensure_future(bus.scatter(subj, b"x", expected=2, timeout=0.1)),
+            asyncio.ensure_future(stream()),
+        ]
+        kept = [asyncio.ensure_future(bus.request(subj, b"x", timeout=0.1)) for _ in range(3)]
+        while len(bus._settles) == 0:  # the timers fired: they wait in the settle now
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.1)
+        assert all(not c.done() for c in calls + kept)
+        for c in calls:
+            c.cancel()
+        got = await asyncio.gather(*calls, return_exceptions=True)
+        assert all(isinstance(g, asyncio.CancelledError) for g in got), got
+        ended = await asyncio.gather(*kept, return_exceptions=True)
+        assert all(isinstance(e, Timeout) for e in ended), ended
+        assert {k: v for k, v in _leftovers(bus).items() if k != "pongs"} == {
+            "pending": 0,
+            "rids": 0,
+            "subjects": 0,
+            "settles": 0,
+        }
+        server.proc.send_signal(signal.SIGCONT)
+        await bus.flush()  # its PONG is its own, after the given-up ones
+        assert _leftovers(bus) == dict.fromkeys(_leftovers(bus), 0)
+        with pytest.raises(Timeout):
+            await bus.request(subj, b"x", timeout=0.05)  # nobody answers: a genuine one
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+        await peer.close()
+        await bus.close()
+
+
+async def test_thousands_of_timeouts_leave_nothing_behind(server: natsd.NatsServer) -> None:
+    """Genuine timeouts (a reader that never answers) by the thousand: every table, the
+    settles and nats-py's PONG queue are empty after, and each late reply is dropped
+    and counted."""
+    bus = await Bus.connect(server.url, "settle-many")
+    peer = await Bus.connect(server.url, "settle-peer")
+    subj = subject()
+    held: list[object] = []
+
+    async def hold(msg) -> None:  # noqa: ANN001 - answered late, by the test
+        held.append(msg)
+
+    sub = await peer.nc.subscribe(subj, cb=hold)
+    await peer.nc.flush()
+    try:
+        for _ in range(20):
+            sent = [await bus.send(subj, b"x") for _ in range(100)]
+            got = await asyncio.gather(*(s.reply(0.01) for s in sent), return_exceptions=True)
+            assert all(isinstance(g, Timeout) for g in got), got[:3]
+        for _ in range(100):
+            with pytest.raises(Timeout):
+                await bus.scatter(subj, b"x", expected=2, timeout=0.01)
+            with pytest.raises(Timeout):
+                async for _ in bus.stream(subj, b"x", idle_timeout=0.01):
+                    pass
+        assert _leftovers(bus) == dict.fromkeys(_leftovers(bus), 0)
+        await sub.unsubscribe()
+        dropped = bus.dropped_replies
+        for msg in held[:500]:
+            await peer.nc.publish(msg.reply, b"late", headers=dict(msg.headers))  # type: ignore[attr-defined]
+        await peer.nc.flush()
+        await bus.flush()
+        for _ in range(200):
+            if bus.dropped_replies - dropped == 500:
+                break
+            await asyncio.sleep(0.01)
+        assert bus.dropped_replies - dropped == 500
+        assert _leftovers(bus) == dict.fromkeys(_leftovers(bus), 0)
+    finally:
+        await peer.close()
         await bus.close()
