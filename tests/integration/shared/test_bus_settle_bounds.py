@@ -21,7 +21,7 @@ import pytest
 
 from services import natsd
 from shared.bus import SETTLE_PONG_S, SILENCE_GRACE_S, Bus
-from shared.errors import Timeout
+from shared.errors import ControlError, Timeout
 from tests.integration.shared.test_bus import subject
 from tests.integration.shared.test_bus_stopped_caller import _wait_stopped
 
@@ -187,4 +187,43 @@ async def test_thousands_of_timeouts_leave_nothing_behind(server: natsd.NatsServ
         assert _leftovers(bus) == dict.fromkeys(_leftovers(bus), 0)
     finally:
         await peer.close()
+        await bus.close()
+
+
+@pytest.mark.parametrize("mode", ["request", "scatter", "stream"])
+async def test_a_connection_lost_while_settling_ends_the_wait_at_once(
+    server: natsd.NatsServer, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """A timer fired and its settle waits for the PONG of a stopped server; the server
+    dies: the connection is lost, and the caller hears it then (503, the connection
+    named), not once the settle's own bound has passed (made 30 s here: nats-py drops
+    the PONG's future at the reconnect, so nothing else ends that wait)."""
+    monkeypatch.setattr("shared.bus.SETTLE_PONG_S", 30)
+    bus = await Bus.connect(server.url, "settle-lost")
+    subj = subject()
+
+    async def call() -> object:
+        if mode == "request":
+            return await bus.request(subj, b"x", timeout=0.1)
+        if mode == "scatter":
+            return await bus.scatter(subj, b"x", expected=2, timeout=0.1)
+        async for _ in bus.stream(subj, b"x", idle_timeout=0.1):
+            pass
+        return None
+
+    try:
+        server.proc.send_signal(signal.SIGSTOP)
+        await asyncio.to_thread(_wait_stopped, server.proc.pid)
+        waiting = asyncio.ensure_future(call())
+        while not bus._settles:  # its timer fired: it waits in the settle now
+            await asyncio.sleep(0.02)
+        server.proc.kill()
+        killed = time.monotonic()
+        with pytest.raises(ControlError) as e:
+            await asyncio.wait_for(waiting, 20)
+        took = time.monotonic() - killed
+        assert "connection was lost" in e.value.message, e.value.message
+        assert took < 10, f"{took:.1f}s after the connection was lost"
+        assert bus.pending == 0
+    finally:
         await bus.close()
