@@ -944,7 +944,8 @@ class Bus:
         Cost on a real silence: one round trip (plus draining a busy inbox, ≤ 0.25 s);
         at most ``SETTLE_PONG_S + SILENCE_GRACE_S`` (~1.25 s) when the server does not
         answer (stopped: silent too). Nothing when not connected (a lost connection
-        has failed every waiter already). Timers that fire together share one PING.
+        has failed every waiter already), and a connection lost meanwhile ends it at
+        once (:meth:`connection_lost`). Timers that fire together share one PING.
         Never raises but for its caller's cancellation."""
         if not self.nc.is_connected:
             return
