@@ -532,6 +532,9 @@ class Bus:
         # a settle whose PING is not sent yet: timers firing meanwhile share it
         self._settling: asyncio.Task[None] | None = None
         self._settles: set[asyncio.Task[None]] = set()
+        # the PONG waits of settles under way: a lost connection ends them (its PONG
+        # never comes: nats-py drops its future at the reconnect)
+        self._pong_waits: set[asyncio.Timeout] = set()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -665,6 +668,9 @@ class Bus:
         gone, or the request itself lost), so every waiting request, scatter and stream
         fails now with a 503 saying so, instead of at its timeout."""
         self.lost_connections += 1
+        for pong in list(self._pong_waits):  # their waiters hear it now, not at its bound
+            if not pong.expired():  # one that fired already cannot be moved
+                pong.reschedule(-1)
         for token, waiter in list(self._pending.items()):
             if isinstance(waiter, _Gather):
                 waiter.fail()
@@ -938,7 +944,8 @@ class Bus:
         Cost on a real silence: one round trip (plus draining a busy inbox, ≤ 0.25 s);
         at most ``SETTLE_PONG_S + SILENCE_GRACE_S`` (~1.25 s) when the server does not
         answer (stopped: silent too). Nothing when not connected (a lost connection
-        has failed every waiter already). Timers that fire together share one PING.
+        has failed every waiter already), and a connection lost meanwhile ends it at
+        once (:meth:`connection_lost`). Timers that fire together share one PING.
         Never raises but for its caller's cancellation."""
         if not self.nc.is_connected:
             return
@@ -952,7 +959,15 @@ class Bus:
     async def _settle_once(self) -> None:
         self._settling = None  # the PING goes out now: a timer firing later needs its own
         try:
-            await self.nc.flush(timeout=SETTLE_PONG_S)
+            # bounded here too: nats-py's flush timer starts only once its PING is queued
+            # for the flusher (1024 at most), and that waits while the flusher sits in a
+            # full socket's drain (a stopped server): settles past that had no timer
+            async with asyncio.timeout(SETTLE_PONG_S) as pong:
+                self._pong_waits.add(pong)
+                try:
+                    await self.nc.flush(timeout=SETTLE_PONG_S)
+                finally:
+                    self._pong_waits.discard(pong)
             queue = getattr(self._inbox, "_pending_queue", None)  # nats-py's, per callback sub
             if queue is not None:
                 async with asyncio.timeout(SILENCE_GRACE_S):
