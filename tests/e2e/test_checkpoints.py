@@ -13,6 +13,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -378,34 +379,41 @@ def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
 def test_cli_publish_versions_and_clear_errors(ostack: Stack, tmp_path: Path) -> None:
     d = create_model_dir(tmp_path / "hf", model_config(ostack.model_dir), seed=21)
     m = model_of(ostack)
-    r = cli(
-        "publish",
-        str(d),
-        "--model",
-        m,
-        "--version",
-        "cli1",
-        "--tp",
-        "2",
-        "--nats-url",
-        ostack.nats_url,
-    )
-    assert r.returncode == 0, r.stderr
-    assert "published" in r.stdout and "MiB/s" in r.stderr
-    r = cli("versions", "--model", m, "--nats-url", ostack.nats_url)
-    assert r.returncode == 0 and "cli1" in r.stdout, r.stderr
-    assert post(ostack, "/v1/pause").status_code == 200
-    assert update(ostack, "cli1").status_code == 200
-    # errors: one line, exit 2
-    for argv, needle in (
+    # errors: one line, exit 2. Run beside the publish below (each is a process start, and
+    # none reaches this stack's server: a missing dir, a non-HF dir, an unreachable URL)
+    errors = (
         ([str(tmp_path / "missing")], "no such directory"),
         ([str(tmp_path)], "not an HF model dir"),
         ([str(d), "--nats-url", "nats://127.0.0.1:1"], "nats://127.0.0.1:1"),
-    ):
-        url = [] if "--nats-url" in argv else ["--nats-url", ostack.nats_url]
-        r = cli("publish", *argv, "--model", m, "--version", "x", *url)
-        assert r.returncode == 2 and needle in r.stderr, (argv, r.stderr)
-        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    )
+    with ThreadPoolExecutor(len(errors)) as pool:
+        failed = [
+            pool.submit(cli, "publish", *argv, "--model", m, "--version", "x", *url)
+            for argv, _ in errors
+            for url in [[] if "--nats-url" in argv else ["--nats-url", ostack.nats_url]]
+        ]
+        r = cli(
+            "publish",
+            str(d),
+            "--model",
+            m,
+            "--version",
+            "cli1",
+            "--tp",
+            "2",
+            "--nats-url",
+            ostack.nats_url,
+        )
+        assert r.returncode == 0, r.stderr
+        assert "published" in r.stdout and "MiB/s" in r.stderr
+        r = cli("versions", "--model", m, "--nats-url", ostack.nats_url)
+        assert r.returncode == 0 and "cli1" in r.stdout, r.stderr
+        assert post(ostack, "/v1/pause").status_code == 200
+        assert update(ostack, "cli1").status_code == 200
+        for (argv, needle), f in zip(errors, failed, strict=True):
+            r = f.result()
+            assert r.returncode == 2 and needle in r.stderr, (argv, r.stderr)
+            assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
 def events(stack: Stack, kind: str) -> list[dict[str, Any]]:

@@ -5,6 +5,8 @@ traceback."""
 
 from __future__ import annotations
 
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from services.tiny_model import ensure_tiny_model
@@ -19,17 +21,27 @@ def test_a_stream_the_role_may_not_create_is_one_line(tmp_path: Path) -> None:
     try:
         env = clean_env(tmp_path / "data")
         model = ensure_tiny_model(tmp_path / "model")
-        for role in ("trainer", "operator"):
-            url = f"nats://{role}:{passwords[role]}@127.0.0.1:{node.port}"
+        calls = [
+            (role, args)
+            for role in ("trainer", "operator")
             for args in (
                 ["versions", "--model", "m"],
                 ["publish", str(model), "--model", "m", "--version", "v1"],
-            ):
-                r = rollbus(*args, "--nats-url", url, env=env)
-                err = r.stderr.strip()
-                assert r.returncode == 2, (role, args, err)
-                assert "Traceback" not in err and len(err.splitlines()) == 1, (role, args, err)
-                assert "ROLLBUS_CKPT" in err and "rollbus serve" in err, (role, args, err)
-                assert passwords[role] not in err, err
+            )
+        ]
+
+        def run(role: str, args: list[str]) -> subprocess.CompletedProcess[str]:
+            url = f"nats://{role}:{passwords[role]}@127.0.0.1:{node.port}"
+            return rollbus(*args, "--nats-url", url, env=env)
+
+        # at once: each call waits out its no-answer timeout (~5 s) before it says so
+        with ThreadPoolExecutor(len(calls)) as pool:
+            done = list(pool.map(lambda c: run(*c), calls))
+        for (role, args), r in zip(calls, done, strict=True):
+            err = r.stderr.strip()
+            assert r.returncode == 2, (role, args, err)
+            assert "Traceback" not in err and len(err.splitlines()) == 1, (role, args, err)
+            assert "ROLLBUS_CKPT" in err and "rollbus serve" in err, (role, args, err)
+            assert passwords[role] not in err, err
     finally:
         node.stop()
