@@ -81,17 +81,30 @@ SPEC_BYTES = 512 * 1024
 
 def spec_bytes(gen: m.GenRequest, bad: BadWords | None) -> int:
     """An upper bound of the bytes one sample spec of ``gen`` takes in a step message:
-    128 KiB with a long ``bad_words`` list, a few dozen bytes for most requests."""
-    if gen.logit_bias is None and gen.allowed_token_ids is None and bad is None:
-        return 64
+    128 KiB with a long ``bad_words`` list, a few dozen bytes for most requests. Every
+    field counts: ``min_tokens`` alone holds up to 272 stop ids (five bytes each) back."""
     multi = bad.multi if bad is not None else None
     tail = [m.TOKEN_LIMIT] * bad.reach if bad is not None else None  # ids up to 5 bytes
-    ban = [*gen.stop_token_ids, *(bad.single if bad is not None else ())] or None
+    stops = gen.stop_token_ids if gen.min_tokens else ()
+    ban = [*stops, *(bad.single if bad is not None else ())] or None
     spec = m.SamplingSpec(
-        m.TOKEN_LIMIT, logit_bias=gen.logit_bias, ban=ban, seed=m.INT64_MAX,
-        limits=m.Limits(gen.min_p, gen.allowed_token_ids, multi or None, tail),
+        m.TOKEN_LIMIT, gen.temperature, gen.top_p, gen.top_k, m.INT64_MIN, m.TOKEN_LIMIT,
+        gen.logprobs, gen.top_logprobs, gen.logit_bias, ban, penalties(gen),
+        m.Limits(gen.min_p, gen.allowed_token_ids, multi or None, tail),
     )  # fmt: skip
-    return len(m.pack(spec)) + 64
+    return len(m.pack(spec)) + 16
+
+
+def heaviest(gen: m.GenRequest, bad: BadWords | None) -> str:
+    """The field that takes most of ``gen``'s sample specs (the 400's ``param``)."""
+    ids = 5  # bytes of a token id at most
+    return max(
+        ("bad_words", len(m.pack(bad.multi)) + ids * (len(bad.single) + bad.reach) if bad else 0),
+        ("allowed_token_ids", ids * len(gen.allowed_token_ids or ())),
+        ("logit_bias", len(m.pack(gen.logit_bias)) if gen.logit_bias else 0),
+        ("stop_token_ids", ids * len(gen.stop_token_ids) if gen.min_tokens else 0),
+        key=lambda kv: kv[1],
+    )[0]
 
 
 class BlockAllocator:
@@ -252,18 +265,15 @@ class Scheduler:
             return (
                 f"needs {self.blocks_for(total)} KV blocks, the cache has {self.alloc.num_blocks}"
             ), param
-        size = gen.n * spec_bytes(gen, bad_words(gen))
+        bad = bad_words(gen)
+        size = gen.n * spec_bytes(gen, bad)
         if size > self.max_spec_bytes:  # its prefill row alone carries all n specs
-            heavy = max(
-                ("bad_words", sum(len(w) for w in gen.bad_words or ())),
-                ("allowed_token_ids", len(gen.allowed_token_ids or ())),
-                ("logit_bias", 2 * len(gen.logit_bias.ids) if gen.logit_bias else 0),
-                key=lambda kv: kv[1],
-            )[0]
+            heavy = heaviest(gen, bad)
             return (
-                f"n ({gen.n}) x the sampling data of one choice (bad_words, "
-                f"allowed_token_ids, logit_bias) is {size} bytes per step, more than a step "
-                f"message carries ({self.max_spec_bytes}): ask fewer choices or less data"
+                f"n ({gen.n}) x the sampling data of one choice (bad_words, allowed_token_ids, "
+                f"logit_bias, stop_token_ids under min_tokens) is {size} bytes per step, more "
+                f"than a step message carries ({self.max_spec_bytes}): ask fewer choices or "
+                "less data"
             ), heavy
         return None
 

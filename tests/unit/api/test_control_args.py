@@ -35,6 +35,12 @@ def client(**kw: Any) -> TestClient:
         ("/v1/sleep", "", {"tags": ["weight", "kv_cache"]}, {"tags": "weight,kv_cache"}),
         ("/v1/sleep", "?tags=kv_cache", {"tags": "weight"}, {"tags": "kv_cache"}),
         ("/v1/wakeup", "", {"tags": "weight"}, {"tags": "weight"}),
+        # the call's own argument null or "" is absent: its default (README)
+        ("/v1/pause", "", {"mode": None}, {}),
+        ("/v1/pause", "", {"mode": ""}, {}),
+        ("/v1/sleep", "", {"tags": None}, {}),
+        ("/v1/wakeup", "", {"tags": ""}, {}),
+        ("/v1/resume", "", {}, {}),
     ],
 )
 def test_args_from_query_or_body(
@@ -72,6 +78,7 @@ def test_bearer_scheme_is_case_insensitive(calls: list[tuple[str, dict[str, Any]
         ("/v1/pause", b'{"mod": null}', "mod"),  # ... even null or "": never a default abort
         ("/v1/pause", b'{"mod": ""}', "mod"),
         ("/v1/resume", b'{"x": null}', "x"),
+        ("/v1/resume", b'{"": null}', "body"),  # resume has no argument: "" names none
         ("/v1/sleep", b'{"tag": null}', "tag"),
         ("/v1/wakeup", b'{"tag": ""}', "tag"),
         ("/v1/pause", b'{"mode": "bogus"}', "mode"),
