@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from services.engine.scheduler import Plan, Scheduler
@@ -145,6 +147,7 @@ def test_preemption_recomputes_when_blocks_run_out() -> None:
 
 def test_request_too_big_for_cache_or_context() -> None:
     s = sched(blocks=2, bs=4)
+
     def why(prompt: int, max_tokens: int) -> tuple[str, str]:
         return s.check(gen("a", prompt=prompt, max_tokens=max_tokens)) or ("", "")
 
@@ -229,7 +232,51 @@ def test_a_failed_sample_of_a_row_past_its_end_fails_no_sibling() -> None:
     plan = s.schedule()
     assert plan is not None and len(plan.step.rows) == 2
     s.finish(leader, "stop")  # ended by step N's reply while this step was in flight
-    reply = m.StepReply(plan.step.step, [other.seq_id], [7], [-0.5],
-                        failed=[(leader.seq_id, 500, "logits not finite")])
+    reply = m.StepReply(
+        plan.step.step,
+        [other.seq_id],
+        [7],
+        [-0.5],
+        failed=[(leader.seq_id, 500, "logits not finite")],
+    )
     outs = s.apply(plan, reply, "v0")
     assert other.finish_reason is None and [o.token for o in outs] == [7]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_reused_decode_spec_is_the_one_built_afresh(seed: int) -> None:
+    # a decode row sends its sequence's spec of the row before while min_tokens' ban is
+    # unchanged: through n > 1 forks, preemption, recompute and pipelined steps it must
+    # equal the spec built for that row now (any field that changes mid-stream shows)
+    rng = random.Random(seed)
+    s = Scheduler(rng.choice([8, 40]), 4, rng.choice([2, 8]), rng.choice([4, 64]), max_model_len=64)
+    inflight: list[Plan] = []
+    checked = 0
+    for it in range(80):
+        if rng.random() < 0.3:
+            g = m.GenRequest(
+                f"r{it}", [rng.randrange(1, 50) for _ in range(rng.randrange(1, 10))],
+                rng.randrange(1, 10), n=rng.choice([1, 2, 3]), stop_token_ids=[7, 9],
+                min_tokens=rng.choice([0, 2, 4]), seed=rng.choice([None, 3]),
+                presence_penalty=rng.choice([0.0, 0.5]),
+            )  # fmt: skip
+            if s.check(g) is None:
+                s.add(g, "inbox")
+        if rng.random() < 0.05:
+            for p in inflight:
+                s.apply(p, fake_reply(p, rng.choice([7, 8, 11])), "v0")
+            inflight = []
+            s.recompute_all()
+        plan = s.schedule(ahead=bool(inflight))
+        if plan is not None:
+            for row, seq in zip(plan.step.rows, plan.seqs, strict=True):
+                if len(row.sample) == 1 and not (seq.index == 0 and not seq.req.forked):
+                    seq.pending -= 1  # as it was when the row was built
+                    assert row.sample[0] == Scheduler._spec(seq)
+                    seq.pending += 1
+                    checked += 1
+            inflight.append(plan)
+        if inflight and (len(inflight) == 2 or rng.random() < 0.6):
+            p = inflight.pop(0)
+            s.apply(p, fake_reply(p, rng.choice([7, 8, 11])), "v0")
+    assert checked  # decode rows were reached

@@ -212,3 +212,39 @@ async def test_the_queued_acknowledgement_names_the_serving_version() -> None:
     gen = m.GenRequest("r1", [1, 2, 3], max_tokens=4)
     await eng.scheduler.on_gen(SimpleNamespace(reply="_INBOX.x.1", data=m.pack(gen), headers={}))
     assert [(c.heartbeat, c.version) for c in sent] == [(True, "v0")]
+
+
+class PeerPingsAndReplies(PeerPings):
+    def __init__(self, busy: dict[int, str | None]) -> None:
+        super().__init__(busy)
+        self.replies: list[m.StepReply] = []
+        self.pings = 0
+
+    async def scatter(self, subject: str, data: bytes, **kw: Any) -> dict[int, Any]:
+        self.pings += 1
+        return await super().scatter(subject, data, **kw)
+
+    async def publish(self, subject: str, data: bytes, **_: Any) -> None:
+        self.replies.append(m.unpack(data, type=m.StepReply))
+
+
+async def test_a_step_after_a_gap_is_not_run_while_a_peer_is_in_the_missed_step() -> None:
+    # on_step itself (not only blocked_peer): pings only once a step was missed, and
+    # refuses the in-sequence step that follows the gap while a peer is inside it
+    from services.worker.stepcheck import StepLimits
+
+    bus = PeerPingsAndReplies({0: "step 7", 1: ""})
+    st = Stepper(None, bus, None, 1, Watermark(), peers=("ping", 2))  # type: ignore[arg-type]
+    st.__dict__["limits"] = StepLimits(320, 16, 4, 64)  # (no KV cache here)
+
+    def msg(step: int) -> Any:
+        row = m.StepRow(0, [1], 0, [0], [])
+        return SimpleNamespace(data=m.pack(m.StepRequest(step, [row])), reply="r", headers={})
+
+    st.last_step = 6
+    await st.on_step(msg(8))  # step 7 missed
+    assert "missed step 7" in (bus.replies[-1].error or "") and bus.pings == 0
+    await st.on_step(msg(9))
+    assert bus.pings == 1
+    assert bus.replies[-1].step == 9
+    assert "not run: rank 0 is in step 7" in (bus.replies[-1].error or "")

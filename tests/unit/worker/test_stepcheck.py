@@ -94,3 +94,38 @@ def test_a_failing_row_does_not_fail_the_others() -> None:
 def test_a_refused_row_is_named_with_its_own_reason(bad: m.StepRequest, why: str) -> None:
     # the rows are checked in one pass and the reason found only for the one that failed
     assert why in (check_step(bad, LIM) or "")
+
+
+def _rows(*rows: m.StepRow) -> m.StepRequest:
+    return m.StepRequest(1, list(rows))
+
+
+def _row(seq: int = 0, ids: list[int] | None = None, pos: int = 0, **kw: object) -> m.StepRow:
+    table = kw.pop("table", list(range(16)))
+    return m.StepRow(seq, [1] if ids is None else ids, pos, table, [], **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("req", "why"),
+    [
+        # the edges that pass: a row's ``prev`` token alone, ids 0 and vocab - 1, the
+        # last position and block, no rows at all (finished ids / copies only)
+        (_rows(_row(ids=[], prev=True)), None),
+        (_rows(_row(ids=[0, 319], pos=62)), None),
+        (_rows(_row(ids=[1], table=[15])), None),
+        (_rows(), None),
+        (_rows(_row(0), _row(1, ids=[], pos=63, prev=True)), None),
+        # ``prev`` counts: one more position than the ids
+        (_rows(_row(ids=[1], pos=63, prev=True)), "row 0 (seq 0): positions 63..65 outside"),
+        (_rows(_row(ids=[1, 2, 3, 4], table=[0], prev=True)), "1 blocks cannot hold 5"),
+        # the first failing row is the one named, after rows that pass
+        (_rows(_row(0), _row(1, ids=[2**40])), "row 1 (seq 1): token id outside"),
+        (_rows(_row(0), _row(1), _row(0)), "row 2 (seq 0): sequence twice"),
+        (_rows(_row(0), _row(1, table=[0, -5])), "row 1 (seq 1): block id outside"),
+        (_rows(_row(0, ids=[], prev=False)), "row 0 (seq 0): no tokens"),
+    ],
+)
+def test_the_one_pass_check_keeps_each_edge(req: m.StepRequest, why: str | None) -> None:
+    # as before the one-pass check: the same rows pass, the same row is named
+    got = check_step(m.unpack(m.pack(req), type=m.StepRequest), LIM)
+    assert got == why if why is None else why in (got or "")
