@@ -162,8 +162,14 @@ def _drop_pages(buf: mmap.mmap, lo: int, hi: int) -> None:
     1.5x the weights, where the ipc mapping it replaced cost nothing beside them.
     ``buf`` is :func:`read_file`'s private anonymous memory: a dropped page reads back
     as zeros, never as other bytes. Whole runs, not each tensor's inner pages: a huge
-    page (see :func:`_huge_pages`) is freed only once none of it is mapped."""
+    page (see :func:`_huge_pages`) is freed only once none of it is mapped. The run is
+    marked no-huge-pages first: khugepaged collapses a huge-page-eligible range that has
+    any page left back into a whole 2 MiB page, zero-filling what was given back (seen:
+    a dropped run resident again mid-load)."""
+    nohuge = getattr(mmap, "MADV_NOHUGEPAGE", None)
     try:
+        if nohuge is not None:
+            buf.madvise(nohuge, lo, hi - lo)
         buf.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
     except OSError:  # only memory: the load goes on
         pass
