@@ -31,5 +31,8 @@ def test_a_stream_the_role_may_not_create_is_one_line(tmp_path: Path) -> None:
                 assert "Traceback" not in err and len(err.splitlines()) == 1, (role, args, err)
                 assert "ROLLBUS_CKPT" in err and "rollbus serve" in err, (role, args, err)
                 assert passwords[role] not in err, err
+                # named by the server's permissions violation, at once: before, each call
+                # waited out its 5 s JetStream API timeout and said only "no answer"
+                assert "lack publish permission on $JS.API." in err, (role, args, err)
     finally:
         node.stop()
