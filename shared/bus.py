@@ -76,6 +76,7 @@ from shared.errors import (
     ControlError,
     NoResponders,
     NotConnected,
+    PublishDenied,
     Timeout,
 )
 from shared.ratelog import RateLimited
@@ -126,6 +127,12 @@ def header_block(headers: dict[str, str]) -> bytes:
     return "".join(parts).encode()
 
 
+# nats-server's answer to a publish the connection's permissions refuse (nats-server
+# quotes the concrete subject, never the permission's wildcard)
+_DENIED_RE = re.compile(r'permissions violation for publish to "(.*)"', re.IGNORECASE)
+_DENIED_KEEP = 64  # subjects remembered in _Client.denied (the latest ones)
+
+
 class _Client(Client):
     """nats-py's client, refusing here a message whose headers and payload together
     exceed the server's ``max_payload``. nats-py checks the payload alone: a larger
@@ -141,6 +148,15 @@ class _Client(Client):
     # reaches _send_publish with no await in between)
     _block: tuple[dict[str, str], bytes] | None = None
 
+    def __init__(self) -> None:
+        super().__init__()
+        # subject -> wall time of the server's latest publish permissions violation on it
+        self.denied: dict[str, float] = {}
+        # nats-py's own requests (the JetStream API's) waiting for their reply, by the
+        # subject they were published to: a violation on that subject fails them at once
+        self._asked: dict[str, set[asyncio.Future[Any]]] = {}
+        self.on_denied: Callable[[Callable[[str], bool]], None] | None = None  # the Bus's
+
     async def publish(
         self,
         subject: str,
@@ -148,6 +164,10 @@ class _Client(Client):
         reply: str = "",
         headers: dict[str, str] | None = None,
     ) -> None:
+        if reply and self._resp_map:  # nats-py's request: its future is registered
+            fut = self._resp_map.get(reply[reply.rfind(".") + 1 :])
+            if fut is not None and not fut.done():
+                self._watch(subject, fut)
         if headers is None:  # no block to build: nats-py's path, nothing added
             await super().publish(subject, payload, reply=reply)
             return
@@ -183,6 +203,56 @@ class _Client(Client):
         await self._send_command(cmd)
         if self._flush_queue is not None and self._flush_queue.empty():
             await self._flush_pending()
+
+    def _watch(self, subject: str, fut: asyncio.Future[Any]) -> None:
+        self._asked.setdefault(subject, set()).add(fut)
+        fut.add_done_callback(lambda f: self._unwatch(subject, f))
+
+    def _unwatch(self, subject: str, fut: asyncio.Future[Any]) -> None:
+        waiting = self._asked.get(subject)
+        if waiting is not None:
+            waiting.discard(fut)
+            if not waiting:
+                del self._asked[subject]
+
+    async def _process_err(self, err_msg: str) -> None:
+        """nats-py's own, after noting a publish permissions violation: nats-py hands it
+        to ``error_cb`` only (the connection stays up), so a request published to that
+        subject reached no one and its caller would wait out its whole timeout. Every
+        waiter on exactly that subject fails now with :class:`PublishDenied`."""
+        m = _DENIED_RE.search(err_msg)
+        if m is not None:
+            self._denied(m.group(1))
+        await super()._process_err(err_msg)
+
+    def _denied(self, lowered: str) -> None:
+        # nats-py lowercases the -ERR text; its parser calls _process_err before it
+        # consumes the line, so the subject's own case is still in its buffer
+        buf = self._ps.buf
+        line = bytes(buf[: buf.find(b"\r\n")]).decode(errors="replace")
+        raw = _DENIED_RE.search(line)
+        if raw is not None and raw.group(1).lower() == lowered:
+            subject = raw.group(1)
+
+            def same(s: str) -> bool:
+                return s == subject
+        else:  # not found (another nats-py): the best left is a case-blind match
+            subject = lowered
+
+            def same(s: str) -> bool:
+                return s.lower() == lowered
+
+        self.denied.pop(subject, None)
+        self.denied[subject] = time.time()
+        while len(self.denied) > _DENIED_KEEP:
+            del self.denied[next(iter(self.denied))]
+        log.debug("nats: publish to %s refused: permissions violation", subject)
+        for asked in [s for s in self._asked if same(s)]:
+            for fut in list(self._asked.get(asked, ())):
+                if not fut.done():
+                    fut.set_exception(PublishDenied(asked))
+        if self.on_denied is not None:
+            self.on_denied(same)
 
     async def _process_pong(self) -> None:
         """nats-py's own, but a PONG whose ``flush`` already timed out is consumed
@@ -321,9 +391,11 @@ class _Gather:
         self.done = asyncio.get_running_loop().create_future()
         self.on_reply = on_reply
         self.lost = False  # the connection dropped: replies not yet here never come
+        self.error: ControlError | None = None  # e.g. the request's publish was refused
 
-    def fail(self) -> None:
+    def fail(self, error: ControlError | None = None) -> None:
         self.lost = True
+        self.error = error
         if not self.done.done():
             self.done.set_result(None)
 
@@ -535,6 +607,8 @@ class Bus:
         # the PONG waits of settles under way: a lost connection ends them (its PONG
         # never comes: nats-py drops its future at the reconnect)
         self._pong_waits: set[asyncio.Timeout] = set()
+        if isinstance(nc, _Client):
+            nc.on_denied = self._publish_denied
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -680,6 +754,28 @@ class Bus:
                 waiter.put(err)
             elif not waiter.done():
                 waiter.set_exception(err)
+
+    def _publish_denied(self, same: Callable[[str], bool]) -> None:
+        """nats-server refused a publish to a subject (``same`` tells it): every request,
+        scatter and stream sent there got nowhere, so each fails now with a 403 naming
+        the subject (one on another subject waits on)."""
+        for token, waiter in list(self._pending.items()):
+            subject = self._subjects.get(token)
+            if subject is None or not same(subject):
+                continue
+            err = PublishDenied(subject)
+            if isinstance(waiter, _Gather):
+                waiter.fail(err)
+            elif isinstance(waiter, _Stream):
+                waiter.put(err)
+            elif not waiter.done():
+                waiter.set_exception(err)
+
+    @property
+    def denied(self) -> dict[str, float]:
+        """Subjects the server refused this connection's publishes to, with the wall time
+        of the latest refusal (the latest 64)."""
+        return dict(getattr(self.nc, "denied", {}))
 
     @property
     def max_payload(self) -> int:
@@ -857,6 +953,8 @@ class Bus:
             # which only this call sees (it is dropped from _pending below)
             async with asyncio.timeout(timeout):
                 await gather.done
+            if gather.error is not None:
+                raise gather.error
             if not gather.lost or len(gather.replies) >= expected:
                 return gather.replies
             raise TimeoutError  # the connection dropped: the missing ranks are named

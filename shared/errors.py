@@ -80,3 +80,16 @@ class NotConnected(ControlError):
 class NoResponders(ControlError):
     def __init__(self, subject: str) -> None:
         super().__init__(UNAVAILABLE, f"no responders on {subject}: is the service running?")
+
+
+class PublishDenied(ControlError):
+    """nats-server refused a request's publish (``-ERR 'Permissions Violation for Publish
+    to "<subject>"'``): the request reached no one, so its caller fails at once, naming
+    the subject, instead of waiting out its timeout for a reply that cannot come."""
+
+    def __init__(self, subject: str) -> None:
+        super().__init__(
+            FORBIDDEN,
+            f"permission denied: these NATS credentials lack publish permission on {subject}",
+        )
+        self.subject = subject

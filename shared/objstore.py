@@ -63,6 +63,7 @@ from nats.errors import Error as NatsError
 from nats.js import api
 from nats.js.errors import APIError, BadRequestError, NotFoundError
 
+from shared.errors import PublishDenied
 from shared.messages import VersionPublished
 from shared.subjects import CKPT_STREAM, CKPT_WILDCARD, EVENTS_STREAM, ckpt_published
 from shared.versions import BadVersionName, check_version_name
@@ -171,10 +172,15 @@ async def _scale_up(js: Any, cfg: api.StreamConfig, replicas: int) -> None:
 # --------------------------------------------------------------------------- buckets
 
 
-def _not_permitted(stream: str) -> ObjectReadError:
+def _not_permitted(stream: str, denied: PublishDenied | None = None) -> ObjectReadError:
+    # a refusal the server named (a permissions violation) comes at once; a role's
+    # missing subscribe permission on the reply, or a server without JetStream, only
+    # leaves the JetStream API call unanswered
+    why = f"{denied.message};" if denied is not None else "no answer (this role may not:"
     return ObjectReadError(
-        f"cannot create or configure stream {stream}: no answer (this role may not: "
-        f"the engine creates it at start, so start `rollbus serve` first)"
+        f"cannot create or configure stream {stream}: {why} "
+        f"the engine creates it at start, so start `rollbus serve` first"
+        + ("" if denied is not None else ")")
     )
 
 
@@ -183,6 +189,8 @@ async def ensure_bucket(nc: Client, bucket: str, replicas: int | None = None) ->
         await _ensure_bucket(nc, bucket, replicas)
     except TimeoutError:
         raise _not_permitted(_stream(bucket)) from None
+    except PublishDenied as e:
+        raise _not_permitted(_stream(bucket), e) from None
 
 
 async def _ensure_bucket(nc: Client, bucket: str, replicas: int | None = None) -> None:
@@ -942,6 +950,8 @@ async def ensure_ckpt_stream(nc: Client, model: str = "", replicas: int | None =
         await _ensure_ckpt_stream(nc, model, replicas)
     except TimeoutError:
         raise _not_permitted(CKPT_STREAM) from None
+    except PublishDenied as e:
+        raise _not_permitted(CKPT_STREAM, e) from None
 
 
 async def _ensure_ckpt_stream(nc: Client, model: str = "", replicas: int | None = None) -> None:

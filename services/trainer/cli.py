@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from shared import creds
-from shared.errors import BusUnreachable
+from shared.errors import BusUnreachable, ControlError
 from shared.objstore import ObjectReadError
 from shared.settings import Settings
 
@@ -131,6 +131,9 @@ def publish(args: argparse.Namespace, settings: Settings) -> int:
     except ObjectReadError as e:  # e.g. the role may not create the stream: it names why
         bar.close()
         return _fail("publish", str(e))
+    except ControlError as e:  # e.g. a subject these credentials may not publish to
+        bar.close()
+        return _fail("publish", e.message)
     except OSError as e:  # the ipc dir refused or not creatable is a bad setting: name it
         bar.close()
         ipc_dir = isinstance(e, UnsafeIpcDir) or str(e.filename or "").startswith(
@@ -167,6 +170,8 @@ def versions(args: argparse.Namespace, settings: Settings) -> int:
         return _fail("versions", str(e))
     except (ValueError, ObjectReadError) as e:  # a bad model id; a stream it cannot read
         return _fail("versions", str(e))
+    except ControlError as e:  # e.g. a subject these credentials may not publish to
+        return _fail("versions", e.message)
     if not vs:
         print(f"no published versions of {args.model}", file=sys.stderr)
         return 0

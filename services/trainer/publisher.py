@@ -67,7 +67,7 @@ from shared import objstore
 from shared import safetensors as st
 from shared.bus import Bus
 from shared.creds import default_dir, role_url
-from shared.errors import ControlError
+from shared.errors import ControlError, PublishDenied
 from shared.messages import ControlReply, VersionPublished, json_decode
 from shared.model_config import ModelConfig
 from shared.subjects import Subjects, ckpt_object_name, rank_shard_file
@@ -92,6 +92,18 @@ class ClaimLost(VersionConflict):
 
 class NotAnnounced(objstore.ObjectReadError):
     """The version is stored, but its event could not be published (publish again)."""
+
+
+def _denied_in(e: BaseException) -> PublishDenied | None:
+    """The permissions violation behind ``e`` (itself, or what it was raised from)."""
+    seen: BaseException | None = e
+    for _ in range(8):  # a chain, never a cycle walked forever
+        if seen is None:
+            return None
+        if isinstance(seen, PublishDenied):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 @dataclass
@@ -391,6 +403,13 @@ class CheckpointPublisher:
                 # (same content) is a no-op upload that announces it. Before, `rollbus
                 # publish` said only "nats: timeout" (or, for a nats error that is not
                 # an OSError, printed a traceback)
+                denied = _denied_in(e)
+                if denied is not None:  # the credentials' permissions: a retry cannot help
+                    raise NotAnnounced(
+                        f"{model}/{version} is stored but its event was not published: "
+                        f"{denied.message} (publishing again cannot announce it: use "
+                        f"credentials that may publish there)"
+                    ) from e
                 raise NotAnnounced(
                     f"{model}/{version} is stored but its event was not published "
                     f"({e!r}): publish it again to announce it"

@@ -34,7 +34,8 @@ def test_a_stream_the_role_may_not_create_is_one_line(tmp_path: Path) -> None:
             url = f"nats://{role}:{passwords[role]}@127.0.0.1:{node.port}"
             return rollbus(*args, "--nats-url", url, env=env)
 
-        # at once: each call waits out its no-answer timeout (~5 s) before it says so
+        # at once (named by the server's permissions violation; before, each call waited
+        # out its 5 s JetStream API timeout and said only "no answer")
         with ThreadPoolExecutor(len(calls)) as pool:
             done = list(pool.map(lambda c: run(*c), calls))
         for (role, args), r in zip(calls, done, strict=True):
@@ -43,5 +44,6 @@ def test_a_stream_the_role_may_not_create_is_one_line(tmp_path: Path) -> None:
             assert "Traceback" not in err and len(err.splitlines()) == 1, (role, args, err)
             assert "ROLLBUS_CKPT" in err and "rollbus serve" in err, (role, args, err)
             assert passwords[role] not in err, err
+            assert "lack publish permission on $JS.API." in err, (role, args, err)
     finally:
         node.stop()

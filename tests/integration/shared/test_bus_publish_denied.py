@@ -1,0 +1,81 @@
+"""A request whose publish nats-server refuses (a permissions violation, which nats-py
+only hands to ``error_cb``: the connection stays up) fails at once with
+:class:`PublishDenied` naming that subject, instead of waiting out its timeout for a
+reply that cannot come; a request on another subject waiting at the same time is left
+alone. Real nats-server with ``infra/nats/auth.conf``.
+
+No timing is asserted: without the fix each call below ends in ``Timeout`` (or
+``nats.errors.TimeoutError``) after its timeout, which the assertions refuse."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from shared.bus import REQUEST_ID, Bus
+from shared.errors import FORBIDDEN, PublishDenied
+from tests import natsconf
+
+I = "default"  # noqa: E741 - the instance token, as in rollbus.<i>.…
+# operator may publish rollbus.*.ctl.> but not rollbus.*.worker.> (README, role table);
+# mixed case: the subject is named in its own case (nats-py lowercases the -ERR text)
+DENIED = f"rollbus.{I}.worker.Denied"
+ALLOWED = f"rollbus.{I}.ctl.allowed"
+WAIT_S = 20.0  # what each call would wait without the fix
+
+
+@pytest.fixture
+async def roles(tmp_path: Path) -> AsyncIterator[tuple[Bus, Bus]]:
+    """An operator's bus (the caller) and an engine's (a responder on ALLOWED)."""
+    passwords = natsconf.role_passwords()
+    node = natsconf.single_with_auth(tmp_path, passwords)
+    node.start()
+    buses: list[Bus] = []
+    try:
+        for role in ("operator", "engine"):
+            url = f"nats://{role}:{passwords[role]}@127.0.0.1:{node.port}"
+            buses.append(await Bus.connect(url, f"test-{role}"))
+        yield buses[0], buses[1]
+    finally:
+        for b in buses:
+            await b.close()
+        node.stop()
+
+
+async def test_a_refused_publish_fails_its_request_at_once_and_no_other(
+    roles: tuple[Bus, Bus],
+) -> None:
+    op, engine = roles
+    release = asyncio.Event()
+    asked = asyncio.Event()
+
+    async def answer(msg: object) -> None:  # replies only once released: B waits
+        asked.set()
+        await release.wait()
+        await engine.nc.publish(msg.reply, b"b", headers={REQUEST_ID: msg.headers[REQUEST_ID]})  # type: ignore[attr-defined]
+
+    await engine.nc.subscribe(ALLOWED, cb=answer)
+    await engine.nc.flush()
+
+    other = asyncio.ensure_future(op.request(ALLOWED, b"{}", timeout=WAIT_S))
+    await asyncio.wait_for(asked.wait(), WAIT_S)  # B is out and waiting
+    with pytest.raises(PublishDenied) as denied:
+        await op.request(DENIED, b"{}", timeout=WAIT_S)
+    assert denied.value.code == FORBIDDEN and denied.value.subject == DENIED
+    assert f"lack publish permission on {DENIED}" in denied.value.message
+    assert DENIED in op.denied
+    assert not other.done()  # B's waiter was not failed by A's violation
+    release.set()
+    assert (await other).data == b"b"
+
+    # a scatter and nats-py's own request (every JetStream API call) alike
+    with pytest.raises(PublishDenied):
+        await op.scatter(DENIED, b"{}", expected=2, timeout=WAIT_S)
+    js_create = "$JS.API.STREAM.CREATE.EVIL"
+    with pytest.raises(PublishDenied) as denied:
+        await op.nc.request(js_create, b"{}", timeout=WAIT_S)
+    assert denied.value.subject == js_create
+    assert op.pending == 0 and not op.nc._asked  # type: ignore[attr-defined]
