@@ -3,6 +3,7 @@ stack is left running, or signal all of it)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 
@@ -32,3 +33,19 @@ def descendants(pid: int) -> set[int]:
             todo += list(kids - out)
             out |= kids
     return out
+
+
+def wait_stopped(pid: int, timeout: float = 10.0) -> None:
+    """Until every thread of ``pid`` shows state ``T`` (a signal lands asynchronously)."""
+    end = time.monotonic() + timeout
+    while True:
+        states = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:  # the thread ended meanwhile
+                pass
+        if states and all(st == "T" for st in states):
+            return
+        assert time.monotonic() < end, f"process {pid} not stopped"
+        time.sleep(0.005)

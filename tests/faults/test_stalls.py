@@ -14,6 +14,7 @@ import nats.errors
 import pytest
 
 from shared.bus import REQUEST_ID, Bus
+from tests.e2e.procs import wait_stopped
 from tests.faults import common as c
 from tests.faults.common import Faults, NatsProc
 
@@ -23,22 +24,6 @@ ORPHAN_BOUND = c.ORPHAN_BOUND
 # the API ends a stream after CONTROL_TIMEOUT_S without a chunk or heartbeat
 STREAM_BOUND = c.CT + c.MARGIN
 HELD = c.CT + 4  # stopped for longer than every per-call timeout of the API
-
-
-def _wait_stopped(pid: int) -> None:
-    """Until every thread of ``pid`` shows state ``T`` (a signal lands asynchronously)."""
-    end = time.monotonic() + 10
-    while True:
-        states = []
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            try:
-                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
-            except FileNotFoundError:  # the thread ended meanwhile
-                pass
-        if all(st == "T" for st in states):
-            return
-        assert time.monotonic() < end, f"process {pid} not stopped"
-        time.sleep(0.005)
 
 
 def _until_no_requests(f: Faults, since: float, bound: float) -> None:
@@ -105,6 +90,19 @@ def test_api_stopped_mid_stream(faults: Faults) -> None:
     assert s.outcome == "done", (s.outcome, s.error, s.tokens)
     _until_no_requests(f, continued, ORPHAN_BOUND + c.GEN_BOUND)
     c.wait_recovered(f.stack)
+
+
+def _engine_stopped_in(f: Faults, phase: str) -> tuple[int, c.Call]:
+    """Pause, start ``update_weights`` to v1, and SIGSTOP the engine once rank 1 sits in
+    its ``phase`` window (the stack's test delay): the engine's pid and the call."""
+    needle = f"rank 1: test delay before {phase}"
+    before = c.log_count(f.stack, needle)
+    assert c.ctl(f.stack, "/v1/pause").status_code == 200
+    pid = int(c.status(f.stack)["engine_pid"])
+    call = c.Call(f.stack, "/v1/update_weights", json={"version": "v1"})
+    c.wait_log(f.stack, needle, before)
+    c.signal_quietly(pid, signal.SIGSTOP)
+    return pid, call
 
 
 # commit only: its window is the one where a late call switches a rank (stage's, tried
@@ -204,7 +202,7 @@ def test_a_flush_timed_out_while_the_server_was_stopped_leaves_the_bus_reading(
             assert server.proc is not None
             server.proc.send_signal(signal.SIGSTOP)
             try:
-                _wait_stopped(server.proc.pid)  # else the PONG may beat the signal
+                wait_stopped(server.proc.pid)  # else the PONG may beat the signal
                 with pytest.raises(nats.errors.FlushTimeoutError):
                     await bus.flush(1.0)
             finally:
@@ -220,6 +218,19 @@ def test_a_flush_timed_out_while_the_server_was_stopped_leaves_the_bus_reading(
         server.stop()
 
 
+def _engine_stopped_in(f: Faults, phase: str) -> tuple[int, c.Call]:
+    """Pause, start ``update_weights`` to v1, and SIGSTOP the engine once rank 1 sits in
+    its ``phase`` window (the stack's test delay): the engine's pid and the call."""
+    needle = f"rank 1: test delay before {phase}"
+    before = c.log_count(f.stack, needle)
+    assert c.ctl(f.stack, "/v1/pause").status_code == 200
+    pid = int(c.status(f.stack)["engine_pid"])
+    call = c.Call(f.stack, "/v1/update_weights", json={"version": "v1"})
+    c.wait_log(f.stack, needle, before)
+    c.signal_quietly(pid, signal.SIGSTOP)
+    return pid, call
+
+
 # commit only: its window is the one where a late call switches a rank (stage's, tried
 # too, found nothing; CI time)
 @pytest.mark.parametrize("phase", ["commit"])
@@ -229,13 +240,7 @@ def test_engine_stopped_during_update_weights(faults: Faults, phase: str) -> Non
     ranks' replies wait in its socket): whatever it then does, its version is the one
     every rank serves, and the greedy output is that version's."""
     f = faults
-    needle = f"rank 1: test delay before {phase}"
-    before = c.log_count(f.stack, needle)
-    assert c.ctl(f.stack, "/v1/pause").status_code == 200
-    pid = int(c.status(f.stack)["engine_pid"])
-    call = c.Call(f.stack, "/v1/update_weights", json={"version": "v1"})
-    c.wait_log(f.stack, needle, before)
-    c.signal_quietly(pid, signal.SIGSTOP)
+    pid, call = _engine_stopped_in(f, phase)
     try:
         r = call.result(c.CONTROL_BOUND)
         assert r.status_code == 503 and "engine: no reply" in r.text, r.text
@@ -260,16 +265,10 @@ def test_engine_stopped_past_its_commit_scatter_keeps_the_update(faults: Faults)
     200, every rank on the new version, nothing rolled back. Before: `commit: ranks
     [0, 1] did not answer within 6s; ranks that had committed were rolled back`."""
     f = faults
-    needle = "rank 1: test delay before commit"
-    before = c.log_count(f.stack, needle)
     rollbacks = c.log_count(f.stack, "rolling the ranks back")
-    assert c.ctl(f.stack, "/v1/pause").status_code == 200
-    pid = int(c.status(f.stack)["engine_pid"])
-    call = c.Call(f.stack, "/v1/update_weights", json={"version": "v1"})
-    c.wait_log(f.stack, needle, before)
-    c.signal_quietly(pid, signal.SIGSTOP)
+    pid, call = _engine_stopped_in(f, "commit")
     try:
-        _wait_stopped(pid)
+        wait_stopped(pid)
         # past the scatter's timer (sent before the stop), with room for the ranks'
         # commit window and replies; the API waits 2 x CT + 5 s for the whole call
         time.sleep(c.CT + 3)

@@ -24,28 +24,13 @@ import pytest
 
 from shared.bus import RANK, REQUEST_ID, Bus
 from shared.errors import Timeout
+from tests.e2e.procs import wait_stopped
 from tests.integration.shared.test_bus import connect, settle, subject
 
 ROOT = Path(__file__).resolve().parents[3]
 CALLER = Path(__file__).with_name("stopped_caller.py")
 TIMEOUT = 1.0  # the caller's reply timeout
 HELD = TIMEOUT + 1.0  # stopped this long from its request's arrival: its timer is due
-
-
-def _wait_stopped(pid: int) -> None:
-    """Until every thread of ``pid`` shows state ``T`` (a signal lands asynchronously)."""
-    end = time.monotonic() + 10
-    while True:
-        states = []
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            try:
-                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
-            except FileNotFoundError:  # the thread ended meanwhile
-                pass
-        if states and all(st == "T" for st in states):
-            return
-        assert time.monotonic() < end, f"process {pid} not stopped"
-        time.sleep(0.005)
 
 
 @pytest.mark.parametrize("mode", ["request", "scatter", "stream"])
@@ -58,7 +43,7 @@ async def test_a_caller_stopped_past_its_timer_gets_the_replies_it_was_sent(
 
     async def stop(pid: int) -> float:
         os.kill(pid, signal.SIGSTOP)
-        await asyncio.to_thread(_wait_stopped, pid)
+        await asyncio.to_thread(wait_stopped, pid)
         return time.monotonic()
 
     async def answer(msg, rank: int) -> None:  # noqa: ANN001
