@@ -13,6 +13,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import nats.errors
 import pytest
 
 from shared.bus import REQUEST_ID, Bus
@@ -79,3 +80,29 @@ async def test_a_refused_publish_fails_its_request_at_once_and_no_other(
         await op.nc.request(js_create, b"{}", timeout=WAIT_S)
     assert denied.value.subject == js_create
     assert op.pending == 0 and not op.nc._asked  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("tail", ['a"b', "a\\b", "zero\u200bwidth", "é"])
+async def test_a_subject_the_server_quotes_with_escapes_is_matched(
+    roles: tuple[Bus, Bus], tail: str
+) -> None:
+    """nats-server quotes the subject with Go's %q: a '"' or '\\' in it, or a character
+    Go deems unprintable, arrives escaped. Matched on the escaped text, such a request
+    waited out its timeout and ``denied`` named a subject never sent."""
+    op, _ = roles
+    subject = f"rollbus.{I}.worker.{tail}"
+    with pytest.raises(PublishDenied) as denied:
+        await op.request(subject, b"{}", timeout=WAIT_S)
+    assert denied.value.subject == subject
+    assert list(op.denied) == [subject]
+
+
+async def test_a_request_whose_publish_raises_leaves_no_waiter(roles: tuple[Bus, Bus]) -> None:
+    """nats-py registers its request's future before publishing and, when the publish
+    raises (here: larger than the server's max_payload), never resolves it: the watch
+    kept it (and nats-py's own map) for the connection's life."""
+    op, _ = roles
+    with pytest.raises(nats.errors.MaxPayloadError):
+        await op.nc.request(DENIED, b"x" * (op.max_payload + 1), timeout=WAIT_S)
+    assert not op.nc._asked  # type: ignore[attr-defined]
+    assert not op.nc._resp_map  # type: ignore[attr-defined]
