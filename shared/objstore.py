@@ -288,7 +288,7 @@ async def object_present(nc: Client, bucket: str, name: str, timeout: float = 1.
     subject = f"$JS.API.DIRECT.GET.{_stream(bucket)}.{_meta_subject(bucket, name)}"
     try:
         msg = await nc.request(subject, b"", timeout=timeout)
-    except (NatsError, TimeoutError):
+    except (NatsError, TimeoutError, PublishDenied):  # refused: told at once, still None
         return None
     status = (msg.headers or {}).get("Status")
     if not msg.data:

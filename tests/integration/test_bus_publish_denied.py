@@ -16,6 +16,7 @@ from pathlib import Path
 import nats.errors
 import pytest
 
+from shared import objstore
 from shared.bus import REQUEST_ID, Bus
 from shared.errors import FORBIDDEN, PublishDenied
 from tests import natsconf
@@ -106,3 +107,16 @@ async def test_a_request_whose_publish_raises_leaves_no_waiter(roles: tuple[Bus,
         await op.nc.request(DENIED, b"x" * (op.max_payload + 1), timeout=WAIT_S)
     assert not op.nc._asked  # type: ignore[attr-defined]
     assert not op.nc._resp_map  # type: ignore[attr-defined]
+
+
+async def test_object_present_without_the_permission_cannot_tell(
+    roles: tuple[Bus, Bus],
+) -> None:
+    """``object_present`` is None when it cannot be told, "no permission" included
+    (auto-update then decides): the refused direct get now fails at once, and that
+    PublishDenied escaped it (a ControlError, not the NatsError/TimeoutError it caught),
+    failing the auto-update's ``pending`` instead."""
+    op, _ = roles  # the operator may not direct-get the bucket's metas
+    assert (
+        await objstore.object_present(op.nc, "rollbus_ckpt", "m/v1/manifest.json", WAIT_S) is None
+    )
