@@ -120,3 +120,28 @@ async def test_object_present_without_the_permission_cannot_tell(
     assert (
         await objstore.object_present(op.nc, "rollbus_ckpt", "m/v1/manifest.json", WAIT_S) is None
     )
+
+
+@pytest.mark.parametrize("chunk", [0, 1, 7])
+async def test_refusals_read_together_or_split_each_name_their_own_subject(
+    roles: tuple[Bus, Bus], chunk: int
+) -> None:
+    """The subject's own case comes from nats-py's parser buffer, whose head must be the
+    -ERR line being handled: several -ERR lines read at once (chunk 0: the reads as they
+    come, all the requests' refusals together), or one split across reads (the reads fed
+    to the parser ``chunk`` bytes at a time), each names its own subject."""
+    op, _ = roles
+    parse = op.nc._ps.parse  # type: ignore[attr-defined]
+
+    async def split(data: bytes = b"") -> None:
+        for i in range(0, len(data), chunk):
+            await parse(data[i : i + chunk])
+
+    if chunk:
+        op.nc._ps.parse = split  # type: ignore[attr-defined]
+    subjects = [f"rollbus.{I}.worker.Case{i}x" for i in range(5)] + [f"rollbus.{I}.worker.CASE0X"]
+    got = await asyncio.gather(
+        *(op.request(s, b"{}", timeout=WAIT_S) for s in subjects), return_exceptions=True
+    )
+    assert [getattr(e, "subject", e) for e in got] == subjects
+    assert sorted(op.denied) == sorted(subjects)
