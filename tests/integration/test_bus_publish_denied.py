@@ -145,3 +145,27 @@ async def test_refusals_read_together_or_split_each_name_their_own_subject(
     )
     assert [getattr(e, "subject", e) for e in got] == subjects
     assert sorted(op.denied) == sorted(subjects)
+
+
+async def test_a_refused_subscription_fails_no_request(roles: tuple[Bus, Bus]) -> None:
+    """nats-server refuses a subscription with a like -ERR (``Permissions Violation for
+    Subscription to "<subject>"``): a request waiting on that very subject is not failed."""
+    op, engine = roles
+    release = asyncio.Event()
+    asked = asyncio.Event()
+
+    async def answer(msg: object) -> None:
+        asked.set()
+        await release.wait()
+        await engine.nc.publish(msg.reply, b"b", headers={REQUEST_ID: msg.headers[REQUEST_ID]})  # type: ignore[attr-defined]
+
+    await engine.nc.subscribe(ALLOWED, cb=answer)
+    await engine.nc.flush()
+    waiting = asyncio.ensure_future(op.request(ALLOWED, b"{}", timeout=WAIT_S))
+    await asyncio.wait_for(asked.wait(), WAIT_S)
+    await op.nc.subscribe(ALLOWED)  # the operator may publish there, not subscribe
+    await op.nc.flush()  # the server's -ERR comes before its PONG
+    assert "subscription to" in str(op.nc.last_error).lower()
+    assert not waiting.done() and not op.denied
+    release.set()
+    assert (await waiting).data == b"b"
