@@ -169,3 +169,12 @@ async def test_a_refused_subscription_fails_no_request(roles: tuple[Bus, Bus]) -
     assert not waiting.done() and not op.denied
     release.set()
     assert (await waiting).data == b"b"
+
+
+async def test_a_refused_stream_fails_at_once(roles: tuple[Bus, Bus]) -> None:
+    op, _ = roles
+    with pytest.raises(PublishDenied) as denied:
+        async for _ in op.stream(DENIED, b"{}", idle_timeout=WAIT_S):
+            pass
+    assert denied.value.subject == DENIED
+    assert op.pending == 0
