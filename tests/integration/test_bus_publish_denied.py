@@ -83,7 +83,7 @@ async def test_a_refused_publish_fails_its_request_at_once_and_no_other(
     assert op.pending == 0 and not op.nc._asked  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("tail", ['a"b', "a\\b", "zero\u200bwidth", "é"])
+@pytest.mark.parametrize("tail", ['a"b', "a'b", "a\\b", "zero\u200bwidth", "é"])
 async def test_a_subject_the_server_quotes_with_escapes_is_matched(
     roles: tuple[Bus, Bus], tail: str
 ) -> None:
