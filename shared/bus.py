@@ -274,6 +274,17 @@ class _Client(Client):
         if self.on_denied is not None:
             self.on_denied(same)
 
+    async def _send_ping(self, future: asyncio.Future[Any] | None = None) -> None:
+        """nats-py's own, after writing the commands still queued: nats-py (2.16) writes
+        the PING straight to the socket, ahead of a SUB or PUB its flusher task has not
+        written yet, so ``subscribe(); flush()`` could return before the server had the
+        subscription (a request sent next: "no responders")."""
+        if self._pending_data_size > 0 and self.is_connected and self._transport is not None:
+            self._transport.writelines(self._pending[:])  # as the flusher task does
+            self._pending = []
+            self._pending_data_size = 0
+        await super()._send_ping(future)
+
     async def _process_pong(self) -> None:
         """nats-py's own, but a PONG whose ``flush`` already timed out is consumed
         quietly. nats-py (2.16) cancels a timed-out flush's future and leaves it queued;
