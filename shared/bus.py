@@ -48,6 +48,7 @@ One :class:`Bus` per process. It owns:
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import contextlib
 import logging
@@ -133,6 +134,18 @@ _DENIED_RE = re.compile(r'permissions violation for publish to "(.*)"', re.IGNOR
 _DENIED_KEEP = 64  # subjects remembered in _Client.denied (the latest ones)
 
 
+def _unquoted(quoted: str) -> str:
+    """The subject inside nats-server's quotes: Go's %q escapes a '"' or '\\' in it, and
+    any character Go deems unprintable, with escapes Python's string literals share."""
+    if "\\" not in quoted:
+        return quoted
+    try:
+        subject = ast.literal_eval(f'"{quoted}"')
+    except (SyntaxError, ValueError):  # not Go's quoting after all: the text as it came
+        return quoted
+    return subject if isinstance(subject, str) else quoted
+
+
 class _Client(Client):
     """nats-py's client, refusing here a message whose headers and payload together
     exceed the server's ``max_payload``. nats-py checks the payload alone: a larger
@@ -164,21 +177,33 @@ class _Client(Client):
         reply: str = "",
         headers: dict[str, str] | None = None,
     ) -> None:
+        watched: asyncio.Future[Any] | None = None
         if reply and self._resp_map:  # nats-py's request: its future is registered
             fut = self._resp_map.get(reply[reply.rfind(".") + 1 :])
             if fut is not None and not fut.done():
                 self._watch(subject, fut)
-        if headers is None:  # no block to build: nats-py's path, nothing added
-            await super().publish(subject, payload, reply=reply)
-            return
-        block = header_block(headers)
-        if len(payload) + len(block) > self._max_payload:
-            raise nats.errors.MaxPayloadError
-        self._block = (headers, block)
-        try:
-            await super().publish(subject, payload, reply=reply, headers=headers)
-        finally:
-            self._block = None
+                watched = fut
+        try:  # (free in 3.11 when nothing raises: the hot path pays nothing for it)
+            if headers is None:  # no block to build: nats-py's path, nothing added
+                await super().publish(subject, payload, reply=reply)
+                return
+            block = header_block(headers)
+            if len(payload) + len(block) > self._max_payload:
+                raise nats.errors.MaxPayloadError
+            self._block = (headers, block)
+            try:
+                await super().publish(subject, payload, reply=reply, headers=headers)
+            finally:
+                self._block = None
+        except BaseException:
+            if watched is not None:
+                # nats-py never resolves a request's future whose publish raised: it
+                # stayed here and in its _resp_map for the connection's life (dropped
+                # now, not by the done-callbacks the cancel schedules)
+                watched.cancel()
+                self._unwatch(subject, watched)
+                self._resp_map.pop(reply[reply.rfind(".") + 1 :], None)
+            raise
 
     async def _send_publish(
         self,
@@ -232,12 +257,12 @@ class _Client(Client):
         line = bytes(buf[: buf.find(b"\r\n")]).decode(errors="replace")
         raw = _DENIED_RE.search(line)
         if raw is not None and raw.group(1).lower() == lowered:
-            subject = raw.group(1)
+            subject = _unquoted(raw.group(1))
 
             def same(s: str) -> bool:
                 return s == subject
         else:  # not found (another nats-py): the best left is a case-blind match
-            subject = lowered
+            subject = _unquoted(lowered)
 
             def same(s: str) -> bool:
                 return s.lower() == lowered
@@ -253,6 +278,17 @@ class _Client(Client):
                     fut.set_exception(PublishDenied(asked))
         if self.on_denied is not None:
             self.on_denied(same)
+
+    async def _send_ping(self, future: asyncio.Future[Any] | None = None) -> None:
+        """nats-py's own, after writing the commands still queued: nats-py (2.16) writes
+        the PING straight to the socket, ahead of a SUB or PUB its flusher task has not
+        written yet, so ``subscribe(); flush()`` could return before the server had the
+        subscription (a request sent next: "no responders")."""
+        if self._pending_data_size > 0 and self.is_connected and self._transport is not None:
+            self._transport.writelines(self._pending[:])  # as the flusher task does
+            self._pending = []
+            self._pending_data_size = 0
+        await super()._send_ping(future)
 
     async def _process_pong(self) -> None:
         """nats-py's own, but a PONG whose ``flush`` already timed out is consumed

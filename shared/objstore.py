@@ -176,11 +176,17 @@ def _not_permitted(stream: str, denied: PublishDenied | None = None) -> ObjectRe
     # a refusal the server named (a permissions violation) comes at once; a role's
     # missing subscribe permission on the reply, or a server without JetStream, only
     # leaves the JetStream API call unanswered
-    why = f"{denied.message};" if denied is not None else "no answer (this role may not:"
+    if denied is None:
+        return ObjectReadError(
+            f"cannot create or configure stream {stream}: no answer (this role may not: "
+            f"the engine creates it at start, so start `rollbus serve` first)"
+        )
+    if denied.subject.startswith(("$JS.API.STREAM.CREATE.", "$JS.API.STREAM.UPDATE.")):
+        advice = "the engine creates it at start, so start `rollbus serve` first"
+    else:  # may not even look at it: no engine's start helps (the operator's, say)
+        advice = "use the trainer's credentials"
     return ObjectReadError(
-        f"cannot create or configure stream {stream}: {why} "
-        f"the engine creates it at start, so start `rollbus serve` first"
-        + ("" if denied is not None else ")")
+        f"cannot create or configure stream {stream}: {denied.message}; {advice}"
     )
 
 
@@ -288,7 +294,7 @@ async def object_present(nc: Client, bucket: str, name: str, timeout: float = 1.
     subject = f"$JS.API.DIRECT.GET.{_stream(bucket)}.{_meta_subject(bucket, name)}"
     try:
         msg = await nc.request(subject, b"", timeout=timeout)
-    except (NatsError, TimeoutError):
+    except (NatsError, TimeoutError, PublishDenied):  # refused: told at once, still None
         return None
     status = (msg.headers or {}).get("Status")
     if not msg.data:

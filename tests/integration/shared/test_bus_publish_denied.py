@@ -13,8 +13,10 @@ import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import nats.errors
 import pytest
 
+from shared import objstore
 from shared.bus import REQUEST_ID, Bus
 from shared.errors import FORBIDDEN, PublishDenied
 from tests import natsconf
@@ -79,3 +81,104 @@ async def test_a_refused_publish_fails_its_request_at_once_and_no_other(
         await op.nc.request(js_create, b"{}", timeout=WAIT_S)
     assert denied.value.subject == js_create
     assert op.pending == 0 and not op.nc._asked  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("tail", ['a"b', "a'b", "a\\b", "zero\u200bwidth", "é"])
+async def test_a_subject_the_server_quotes_with_escapes_is_matched(
+    roles: tuple[Bus, Bus], tail: str
+) -> None:
+    """nats-server quotes the subject with Go's %q: a '"' or '\\' in it, or a character
+    Go deems unprintable, arrives escaped. Matched on the escaped text, such a request
+    waited out its timeout and ``denied`` named a subject never sent."""
+    op, _ = roles
+    subject = f"rollbus.{I}.worker.{tail}"
+    with pytest.raises(PublishDenied) as denied:
+        await op.request(subject, b"{}", timeout=WAIT_S)
+    assert denied.value.subject == subject
+    assert list(op.denied) == [subject]
+
+
+async def test_a_request_whose_publish_raises_leaves_no_waiter(roles: tuple[Bus, Bus]) -> None:
+    """nats-py registers its request's future before publishing and, when the publish
+    raises (here: larger than the server's max_payload), never resolves it: the watch
+    kept it (and nats-py's own map) for the connection's life."""
+    op, _ = roles
+    with pytest.raises(nats.errors.MaxPayloadError):
+        await op.nc.request(DENIED, b"x" * (op.max_payload + 1), timeout=WAIT_S)
+    assert not op.nc._asked  # type: ignore[attr-defined]
+    assert not op.nc._resp_map  # type: ignore[attr-defined]
+
+
+async def test_object_present_without_the_permission_cannot_tell(
+    roles: tuple[Bus, Bus],
+) -> None:
+    """``object_present`` is None when it cannot be told, "no permission" included
+    (auto-update then decides): the refused direct get now fails at once, and that
+    PublishDenied escaped it (a ControlError, not the NatsError/TimeoutError it caught),
+    failing the auto-update's ``pending`` instead."""
+    op, _ = roles  # the operator may not direct-get the bucket's metas
+    assert (
+        await objstore.object_present(op.nc, "rollbus_ckpt", "m/v1/manifest.json", WAIT_S) is None
+    )
+
+
+@pytest.mark.parametrize("chunk", [0, 1, 7])
+async def test_refusals_read_together_or_split_each_name_their_own_subject(
+    roles: tuple[Bus, Bus], chunk: int
+) -> None:
+    """The subject's own case comes from nats-py's parser buffer, whose head must be the
+    -ERR line being handled: several -ERR lines read at once (chunk 0: the reads as they
+    come, all the requests' refusals together), or one split across reads (the reads fed
+    to the parser ``chunk`` bytes at a time), each names its own subject."""
+    op, _ = roles
+    parse = op.nc._ps.parse  # type: ignore[attr-defined]
+
+    async def split(data: bytes = b"") -> None:
+        for i in range(0, len(data), chunk):
+            await parse(data[i : i + chunk])
+
+    if chunk:
+        op.nc._ps.parse = split  # type: ignore[attr-defined]
+    subjects = [f"rollbus.{I}.worker.Case{i}x" for i in range(5)] + [f"rollbus.{I}.worker.CASE0X"]
+    got = await asyncio.gather(
+        *(op.request(s, b"{}", timeout=WAIT_S) for s in subjects), return_exceptions=True
+    )
+    assert [getattr(e, "subject", e) for e in got] == subjects
+    assert sorted(op.denied) == sorted(subjects)
+
+
+async def test_a_refused_subscription_fails_no_request(roles: tuple[Bus, Bus]) -> None:
+    """nats-server refuses a subscription with a like -ERR (``Permissions Violation for
+    Subscription to "<subject>"``): a request waiting on that very subject is not failed."""
+    op, engine = roles
+    release = asyncio.Event()
+    asked = asyncio.Event()
+
+    async def answer(msg: object) -> None:
+        asked.set()
+        await release.wait()
+        await engine.nc.publish(msg.reply, b"b", headers={REQUEST_ID: msg.headers[REQUEST_ID]})  # type: ignore[attr-defined]
+
+    await engine.nc.subscribe(ALLOWED, cb=answer)
+    await engine.nc.flush()
+    waiting = asyncio.ensure_future(op.request(ALLOWED, b"{}", timeout=WAIT_S))
+    await asyncio.wait_for(asked.wait(), WAIT_S)
+    await op.nc.subscribe(ALLOWED)  # the operator may publish there, not subscribe
+
+    async def refused() -> None:  # its -ERR may come after a flush's PONG: wait for it
+        while "subscription to" not in str(op.nc.last_error).lower():
+            await asyncio.sleep(0.01)
+
+    await asyncio.wait_for(refused(), WAIT_S)
+    assert not waiting.done() and not op.denied
+    release.set()
+    assert (await waiting).data == b"b"
+
+
+async def test_a_refused_stream_fails_at_once(roles: tuple[Bus, Bus]) -> None:
+    op, _ = roles
+    with pytest.raises(PublishDenied) as denied:
+        async for _ in op.stream(DENIED, b"{}", idle_timeout=WAIT_S):
+            pass
+    assert denied.value.subject == DENIED
+    assert op.pending == 0
