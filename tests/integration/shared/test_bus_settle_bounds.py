@@ -22,8 +22,8 @@ import pytest
 from services import natsd
 from shared.bus import SETTLE_PONG_S, SILENCE_GRACE_S, Bus
 from shared.errors import ControlError, Timeout
+from tests.e2e.procs import wait_stopped
 from tests.integration.shared.test_bus import subject
-from tests.integration.shared.test_bus_stopped_caller import _wait_stopped
 
 FLUSHER_QUEUE = 1024  # nats-py's DEFAULT_MAX_FLUSHER_QUEUE_SIZE
 
@@ -108,7 +108,7 @@ async def test_callers_cancelled_while_settling_leave_nothing_and_others_still_t
     await bus.flush()
     try:
         server.proc.send_signal(signal.SIGSTOP)
-        await asyncio.to_thread(_wait_stopped, server.proc.pid)
+        await asyncio.to_thread(wait_stopped, server.proc.pid)
 
         async def stream() -> None:
             async for _ in bus.stream(subj, b"x", idle_timeout=0.1):
@@ -213,7 +213,7 @@ async def test_a_connection_lost_while_settling_ends_the_wait_at_once(
 
     try:
         server.proc.send_signal(signal.SIGSTOP)
-        await asyncio.to_thread(_wait_stopped, server.proc.pid)
+        await asyncio.to_thread(wait_stopped, server.proc.pid)
         waiting = asyncio.ensure_future(call())
         while not bus._settles:  # its timer fired: it waits in the settle now
             await asyncio.sleep(0.02)
