@@ -55,6 +55,7 @@ from services.worker.weights import (
     SnapshotSource,
     Source,
     stat_pin,
+    unchanged_while_read,
 )
 from shared import manifest as mf
 from shared import objstore
@@ -362,6 +363,12 @@ class IpcSource:
             except OSError as e:  # short: cut short since the size check
                 why = e.strerror if e.errno else f"{e} of {size}: changed while read"
                 raise ControlError(UNPROCESSABLE, f"{where}: cannot read: {why}") from None
+            if not verify:  # no hash binds the bytes read: see unchanged_while_read
+                try:
+                    unchanged_while_read(fst, os.fstat(fd), where)
+                except ControlError:
+                    buf.close()
+                    raise
         finally:
             os.close(fd)
         timings: dict[str, Any] = {"verified": verify}

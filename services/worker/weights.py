@@ -80,6 +80,17 @@ def stat_pin(st: os.stat_result) -> str:
     return f"file:{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
 
 
+def unchanged_while_read(before: os.stat_result, after: os.stat_result, where: str) -> None:
+    """A file read without a SHA-256 to check it against (verify off, or no manifest):
+    its :func:`stat_pin` after the read must be the one taken before it, else a write or a
+    replacement during the read may have mixed old and new bytes (what the pin would only
+    catch at the next wakeup, after serving them): 422."""
+    if stat_pin(before) != stat_pin(after):
+        raise ControlError(
+            UNPROCESSABLE, f"{where}: changed while read (written or replaced): refused"
+        )
+
+
 def check_pin(loaded: dict[str, str], now: dict[str, str], where: str) -> None:
     """A reload of a version must be of the bytes its first load read (see
     :attr:`LoadedShard.pin`): else 422 naming the first file that changed."""
@@ -209,6 +220,14 @@ class SnapshotSource:
         timings: dict[str, Any] = {"verified": bool(verify and spec is not None)}
         # the bytes hashed are the bytes parsed and served: one private copy
         buf = hf_files.read_file(shard_file, size, where)
+        if not timings["verified"]:  # no hash binds the bytes read: their file's stat must
+            try:
+                unchanged_while_read(fst, shard_file.stat(), where)
+            except (ControlError, OSError) as e:
+                buf.close()
+                if isinstance(e, ControlError):
+                    raise
+                raise ControlError(UNPROCESSABLE, f"{where}: changed while read: gone") from None
         if verify and spec is not None:
             t1 = time.perf_counter()
             digest = hashlib.sha256(buf).hexdigest()

@@ -355,3 +355,41 @@ def test_the_served_bytes_are_the_hashed_bytes(
     scribble()  # after the load too
     for name, a in arrays.items():
         np.testing.assert_array_equal(a, hashed[name], err_msg=name)
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_unverified_a_shard_written_while_read_is_refused(
+    ipc: tuple[Path, mf.Manifest], monkeypatch: pytest.MonkeyPatch, when: str
+) -> None:
+    """Verify off, no SHA-256 binds what was read: a write in place between the stat the
+    pin is taken from and the end of the read could be served as a mix of old and new
+    bytes (the stat pin caught it only at the next wakeup, after serving them). The stat
+    after the read must be the one before it: 422. The seam only places the real
+    ``pwrite`` just before or just after the read."""
+    from services.worker import hf_files
+
+    ipc_dir, man = ipc
+    shard = ipc_version_dir(ipc_dir, MODEL, "s1") / "rank0-of-2.safetensors"
+    end = shard.stat().st_size
+
+    def write() -> None:  # the last byte rewritten as it is: only the stat says so
+        fd = os.open(shard, os.O_RDWR)
+        try:
+            os.pwrite(fd, os.pread(fd, 1, end - 1), end - 1)
+        finally:
+            os.close(fd)
+
+    def read_file(*args: object) -> object:
+        if when == "before":
+            write()
+        buf = real_read_file(*args)  # type: ignore[arg-type]
+        if when == "after":
+            write()
+        return buf
+
+    real_read_file = hf_files.read_file
+    monkeypatch.setattr(hf_files, "read_file", read_file)
+    msg = refused(ipc_dir, man, 0, verify=False)
+    assert "changed while read" in msg, msg
+    monkeypatch.setattr(hf_files, "read_file", real_read_file)
+    assert load(ipc_dir, man, 0, verify=False)  # unchanged: served

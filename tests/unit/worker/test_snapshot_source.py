@@ -269,3 +269,24 @@ def test_a_shard_cut_short_after_its_load_cannot_kill_the_rank(model_dir: Path) 
         [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300
     )
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+
+
+def test_unverified_a_presharded_shard_written_while_read_is_refused(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As for ipc: with verify off nothing but the file's stat binds the bytes read, so
+    a write during the read (placed by the seam just after it; the write is real) is a
+    422, not a possibly mixed shard served under a stale pin."""
+    from services.worker import hf_files
+
+    shard = model_dir / "versions" / "s1" / "rank0-of-2.safetensors"
+
+    def read_file(*args: object) -> object:
+        buf = real_read_file(*args)  # type: ignore[arg-type]
+        os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 1))
+        return buf
+
+    real_read_file = hf_files.read_file
+    monkeypatch.setattr(hf_files, "read_file", read_file)
+    msg = refused(model_dir, 0, verify=False)
+    assert "changed while read" in msg, msg
