@@ -92,19 +92,6 @@ def test_api_stopped_mid_stream(faults: Faults) -> None:
     c.wait_recovered(f.stack)
 
 
-def _engine_stopped_in(f: Faults, phase: str) -> tuple[int, c.Call]:
-    """Pause, start ``update_weights`` to v1, and SIGSTOP the engine once rank 1 sits in
-    its ``phase`` window (the stack's test delay): the engine's pid and the call."""
-    needle = f"rank 1: test delay before {phase}"
-    before = c.log_count(f.stack, needle)
-    assert c.ctl(f.stack, "/v1/pause").status_code == 200
-    pid = int(c.status(f.stack)["engine_pid"])
-    call = c.Call(f.stack, "/v1/update_weights", json={"version": "v1"})
-    c.wait_log(f.stack, needle, before)
-    c.signal_quietly(pid, signal.SIGSTOP)
-    return pid, call
-
-
 # commit only: its window is the one where a late call switches a rank (stage's, tried
 # too, found nothing; CI time)
 @pytest.mark.parametrize("phase", ["commit"])

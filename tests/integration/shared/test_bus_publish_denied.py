@@ -47,20 +47,26 @@ async def roles(tmp_path: Path) -> AsyncIterator[tuple[Bus, Bus]]:
         node.stop()
 
 
-async def test_a_refused_publish_fails_its_request_at_once_and_no_other(
-    roles: tuple[Bus, Bus],
-) -> None:
-    op, engine = roles
-    release = asyncio.Event()
-    asked = asyncio.Event()
+async def _held_responder(engine: Bus) -> tuple[asyncio.Event, asyncio.Event]:
+    """The engine answers requests on ALLOWED only once ``release`` is set (the request
+    stays waiting meanwhile); ``asked`` is set when one came: ``(release, asked)``."""
+    release, asked = asyncio.Event(), asyncio.Event()
 
-    async def answer(msg: object) -> None:  # replies only once released: B waits
+    async def answer(msg: object) -> None:
         asked.set()
         await release.wait()
         await engine.nc.publish(msg.reply, b"b", headers={REQUEST_ID: msg.headers[REQUEST_ID]})  # type: ignore[attr-defined]
 
     await engine.nc.subscribe(ALLOWED, cb=answer)
     await engine.nc.flush()
+    return release, asked
+
+
+async def test_a_refused_publish_fails_its_request_at_once_and_no_other(
+    roles: tuple[Bus, Bus],
+) -> None:
+    op, engine = roles
+    release, asked = await _held_responder(engine)
 
     other = asyncio.ensure_future(op.request(ALLOWED, b"{}", timeout=WAIT_S))
     await asyncio.wait_for(asked.wait(), WAIT_S)  # B is out and waiting
@@ -151,16 +157,7 @@ async def test_a_refused_subscription_fails_no_request(roles: tuple[Bus, Bus]) -
     """nats-server refuses a subscription with a like -ERR (``Permissions Violation for
     Subscription to "<subject>"``): a request waiting on that very subject is not failed."""
     op, engine = roles
-    release = asyncio.Event()
-    asked = asyncio.Event()
-
-    async def answer(msg: object) -> None:
-        asked.set()
-        await release.wait()
-        await engine.nc.publish(msg.reply, b"b", headers={REQUEST_ID: msg.headers[REQUEST_ID]})  # type: ignore[attr-defined]
-
-    await engine.nc.subscribe(ALLOWED, cb=answer)
-    await engine.nc.flush()
+    release, asked = await _held_responder(engine)
     waiting = asyncio.ensure_future(op.request(ALLOWED, b"{}", timeout=WAIT_S))
     await asyncio.wait_for(asked.wait(), WAIT_S)
     await op.nc.subscribe(ALLOWED)  # the operator may publish there, not subscribe
