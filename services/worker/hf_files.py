@@ -83,35 +83,38 @@ def read_part(fd: int, e: st.Entry, part: tuple[int, int, int] | None) -> np.nda
 
 
 def read_slices(
-    path: Path,
+    src: Path | int,
     wanted: set[str],
     plan: Plan,
     dtype: str = "float32",
     where: str | None = None,
     taken: dict[str, str] | None = None,
 ) -> tuple[dict[str, np.ndarray], int]:
-    """This rank's part of every wanted tensor in ``path``, in ``dtype``, and the number
+    """This rank's part of every wanted tensor in ``src`` (a path, or a descriptor
+    open on the file: read with ``pread``, left open), in ``dtype``, and the number
     of bytes read from the file. ``plan(name, full_shape)`` checks the shape and says
     which part; only those bytes are read. ``taken``: wanted tensors already read from
     another file of the checkpoint (name -> that file): one here too is an error, since
     which copy is meant depends on the reader (a stale full file beside a sharded set,
     a shard holding a tensor the index maps elsewhere). Raises ``ValueError`` on a
     malformed file, a non-float tensor or such a duplicate."""
-    where = where or path.name
+    if not isinstance(src, int):
+        with open(src, "rb") as f:
+            return read_slices(f.fileno(), wanted, plan, dtype, where or src.name, taken)
+    where = where or f"fd {src}"
     out: dict[str, np.ndarray] = {}
     nread = 0
-    with open(path, "rb") as f:
-        header = st.read_header_fd(f.fileno(), where)
-        for name, e in header.tensors.items():
-            if taken and name in taken:
-                raise ValueError(f"tensor {name!r} is also in {taken[name]}: refused")
-            if name not in wanted:
-                continue
-            if e.dtype_name not in st.FLOATS:
-                raise ValueError(f"tensor {name!r} has dtype {e.dtype_name}, expected a float type")
-            raw = read_part(f.fileno(), e, plan(name, e.shape))
-            nread += raw.nbytes
-            out[name] = st.convert(raw, dtype)
+    header = st.read_header_fd(src, where)
+    for name, e in header.tensors.items():
+        if taken and name in taken:
+            raise ValueError(f"tensor {name!r} is also in {taken[name]}: refused")
+        if name not in wanted:
+            continue
+        if e.dtype_name not in st.FLOATS:
+            raise ValueError(f"tensor {name!r} has dtype {e.dtype_name}, expected a float type")
+        raw = read_part(src, e, plan(name, e.shape))
+        nread += raw.nbytes
+        out[name] = st.convert(raw, dtype)
     return out, nread
 
 

@@ -54,8 +54,8 @@ from services.worker.weights import (
     LoadedShard,
     SnapshotSource,
     Source,
+    read_shard,
     stat_pin,
-    unchanged_while_read,
 )
 from shared import manifest as mf
 from shared import objstore
@@ -348,29 +348,22 @@ class IpcSource:
         # the manifest names it: missing is a broken version, not an unknown one
         missing = ControlError(UNPROCESSABLE, f"{where}: shard file is missing")
         fd = self._open(spec.file, vdir, where, False, missing)
-        try:
-            fst = os.fstat(fd)  # before it is read: see stat_pin
-            size = fst.st_size
+
+        def check_size(size: int) -> None:
             if size != spec.size:
                 raise ControlError(UNPROCESSABLE, f"{where}: size {size} != manifest {spec.size}")
+
+        try:
             # read once into private memory, never mapped: the file is the trainer's to
             # rewrite or clean up, and a mapping of it cut short meanwhile was SIGBUS (the
             # rank died) at the next touch, and changed after the hash was served unhashed.
             # What is hashed below is what is parsed and handed to paddle (writable,
-            # C-contiguous views: taken over without another copy).
-            try:
-                buf = hf_files.read_file(fd, size, where)
-            except OSError as e:  # short: cut short since the size check
-                why = e.strerror if e.errno else f"{e} of {size}: changed while read"
-                raise ControlError(UNPROCESSABLE, f"{where}: cannot read: {why}") from None
-            if not verify:  # no hash binds the bytes read: see unchanged_while_read
-                try:
-                    unchanged_while_read(fst, os.fstat(fd), where)
-                except ControlError:
-                    buf.close()
-                    raise
+            # C-contiguous views: taken over without another copy). No hash binds it
+            # when unverified: the file's stat must (read_shard).
+            buf, fst = read_shard(fd, where, not verify, check_size)
         finally:
             os.close(fd)
+        size = fst.st_size
         timings: dict[str, Any] = {"verified": verify}
         if verify:
             t1 = time.perf_counter()

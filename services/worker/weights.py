@@ -21,6 +21,7 @@ Sources:
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import threading
 import time
@@ -82,13 +83,56 @@ def stat_pin(st: os.stat_result) -> str:
 
 def unchanged_while_read(before: os.stat_result, after: os.stat_result, where: str) -> None:
     """A file read without a SHA-256 to check it against (verify off, or no manifest):
-    its :func:`stat_pin` after the read must be the one taken before it, else a write or a
-    replacement during the read may have mixed old and new bytes (what the pin would only
-    catch at the next wakeup, after serving them): 422."""
+    its :func:`stat_pin` after the read must be the one taken before it, else a write
+    during the read may have mixed old and new bytes (what the pin would only catch at
+    the next wakeup, after serving them): 422."""
     if stat_pin(before) != stat_pin(after):
         raise ControlError(
             UNPROCESSABLE, f"{where}: changed while read (written or replaced): refused"
         )
+
+
+@contextmanager
+def bound_to_file(src: Path | int, where: str, bind: bool) -> Iterator[tuple[int, os.stat_result]]:
+    """The descriptor to read a file through and its stat before the read (the pin's,
+    see :func:`stat_pin`): both of one open file, so the bytes read are those of the
+    file the pin names — a file renamed over the path meanwhile is not read in its
+    place. ``src``: a path (opened here, closed on the way out) or a descriptor already
+    open on it (left open). ``bind``: no SHA-256 will check what is read, so the stat
+    must be the same once the read is done (:func:`unchanged_while_read`)."""
+    fd = src if isinstance(src, int) else os.open(src, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        before = os.fstat(fd)
+        yield fd, before
+        if bind:
+            unchanged_while_read(before, os.fstat(fd), where)
+    finally:
+        if not isinstance(src, int):
+            os.close(fd)
+
+
+def read_shard(
+    src: Path | int, where: str, bind: bool, check_size: Callable[[int], None]
+) -> tuple[mmap.mmap, os.stat_result]:
+    """A shard read whole into private memory (:func:`hf_files.read_file`) and the stat
+    it was read under (:func:`bound_to_file`). ``check_size(size)`` raises on a size the
+    caller refuses, before anything is allocated. A file cut short since its stat, or
+    changed while read when ``bind``, is 422 ``changed while read``; the buffer of a
+    refused read is unmapped at once, not when the GC runs."""
+    buf: mmap.mmap | None = None
+    try:
+        with bound_to_file(src, where, bind) as (fd, fst):
+            check_size(fst.st_size)
+            try:
+                buf = hf_files.read_file(fd, fst.st_size, where)
+            except OSError as e:  # short: cut short since its stat
+                why = e.strerror if e.errno else f"{e} of {fst.st_size}: changed while read"
+                raise ControlError(UNPROCESSABLE, f"{where}: cannot read: {why}") from None
+    except BaseException:
+        if buf is not None:
+            buf.close()
+        raise
+    return buf, fst
 
 
 def check_pin(loaded: dict[str, str], now: dict[str, str], where: str) -> None:
@@ -211,23 +255,20 @@ class SnapshotSource:
             )
         if not shard_file.is_file():
             raise ControlError(UNPROCESSABLE, f"{where}: shard file is missing")
-        fst = shard_file.stat()  # before the file is read: see stat_pin
-        size = fst.st_size
-        if spec is not None and size != spec.size:
-            raise ControlError(UNPROCESSABLE, f"{where}: size {size} != manifest size {spec.size}")
-        if spec is None:
-            mf.check_file_size(size, expected, where)
+
+        def check_size(size: int) -> None:
+            if spec is not None and size != spec.size:
+                raise ControlError(
+                    UNPROCESSABLE, f"{where}: size {size} != manifest size {spec.size}"
+                )
+            if spec is None:
+                mf.check_file_size(size, expected, where)
+
         timings: dict[str, Any] = {"verified": bool(verify and spec is not None)}
-        # the bytes hashed are the bytes parsed and served: one private copy
-        buf = hf_files.read_file(shard_file, size, where)
-        if not timings["verified"]:  # no hash binds the bytes read: their file's stat must
-            try:
-                unchanged_while_read(fst, shard_file.stat(), where)
-            except (ControlError, OSError) as e:
-                buf.close()
-                if isinstance(e, ControlError):
-                    raise
-                raise ControlError(UNPROCESSABLE, f"{where}: changed while read: gone") from None
+        # the bytes hashed are the bytes parsed and served: one private copy; no hash
+        # binds them when unverified, so their file's stat must (read_shard)
+        buf, fst = read_shard(shard_file, where, not timings["verified"], check_size)
+        size = fst.st_size
         if verify and spec is not None:
             t1 = time.perf_counter()
             digest = hashlib.sha256(buf).hexdigest()
@@ -274,9 +315,11 @@ class SnapshotSource:
         for f in files:
             where = f"rank {self.rank}: {self._rel(f)}"
             try:
-                pin[self._rel(f)] = stat_pin(f.stat())  # before it is read
-                # only this rank's slices' bytes, converted to the compute dtype
-                part, nread = hf_files.read_slices(f, wanted, plan, self.dtype, where, taken)
+                # no manifest, never verified: only the file's stat binds what is read
+                with bound_to_file(f, where, bind=True) as (fd, fst):
+                    pin[self._rel(f)] = stat_pin(fst)
+                    # only this rank's slices' bytes, converted to the compute dtype
+                    part, nread = hf_files.read_slices(fd, wanted, plan, self.dtype, where, taken)
                 arrays.update(part)
                 taken.update(dict.fromkeys(part, self._rel(f)))
                 nbytes += nread

@@ -263,8 +263,8 @@ def test_a_shard_cut_short_during_the_load_cannot_kill_the_rank(
 
         def fstat(fd):
             st = real_fstat(fd)
-            # the size check's fstat of this shard (not the trust check's in open_confined)
-            if sys._getframe(1).f_code.co_name == "_load" and os.readlink(
+            # the fstat the size check and pin use (not the trust check's in open_confined)
+            if sys._getframe(1).f_code.co_name == "bound_to_file" and os.readlink(
                 f"/proc/self/fd/{{fd}}"
             ) == str(shard):
                 cut()

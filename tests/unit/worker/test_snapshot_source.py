@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from services.tiny_model import TINY_CONFIG, create_model_dir
@@ -290,3 +291,107 @@ def test_unverified_a_presharded_shard_written_while_read_is_refused(
     monkeypatch.setattr(hf_files, "read_file", read_file)
     msg = refused(model_dir, 0, verify=False)
     assert "changed while read" in msg, msg
+
+
+@pytest.mark.parametrize("how", ["dir_swapped", "file_renamed_over"])
+def test_unverified_a_presharded_shard_replaced_around_its_read(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """The shard's stat and its read must be of one open file. They were of the path,
+    stat'ed, then opened again by the read, then stat'ed again: a version dir swapped
+    for another (renamed away, the other renamed in) just before the read and swapped
+    back after it had the other dir's bytes read under the first file's stat, and the
+    stat after the read (of the first file again, untouched: a dir rename changes only
+    the dir) agreed: other bytes served under the pin of these, silently. Now the file
+    stat'ed is the file read: the bytes of the pinned file are served. A shard renamed
+    over while read unlinks the file read (its link count and ctime change): 422, as
+    before. The renames are real; the seam only places them around the read."""
+    from safetensors.numpy import load_file
+
+    from services.worker import hf_files
+    from services.worker.weights import stat_pin
+
+    d = model_dir / "versions" / "s1"
+    exp = expected(model_dir, 0)
+    (d / "manifest.json").unlink()  # nothing but the stat binds the bytes
+    shard = d / "rank0-of-2.safetensors"
+    want = load_file(str(shard))
+    pinned = shard.stat()
+    other = bytearray(shard.read_bytes())
+    other[-2] ^= 1  # the same size, another value in the last tensor
+    d2, away = model_dir / "versions" / "s1-other", model_dir / "versions" / "away"
+    d2.mkdir()
+    (d2 / shard.name).write_bytes(bytes(other))
+
+    def read_file(*args: object) -> object:
+        if how == "file_renamed_over":
+            os.rename(d2 / shard.name, shard)
+            return real_read_file(*args)  # type: ignore[arg-type]
+        os.rename(d, away)
+        os.rename(d2, d)
+        try:
+            return real_read_file(*args)  # type: ignore[arg-type]
+        finally:
+            os.rename(d, d2)
+            os.rename(away, d)
+
+    real_read_file = hf_files.read_file
+    monkeypatch.setattr(hf_files, "read_file", read_file)
+    src = SnapshotSource(CFG, model_dir, 0, 2)
+    if how == "file_renamed_over":
+        msg = refused(model_dir, 0, exp=exp)
+        assert "rank 0: versions/s1/rank0-of-2.safetensors: changed while read" in msg, msg
+        return
+    got = src("s1", None, exp)
+    assert got.pin == {"versions/s1/rank0-of-2.safetensors": stat_pin(pinned)}
+    for name, a in want.items():
+        np.testing.assert_array_equal(got.arrays[name], a, err_msg=name)
+
+
+@pytest.mark.parametrize("parts", [1, 2])
+def test_an_hf_file_written_while_read_is_refused(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, parts: int
+) -> None:
+    """An HF checkpoint (one ``model.safetensors`` or a sharded set) has no manifest,
+    so nothing but each file's stat binds the bytes a rank read from it: a write in
+    place between two of its tensors' reads was served, mixed old and new bytes under
+    the stat taken before it (refused only at the next wakeup). The stat after the
+    read must be the one before it: 422 naming the file, as for a pre-sharded shard.
+    The write is real (a value in the file's last tensor); the seam only places it
+    after the first tensor read."""
+    import shutil
+
+    from services.worker import hf_files
+
+    d = model_dir / "versions" / "hf"
+    if parts == 1:
+        d.mkdir(parents=True)
+        shutil.copy(model_dir / "model.safetensors", d)
+        files = ["model.safetensors"]
+    else:
+        files = split_checkpoint(model_dir, d, parts)
+    src = SnapshotSource(CFG, model_dir, 0, 2)
+    src("hf", None, None)  # untouched: loads
+    target = d / files[-1]
+    written: list[str] = []
+
+    def read_part(fd: int, *args: object) -> object:
+        if not written and os.path.samefile(f"/proc/self/fd/{fd}", target):
+            written.append(target.name)
+            with open(target, "r+b") as f:
+                f.seek(-2, os.SEEK_END)
+                b = f.read(1)
+                f.seek(-2, os.SEEK_END)
+                f.write(bytes([b[0] ^ 1]))
+        return real_read_part(fd, *args)  # type: ignore[arg-type]
+
+    real_read_part = hf_files.read_part
+    monkeypatch.setattr(hf_files, "read_part", read_part)
+    with pytest.raises(ControlError) as e:
+        src("hf", None, None)
+    assert written == [files[-1]]
+    assert e.value.code == 422 and str(model_dir) not in e.value.message
+    assert e.value.message.startswith(f"rank 0: versions/hf/{files[-1]}: "), e.value.message
+    assert "changed while read" in e.value.message, e.value.message
+    monkeypatch.setattr(hf_files, "read_part", real_read_part)
+    src("hf", None, None)  # its new bytes, read whole: loads
