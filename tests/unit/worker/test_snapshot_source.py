@@ -395,3 +395,44 @@ def test_an_hf_file_written_while_read_is_refused(
     assert "changed while read" in e.value.message, e.value.message
     monkeypatch.setattr(hf_files, "read_part", real_read_part)
     src("hf", None, None)  # its new bytes, read whole: loads
+
+
+def test_an_hf_dir_swapped_around_its_read_serves_the_files_pinned(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As for a pre-sharded shard: an HF file's stat (its pin) and its read must be of
+    one open file. The pin was the path's stat and the read opened the path again, so a
+    version dir swapped for another (same names and sizes, other values) just before
+    the read and back after it had the other dir's tensors served under these files'
+    pins. Now the files pinned are the files read. The renames are real; the seam only
+    places them around each file's read."""
+    import shutil
+
+    from services.worker import hf_files
+
+    d = model_dir / "versions" / "hf"
+    files = split_checkpoint(model_dir, d, 2)
+    src = SnapshotSource(CFG, model_dir, 0, 2)
+    want = src("hf", None, None)
+    d2, away = model_dir / "versions" / "hf-other", model_dir / "versions" / "away"
+    shutil.copytree(d, d2)
+    for name in files:  # the same header, every byte of its last tensor's data flipped
+        raw = bytearray((d2 / name).read_bytes())
+        raw[-8:] = bytes(b ^ 0xFF for b in raw[-8:])
+        (d2 / name).write_bytes(bytes(raw))
+
+    def read_slices(*args: object, **kw: object) -> object:
+        os.rename(d, away)
+        os.rename(d2, d)
+        try:
+            return real_read_slices(*args, **kw)  # type: ignore[arg-type]
+        finally:
+            os.rename(d, d2)
+            os.rename(away, d)
+
+    real_read_slices = hf_files.read_slices
+    monkeypatch.setattr(hf_files, "read_slices", read_slices)
+    got = src("hf", None, None)
+    assert got.pin == want.pin
+    for name, a in want.arrays.items():
+        np.testing.assert_array_equal(got.arrays[name], a, err_msg=name)
