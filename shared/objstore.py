@@ -448,8 +448,19 @@ async def put_object(
         if not all_acked.done():
             all_acked.set_exception(ObjectReadError(f"put {bucket}/{name}: {exc}"))
 
+    def on_refused(e: PublishDenied) -> None:
+        # every chunk goes to the one refused subject: none is stored, no ack will come
+        # (nor is one awaited before the purge)
+        inflight.clear()
+        errors.append(e.message)
+        if not all_acked.done():
+            all_acked.set_exception(ObjectReadError(f"put {bucket}/{name}: {e.message}"))
+        window.release()  # a send waiting for room goes on, sees the error and stops
+
     link: Any = None
     sub = None
+    held = contextlib.ExitStack()
+    held.enter_context(refusals(nc, subj, "", on_refused))  # chunks sent on nc
     try:  # everything that holds a resource is inside: a failure or a cancel frees it
         if digest is None:
             pool = ThreadPoolExecutor(1, thread_name_prefix="sha256")
@@ -571,6 +582,7 @@ async def put_object(
             pass
         raise
     finally:
+        held.close()
         if link is not None:
             await link.close()
         if sub is not None:

@@ -112,3 +112,37 @@ async def test_a_refused_pull_fails_the_fetch_at_once(roles: dict[str, Bus]) -> 
     # the engine's other waits are untouched: a JetStream API call still answers
     assert (await engine.nc.jetstream().stream_info(CKPT_STREAM)).state.messages == 1
     await asyncio.sleep(0)
+
+
+@pytest.mark.parametrize("fast", [False, True])
+async def test_a_refused_chunk_publish_fails_the_put_at_once(tmp_path: Path, fast: bool) -> None:
+    """The writer waits for its chunks' acks on an inbox of its own: a trainer that may
+    write metas but not chunks failed its put only after ``ack_timeout`` (nats-py path:
+    past the 16-chunk window, after it); now at once, naming the chunk subject. The fast
+    path's own connection read the -ERR itself already (now worded the same)."""
+    passwords = natsconf.role_passwords()
+    trainer_perms = natsconf.without("trainer", f"$O.{BUCKET}.>")
+    trainer_perms["publish"].append(f"$O.{BUCKET}.M.>")
+    node = natsconf.single_with_perms(tmp_path, passwords, {"trainer": trainer_perms})
+    node.start()
+    buses: list[Bus] = []
+    try:
+        for role in ("engine", "trainer"):
+            url = f"nats://{role}:{passwords[role]}@127.0.0.1:{node.port}"
+            buses.append(await Bus.connect(url, f"test-{role}"))
+        engine, trainer = buses
+        await objstore.ensure_bucket(engine.nc, BUCKET)
+        data = os.urandom((objstore.PUT_WINDOW + 1) * MIB + 5 if not fast else 5 * MIB)
+        t0 = time.monotonic()
+        with pytest.raises(objstore.ObjectReadError) as err:
+            await objstore.put_object(
+                trainer.nc, BUCKET, "m/v1/x", data, ack_timeout=WAIT_S, fast=fast
+            )
+        assert time.monotonic() - t0 < WAIT_S
+        msg = str(err.value)
+        assert f"lack publish permission on $O.{BUCKET}.C." in msg, msg
+        assert _no_watch_left(trainer)
+    finally:
+        for b in buses:
+            await b.close()
+        node.stop()
