@@ -42,6 +42,8 @@ from typing import Any
 
 from nats.aio.client import Client
 
+from shared.bus import REPLY, refusal
+from shared.errors import PublishDenied
 from shared.objstore import ObjectCorrupt, ObjectReadError
 
 log = logging.getLogger("rollbus.objstore")
@@ -196,7 +198,9 @@ class _Frames(asyncio.BufferedProtocol):
                 if not self.info.done():
                     self.info.set_result(json.loads(line[5:]))
             elif line.startswith(b"-ERR"):
-                raise ValueError(f"server error: {line[5:].decode(errors='replace').strip()}")
+                sent = self.reader.api.decode() if self.reader is not None else "CONNECT"
+                self._fail(_server_error(line, sent))  # the connection is aborted now
+                break
             elif line != b"+OK":
                 raise ValueError(f"unknown protocol line {line[:40]!r}")
         if pos:
@@ -212,6 +216,19 @@ class _Frames(asyncio.BufferedProtocol):
         self.pong = asyncio.get_running_loop().create_future()
         self._write(b"PING\r\n")
         await asyncio.wait_for(self.pong, timeout)
+
+
+def _server_error(line: bytes, sent: str) -> ObjectReadError:
+    """What a ``-ERR`` line ends the transfer with: a refused publish (a direct get or a
+    chunk the credentials may not send) named as :class:`~shared.errors.PublishDenied`
+    names it (``sent``: what was published, for a refused reply subject)."""
+    text = line[5:].decode(errors="replace").strip()
+    refused = refusal(text)
+    if refused is None:
+        return ObjectReadError(f"server error: {text}")
+    what, subject = refused
+    denied = PublishDenied(sent, subject) if what == REPLY else PublishDenied(subject)
+    return ObjectReadError(denied.message)
 
 
 def _msg_line(line: bytes) -> tuple[list[bytes], int, int]:
@@ -566,8 +583,7 @@ class Link:
                         if self.pong is not None and not self.pong.done():
                             self.pong.set_result(None)
                     elif line.startswith(b"-ERR"):
-                        raise ObjectReadError(
-                            f"server error: {line[5:].decode(errors='replace').strip()}")
+                        raise _server_error(line, "a chunk")
                     elif not line.startswith(b"INFO ") and line != b"+OK":
                         raise ObjectReadError(f"protocol error: {line[:40]!r}")
                 del buf[:pos]

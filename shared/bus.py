@@ -57,7 +57,7 @@ import re
 import ssl
 import time
 from asyncio import FIRST_COMPLETED
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -128,10 +128,33 @@ def header_block(headers: dict[str, str]) -> bytes:
     return "".join(parts).encode()
 
 
-# nats-server's answer to a publish the connection's permissions refuse (nats-server
-# quotes the concrete subject, never the permission's wildcard)
-_DENIED_RE = re.compile(r'permissions violation for publish to "(.*)"', re.IGNORECASE)
+# nats-server's answers to a publish it refuses: "to" the subject the connection's
+# permissions do not allow (it quotes the concrete subject, never the permission's
+# wildcard), or "with reply of" a reply subject the server reserves for itself (``_R_.``:
+# service imports' replies, ``$GNR.``: gateways'), whatever the permissions. Seen from
+# nats-server 2.15: ``Permissions Violation for Publish with Reply of "_R_.x"``.
+_DENIED_RE = re.compile(r'permissions violation for publish (to|with reply of) "(.*)"', re.I)
 _DENIED_KEEP = 64  # subjects remembered in _Client.denied (the latest ones)
+TO, REPLY = "to", "with reply of"  # what a refusal names (see refusal)
+
+
+def refusal(err: str) -> tuple[str, str] | None:
+    """``(TO, subject)`` or ``(REPLY, reply subject)`` named by a ``-ERR`` text that
+    refuses a publish (as the server sent it: the subject in its own case), or None."""
+    m = _DENIED_RE.search(err)
+    if m is None:
+        return None
+    return m.group(1).lower(), _unquoted(m.group(2))
+
+
+@dataclass(eq=False)
+class _Watch:
+    """One waiter on a publish's outcome: ``fail`` is called with the 403 when the server
+    refuses a publish to ``subject``, or one with reply subject ``reply``."""
+
+    subject: str
+    reply: str
+    fail: Callable[[PublishDenied], None]
 
 
 def _unquoted(quoted: str) -> str:
@@ -144,6 +167,26 @@ def _unquoted(quoted: str) -> str:
     except (SyntaxError, ValueError):  # not Go's quoting after all: the text as it came
         return quoted
     return subject if isinstance(subject, str) else quoted
+
+
+@contextlib.contextmanager
+def refusals(
+    nc: Any, subject: str, reply: str, fail: Callable[[PublishDenied], None]
+) -> Iterator[None]:
+    """While inside: ``fail(PublishDenied)`` as soon as nats-server refuses a publish on
+    ``nc`` to ``subject``, or one with reply subject ``reply``. For a reader that waits
+    on an inbox of its own (no request future ties its wait to what it published, so
+    nothing else would end it before its timeout). A stock nats-py client (not made by
+    :meth:`Bus.connect`) cannot tell: such a read ends at its own timeout, as before."""
+    watch = getattr(nc, "watch_refusal", None)
+    if watch is None:
+        yield
+        return
+    w = watch(subject, reply, fail)
+    try:
+        yield
+    finally:
+        nc.unwatch_refusal(w)
 
 
 class _Client(Client):
@@ -165,10 +208,13 @@ class _Client(Client):
         super().__init__()
         # subject -> wall time of the server's latest publish permissions violation on it
         self.denied: dict[str, float] = {}
-        # nats-py's own requests (the JetStream API's) waiting for their reply, by the
-        # subject they were published to: a violation on that subject fails them at once
-        self._asked: dict[str, set[asyncio.Future[Any]]] = {}
-        self.on_denied: Callable[[Callable[[str], bool]], None] | None = None  # the Bus's
+        # nats-py's own requests (the JetStream API's) waiting for their reply, and the
+        # reads of :mod:`shared.objstore` waiting on an inbox of their own (watch_refusal),
+        # by the subject they were published to: a refusal of that subject, or of their
+        # reply subject, fails them at once
+        self._asked: dict[str, set[_Watch]] = {}
+        # the Bus's: called with what a refusal names (TO/REPLY) and a match for it
+        self.on_denied: Callable[[str, Callable[[str], bool]], None] | None = None
 
     async def publish(
         self,
@@ -177,12 +223,11 @@ class _Client(Client):
         reply: str = "",
         headers: dict[str, str] | None = None,
     ) -> None:
-        watched: asyncio.Future[Any] | None = None
+        watched: tuple[asyncio.Future[Any], _Watch] | None = None
         if reply and self._resp_map:  # nats-py's request: its future is registered
             fut = self._resp_map.get(reply[reply.rfind(".") + 1 :])
             if fut is not None and not fut.done():
-                self._watch(subject, fut)
-                watched = fut
+                watched = fut, self._watch(subject, reply, fut)
         try:  # (free in 3.11 when nothing raises: the hot path pays nothing for it)
             if headers is None:  # no block to build: nats-py's path, nothing added
                 await super().publish(subject, payload, reply=reply)
@@ -200,8 +245,8 @@ class _Client(Client):
                 # nats-py never resolves a request's future whose publish raised: it
                 # stayed here and in its _resp_map for the connection's life (dropped
                 # now, not by the done-callbacks the cancel schedules)
-                watched.cancel()
-                self._unwatch(subject, watched)
+                watched[0].cancel()
+                self.unwatch_refusal(watched[1])
                 self._resp_map.pop(reply[reply.rfind(".") + 1 :], None)
             raise
 
@@ -229,16 +274,30 @@ class _Client(Client):
         if self._flush_queue is not None and self._flush_queue.empty():
             await self._flush_pending()
 
-    def _watch(self, subject: str, fut: asyncio.Future[Any]) -> None:
-        self._asked.setdefault(subject, set()).add(fut)
-        fut.add_done_callback(lambda f: self._unwatch(subject, f))
+    def _watch(self, subject: str, reply: str, fut: asyncio.Future[Any]) -> _Watch:
+        def fail(err: PublishDenied) -> None:
+            if not fut.done():
+                fut.set_exception(err)
 
-    def _unwatch(self, subject: str, fut: asyncio.Future[Any]) -> None:
-        waiting = self._asked.get(subject)
+        w = self.watch_refusal(subject, reply, fail)
+        fut.add_done_callback(lambda _: self.unwatch_refusal(w))
+        return w
+
+    def watch_refusal(
+        self, subject: str, reply: str, fail: Callable[[PublishDenied], None]
+    ) -> _Watch:
+        """Have ``fail`` called with the 403 when the server refuses a publish to
+        ``subject`` or one with reply subject ``reply``, until :meth:`unwatch_refusal`."""
+        w = _Watch(subject, reply, fail)
+        self._asked.setdefault(subject, set()).add(w)
+        return w
+
+    def unwatch_refusal(self, w: _Watch) -> None:
+        waiting = self._asked.get(w.subject)
         if waiting is not None:
-            waiting.discard(fut)
+            waiting.discard(w)
             if not waiting:
-                del self._asked[subject]
+                del self._asked[w.subject]
 
     async def _process_err(self, err_msg: str) -> None:
         """nats-py's own, after noting a publish permissions violation: nats-py hands it
@@ -247,17 +306,16 @@ class _Client(Client):
         waiter on exactly that subject fails now with :class:`PublishDenied`."""
         m = _DENIED_RE.search(err_msg)
         if m is not None:
-            self._denied(m.group(1))
+            self._denied(m.group(1).lower(), m.group(2))
         await super()._process_err(err_msg)
 
-    def _denied(self, lowered: str) -> None:
+    def _denied(self, what: str, lowered: str) -> None:
         # nats-py lowercases the -ERR text; its parser calls _process_err before it
         # consumes the line, so the subject's own case is still in its buffer
         buf = self._ps.buf
-        line = bytes(buf[: buf.find(b"\r\n")]).decode(errors="replace")
-        raw = _DENIED_RE.search(line)
-        if raw is not None and raw.group(1).lower() == lowered:
-            subject = _unquoted(raw.group(1))
+        raw = _DENIED_RE.search(bytes(buf[: buf.find(b"\r\n")]).decode(errors="replace"))
+        if raw is not None and raw.group(1).lower() == what and raw.group(2).lower() == lowered:
+            subject = _unquoted(raw.group(2))
 
             def same(s: str) -> bool:
                 return s == subject
@@ -267,17 +325,20 @@ class _Client(Client):
             def same(s: str) -> bool:
                 return s.lower() == lowered
 
-        self.denied.pop(subject, None)
-        self.denied[subject] = time.time()
-        while len(self.denied) > _DENIED_KEEP:
-            del self.denied[next(iter(self.denied))]
-        log.debug("nats: publish to %s refused: permissions violation", subject)
-        for asked in [s for s in self._asked if same(s)]:
-            for fut in list(self._asked.get(asked, ())):
-                if not fut.done():
-                    fut.set_exception(PublishDenied(asked))
+        if what == TO:
+            self.denied.pop(subject, None)
+            self.denied[subject] = time.time()
+            while len(self.denied) > _DENIED_KEEP:
+                del self.denied[next(iter(self.denied))]
+            log.debug("nats: publish to %s refused: permissions violation", subject)
+            hit = [w for s in self._asked if same(s) for w in self._asked[s]]
+        else:  # the reply subject was refused: the waiters that gave it
+            log.debug("nats: publish with reply %s refused: a reserved reply subject", subject)
+            hit = [w for ws in self._asked.values() for w in ws if same(w.reply)]
+        for w in hit:
+            w.fail(PublishDenied(w.subject, w.reply if what == REPLY else ""))
         if self.on_denied is not None:
-            self.on_denied(same)
+            self.on_denied(what, same)
 
     async def _send_ping(self, future: asyncio.Future[Any] | None = None) -> None:
         """nats-py's own, after writing the commands still queued: nats-py (2.16) writes
@@ -791,15 +852,19 @@ class Bus:
             elif not waiter.done():
                 waiter.set_exception(err)
 
-    def _publish_denied(self, same: Callable[[str], bool]) -> None:
-        """nats-server refused a publish to a subject (``same`` tells it): every request,
-        scatter and stream sent there got nowhere, so each fails now with a 403 naming
-        the subject (one on another subject waits on)."""
+    def _publish_denied(self, what: str, same: Callable[[str], bool]) -> None:
+        """nats-server refused a publish to a subject, or one with a reply subject
+        (``what``: TO or REPLY; ``same`` tells which): every request, scatter and
+        stream sent so got nowhere, so each fails now with a 403 naming the subject
+        (one on another subject, or with another reply, waits on)."""
         for token, waiter in list(self._pending.items()):
             subject = self._subjects.get(token)
-            if subject is None or not same(subject):
+            if subject is None:
                 continue
-            err = PublishDenied(subject)
+            reply = f"{self._inbox_prefix}.{token}"
+            if not same(subject if what == TO else reply):
+                continue
+            err = PublishDenied(subject, reply if what == REPLY else "")
             if isinstance(waiter, _Gather):
                 waiter.fail(err)
             elif isinstance(waiter, _Stream):

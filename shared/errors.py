@@ -84,12 +84,18 @@ class NoResponders(ControlError):
 
 class PublishDenied(ControlError):
     """nats-server refused a request's publish (``-ERR 'Permissions Violation for Publish
-    to "<subject>"'``): the request reached no one, so its caller fails at once, naming
-    the subject, instead of waiting out its timeout for a reply that cannot come."""
+    to "<subject>"'``, or ``... for Publish with Reply of "<reply>"`` for a reply subject
+    the server reserves): the request reached no one, so its caller fails at once,
+    naming the subject, instead of waiting out its timeout for a reply that cannot come."""
 
-    def __init__(self, subject: str) -> None:
-        super().__init__(
-            FORBIDDEN,
-            f"permission denied: these NATS credentials lack publish permission on {subject}",
-        )
+    def __init__(self, subject: str, reply: str = "") -> None:
+        if reply:  # refused for its reply subject alone, whatever the credentials
+            msg = (
+                f"permission denied: nats-server refused the publish to {subject}: its "
+                f"reply subject {reply} is one the server reserves (_R_., $GNR.)"
+            )
+        else:
+            msg = f"permission denied: these NATS credentials lack publish permission on {subject}"
+        super().__init__(FORBIDDEN, msg)
         self.subject = subject
+        self.reply = reply

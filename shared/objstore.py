@@ -63,6 +63,7 @@ from nats.errors import Error as NatsError
 from nats.js import api
 from nats.js.errors import APIError, BadRequestError, NotFoundError
 
+from shared.bus import refusals
 from shared.errors import PublishDenied
 from shared.messages import VersionPublished
 from shared.subjects import CKPT_STREAM, CKPT_WILDCARD, EVENTS_STREAM, ckpt_published
@@ -289,12 +290,14 @@ async def object_present(nc: Client, bucket: str, name: str, timeout: float = 1.
     """Whether object ``name`` exists (its last meta message describes one: not deleted,
     not a publisher's claim), by one direct get of that meta subject — a right that
     reads metas only, never chunks (the engine's: ``$JS.API.DIRECT.GET.OBJ_<b>.$O.<b>.M.>``).
-    None when that cannot be told (no answer within ``timeout`` — no permission, no
-    stream, no server —, an answer that does not parse)."""
+    None when that cannot be told (no answer within ``timeout`` — no stream, no server,
+    no subscribe permission on the reply —, an answer that does not parse).
+    :class:`PublishDenied` (403, at once) when the server refuses the look itself: that
+    is known, and not the same as no answer (the caller says "refused", not "no answer")."""
     subject = f"$JS.API.DIRECT.GET.{_stream(bucket)}.{_meta_subject(bucket, name)}"
     try:
         msg = await nc.request(subject, b"", timeout=timeout)
-    except (NatsError, TimeoutError, PublishDenied):  # refused: told at once, still None
+    except (NatsError, TimeoutError):
         return None
     status = (msg.headers or {}).get("Status")
     if not msg.data:
@@ -445,8 +448,19 @@ async def put_object(
         if not all_acked.done():
             all_acked.set_exception(ObjectReadError(f"put {bucket}/{name}: {exc}"))
 
+    def on_refused(e: PublishDenied) -> None:
+        # every chunk goes to the one refused subject: none is stored, no ack will come
+        # (nor is one awaited before the purge)
+        inflight.clear()
+        errors.append(e.message)
+        if not all_acked.done():
+            all_acked.set_exception(ObjectReadError(f"put {bucket}/{name}: {e.message}"))
+        window.release()  # a send waiting for room goes on, sees the error and stops
+
     link: Any = None
     sub = None
+    held = contextlib.ExitStack()
+    held.enter_context(refusals(nc, subj, "", on_refused))  # chunks sent on nc
     try:  # everything that holds a resource is inside: a failure or a cancel frees it
         if digest is None:
             pool = ThreadPoolExecutor(1, thread_name_prefix="sha256")
@@ -568,6 +582,7 @@ async def put_object(
             pass
         raise
     finally:
+        held.close()
         if link is not None:
             await link.close()
         if sub is not None:
@@ -720,7 +735,9 @@ async def read_object(
     Raises :class:`ObjectMissing`, :class:`ObjectCorrupt` (size differs from the meta or
     ``expect_size``, or exceeds ``max_size`` — both checked before anything is
     allocated; SHA-256 differs from ``expect_sha256`` when given) or
-    :class:`ObjectReadError` (lost chunk, no data for ``stall_timeout`` s, disconnect).
+    :class:`ObjectReadError` (lost chunk, no data for ``stall_timeout`` s, disconnect;
+    at once, naming the subject, when the server refuses a chunk request's publish).
+    :class:`~shared.errors.PublishDenied` when the meta's own read is refused.
     """
     meta = await get_meta(nc, bucket, name)
     if expect_size is not None and meta.size != expect_size:
@@ -923,20 +940,24 @@ async def _read_nats_py(
             log.exception("object reader: %s failed", name)
             fail(ObjectReadError(f"{name}: reader failed: {e!r}"))
 
+    def refused(e: PublishDenied) -> None:  # asked of no one: no chunk will come
+        fail(ObjectReadError(f"{name}: {e.message}"))
+
     sub = await nc.subscribe(inbox, cb=on_chunk, pending_bytes_limit=96 << 20)
     try:
         try:
-            state["last"] = time.monotonic()
-            await ask(1)
-            while not done.done():  # watchdog: a stall or a disconnect ends the read
-                await asyncio.wait({done}, timeout=0.25)
-                if done.done():
-                    break
-                if not nc.is_connected:
-                    fail(ObjectReadError(f"{name}: NATS connection lost mid-read"))
-                elif time.monotonic() - state["last"] > stall_timeout:
-                    fail(ObjectReadError(f"{name}: no data for {stall_timeout:g}s"))
-            done.result()
+            with refusals(nc, f"$JS.API.DIRECT.GET.{stream}", inbox, refused):
+                state["last"] = time.monotonic()
+                await ask(1)
+                while not done.done():  # watchdog: a stall or a disconnect ends the read
+                    await asyncio.wait({done}, timeout=0.25)
+                    if done.done():
+                        break
+                    if not nc.is_connected:
+                        fail(ObjectReadError(f"{name}: NATS connection lost mid-read"))
+                    elif time.monotonic() - state["last"] > stall_timeout:
+                        fail(ObjectReadError(f"{name}: no data for {stall_timeout:g}s"))
+                done.result()
         except (NatsError, TimeoutError) as e:
             raise ObjectReadError(f"{name}: {e!r}") from None
         return await _verified(buf, meta, hasher, expect_sha256)
@@ -1073,32 +1094,37 @@ async def _direct_all(nc: Client, stream: str, subject: str, timeout: float = 5.
     get (``$JS.API.DIRECT.GET``: no consumer is created, so a reader needs no right to
     create one — a push consumer would deliver wherever its creator says)."""
     inbox = nc.new_inbox()
-    queue: asyncio.Queue[Msg] = asyncio.Queue()
+    queue: asyncio.Queue[Msg | PublishDenied] = asyncio.Queue()
 
     async def on_msg(msg: Msg) -> None:
         queue.put_nowait(msg)
 
+    api_subject = f"$JS.API.DIRECT.GET.{stream}"
     sub = await nc.subscribe(inbox, cb=on_msg)
     out: list[Msg] = []
     seq = 1
     try:
-        while True:
-            req = {"seq": seq, "next_by_subj": subject, "batch": 256}
-            await nc.publish(f"$JS.API.DIRECT.GET.{stream}", json.dumps(req).encode(), reply=inbox)
+        # a refused ask reached no one: said at once, not after ``timeout``
+        with refusals(nc, api_subject, inbox, queue.put_nowait):
             while True:
-                msg = await asyncio.wait_for(queue.get(), timeout)
-                hdr = msg.headers or {}
-                status = hdr.get("Status", "")
-                if status == "404":
-                    return out
-                if status == "204":
-                    break
-                if status:
-                    raise ObjectReadError(f"{stream}: direct get refused: {status}")
-                out.append(msg)
-                seq = int(hdr.get("Nats-Sequence", seq)) + 1
-                if hdr.get("Nats-Num-Pending") == "0":
-                    return out
+                req = {"seq": seq, "next_by_subj": subject, "batch": 256}
+                await nc.publish(api_subject, json.dumps(req).encode(), reply=inbox)
+                while True:
+                    msg = await asyncio.wait_for(queue.get(), timeout)
+                    if isinstance(msg, PublishDenied):
+                        raise ObjectReadError(f"{stream}: {msg.message}")
+                    hdr = msg.headers or {}
+                    status = hdr.get("Status", "")
+                    if status == "404":
+                        return out
+                    if status == "204":
+                        break
+                    if status:
+                        raise ObjectReadError(f"{stream}: direct get refused: {status}")
+                    out.append(msg)
+                    seq = int(hdr.get("Nats-Sequence", seq)) + 1
+                    if hdr.get("Nats-Num-Pending") == "0":
+                        return out
     except TimeoutError:
         raise ObjectReadError(f"{stream}: no answer to a direct get within {timeout:g}s") from None
     finally:
@@ -1169,9 +1195,32 @@ class VersionFeed:
         await self.start()
 
     async def fetch(self, timeout: float) -> list[tuple[int, VersionPublished, Msg]]:
-        """Every event waiting now (up to 256), oldest first; [] after ``timeout``."""
+        """Every event waiting now (up to 256), oldest first; [] after ``timeout``.
+        :class:`PublishDenied` at once when the server refuses the pull request
+        (``$JS.API.CONSUMER.MSG.NEXT.<stream>.<durable>``): nats-py's fetch waits on the
+        subscription's inbox and would end in a timeout, [] ("nothing new") for ever."""
+        psub = self._psub
+        loop = asyncio.get_running_loop()
+        refused: asyncio.Future[PublishDenied] = loop.create_future()
+
+        def on_refused(e: PublishDenied) -> None:
+            if not refused.done():
+                refused.set_result(e)
+
+        # nats-py's pull subject and inbox (its own names; a stock fetch if they move)
+        nms, deliver = str(getattr(psub, "_nms", "")), str(getattr(psub, "_deliver", ""))
+        fetching = asyncio.ensure_future(psub.fetch(256, timeout=timeout))
         try:
-            msgs = await self._psub.fetch(256, timeout=timeout)
+            with refusals(self.nc, nms, deliver, on_refused):
+                await asyncio.wait({fetching, refused}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not fetching.done():  # refused, or our caller cancelled
+                fetching.cancel()
+                await asyncio.gather(fetching, return_exceptions=True)
+        if refused.done() and (fetching.cancelled() or fetching.exception() is not None):
+            raise refused.result()
+        try:
+            msgs = fetching.result()
         except TimeoutError:
             return []
         out = []

@@ -3,6 +3,7 @@ ports and temporary stores: the external-server and cluster setups the tests run
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -13,6 +14,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from services import natsd
 from shared import creds
@@ -134,3 +136,28 @@ def cluster(tmp: Path, passwords: dict[str, str], route_password: str = "") -> l
 
 def server_name_of(info: dict[str, object]) -> str:
     return str(info.get("server_name") or json.dumps(info))
+
+
+def single_with_perms(tmp: Path, passwords: dict[str, str], perms: dict[str, Any]) -> Node:
+    """:func:`single_with_auth` with ``perms`` (role -> nats-server permissions) in place
+    of those roles' generated ones: e.g. a grant taken away (:func:`without`), as in an
+    auth.conf edited by hand or one older than the code."""
+    node = single_with_auth(tmp, passwords)
+    text, stock = natsd.auth_conf(), natsd.permissions()
+    for role, p in perms.items():
+        old = json.dumps(stock[role])
+        if old not in text:
+            raise ValueError(f"role {role!r} not found in the generated auth.conf")
+        text = text.replace(old, json.dumps(p))
+    (tmp / "auth.conf").write_text(text)
+    return node
+
+
+def without(role: str, *subjects: str) -> dict[str, Any]:
+    """``role``'s generated permissions with the publish grants ``subjects`` removed."""
+    perms = copy.deepcopy(natsd.permissions()[role])
+    pub = perms["publish"]
+    allow = pub["allow"] if isinstance(pub, dict) else pub
+    for s in subjects:
+        allow.remove(s)  # ValueError: not a grant of this role (the test is wrong)
+    return perms

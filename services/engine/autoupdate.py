@@ -63,7 +63,7 @@ from services.engine import control, staleness
 from services.engine.state import State
 from shared import messages as m
 from shared import objstore, presence
-from shared.errors import BAD_REQUEST, UNPROCESSABLE, ControlError
+from shared.errors import BAD_REQUEST, UNPROCESSABLE, ControlError, PublishDenied
 from shared.messages import VersionPublished
 from shared.subjects import ckpt_object_name
 from shared.versions import check_version_name, ipc_version_dir, model_dir_version
@@ -261,7 +261,9 @@ async def pending(engine: Engine, version: str, sure: bool = False) -> str | Non
     :mod:`shared.presence`), the object store (the version's ``manifest.json`` object:
     the SDK writes it after every shard). Present in any of them = go. ``sure``: what
     cannot be told counts as not there (a version served meanwhile, :func:`_meanwhile`:
-    a wrong guess there costs a pause and a failed update of a version nobody awaits)."""
+    a wrong guess there costs a pause and a failed update of a version nobody awaits),
+    and the reason says which: a look nobody answered ("no answer") or one the server
+    refused these credentials ("refused (403)")."""
     s = engine.settings
     model = s.served_model_name
     if version == model_dir_version(s.model_dir):
@@ -284,7 +286,13 @@ async def pending(engine: Engine, version: str, sure: bool = False) -> str | Non
     else:
         why.append(f"no versions/{version}")
     name = ckpt_object_name(model, version, presence.MANIFEST)
-    present = await objstore.object_present(engine.bus.nc, s.ckpt_bucket, name)
+    try:
+        present = await objstore.object_present(engine.bus.nc, s.ckpt_bucket, name)
+    except PublishDenied as e:  # the engine may not look; a rank's credentials may read
+        if not sure:
+            return None  # the update decides, as for no answer
+        why.append(f"{name}: refused ({e.code}): {e.message}")
+        return "; ".join(why)
     if present or (present is None and not sure):
         return None
     why.append(f"no {name} in bucket {s.ckpt_bucket}" if present is False else f"{name}: no answer")
@@ -397,8 +405,10 @@ async def _meanwhile(engine: Engine, target: str, skip: set[str], allowed: set[s
     )
     for _, v in older[:MEANWHILE_LOOKS]:
         try:
-            if await pending(engine, v, sure=True) is None:
+            why = await pending(engine, v, sure=True)
+            if why is None:
                 return v
+            log.debug("auto-update: not serving %s meanwhile: %s", v, why)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - not this one now

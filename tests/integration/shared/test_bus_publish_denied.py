@@ -17,7 +17,7 @@ import nats.errors
 import pytest
 
 from shared import objstore
-from shared.bus import REQUEST_ID, Bus
+from shared.bus import REQUEST_ID, Bus, _Client
 from shared.errors import FORBIDDEN, PublishDenied
 from tests import natsconf
 
@@ -115,17 +115,17 @@ async def test_a_request_whose_publish_raises_leaves_no_waiter(roles: tuple[Bus,
     assert not op.nc._resp_map  # type: ignore[attr-defined]
 
 
-async def test_object_present_without_the_permission_cannot_tell(
+async def test_object_present_without_the_permission_is_refused_not_unknown(
     roles: tuple[Bus, Bus],
 ) -> None:
-    """``object_present`` is None when it cannot be told, "no permission" included
-    (auto-update then decides): the refused direct get now fails at once, and that
-    PublishDenied escaped it (a ControlError, not the NatsError/TimeoutError it caught),
-    failing the auto-update's ``pending`` instead."""
+    """``object_present`` is None when it cannot be told (no answer); a look the server
+    refuses is known at once and raised as such (403, naming the subject), so that its
+    caller (the auto-update's ``pending``) can say "refused" rather than "no answer"."""
     op, _ = roles  # the operator may not direct-get the bucket's metas
-    assert (
-        await objstore.object_present(op.nc, "rollbus_ckpt", "m/v1/manifest.json", WAIT_S) is None
-    )
+    with pytest.raises(PublishDenied) as denied:
+        await objstore.object_present(op.nc, "rollbus_ckpt", "m/v1/manifest.json", WAIT_S)
+    assert denied.value.subject.startswith("$JS.API.DIRECT.GET.OBJ_rollbus_ckpt.$O.")
+    assert op.pending == 0 and not op.nc._asked  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("chunk", [0, 1, 7])
@@ -179,3 +179,36 @@ async def test_a_refused_stream_fails_at_once(roles: tuple[Bus, Bus]) -> None:
             pass
     assert denied.value.subject == DENIED
     assert op.pending == 0
+
+
+async def test_a_refused_reply_subject_fails_its_request_at_once(tmp_path: Path) -> None:
+    """nats-server refuses a publish whose reply subject it reserves for itself (``_R_.``:
+    service imports' replies), whatever the permissions, with its own wording:
+    ``Permissions Violation for Publish with Reply of "<reply>"``. That -ERR names the
+    reply, not the subject: unmatched, such a request waited out its timeout. Here a
+    client whose inbox prefix is ``_R_`` (an operator allowed to read it)."""
+    passwords = natsconf.role_passwords()
+    op_perms = natsconf.without("operator")
+    op_perms["subscribe"].append("_R_.>")
+    node = natsconf.single_with_perms(tmp_path, passwords, {"operator": op_perms})
+    node.start()
+    nc = _Client()
+    try:
+        url = f"nats://operator:{passwords['operator']}@127.0.0.1:{node.port}"
+        await nc.connect(servers=[url], inbox_prefix="_R_", allow_reconnect=False)
+        op = Bus(nc, "test-operator")
+        await op._start()
+        with pytest.raises(PublishDenied) as denied:
+            await op.request(ALLOWED, b"{}", timeout=WAIT_S)
+        assert denied.value.code == FORBIDDEN and denied.value.subject == ALLOWED
+        assert denied.value.reply.startswith(f"{op._inbox_prefix}.")
+        assert f"reply subject {denied.value.reply} is one the server reserves" in str(denied.value)
+        assert passwords["operator"] not in str(denied.value)
+        with pytest.raises(PublishDenied) as denied:  # nats-py's own request alike
+            await nc.request(ALLOWED, b"{}", timeout=WAIT_S)
+        assert denied.value.reply.startswith("_R_.")
+        assert not op.denied  # the subject itself was not refused
+        assert op.pending == 0 and not nc._asked
+    finally:
+        await nc.close()
+        node.stop()

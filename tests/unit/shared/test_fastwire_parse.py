@@ -49,3 +49,22 @@ async def test_writer_link_refuses_negative_sizes(frame: bytes) -> None:
     finally:
         await lk.close()
         b.close()
+
+
+def test_server_error_names_a_refused_publish_as_the_bus_does() -> None:
+    """nats-server's two refusals of a publish (its subject, or a reply subject it
+    reserves) read as the 403 of :class:`shared.errors.PublishDenied`, subject unquoted
+    (Go's %q); any other -ERR as the server's text."""
+    err = _fastwire._server_error(
+        b"-ERR 'Permissions Violation for Publish to \"$JS.API.DIRECT.GET.OBJ_b\"'", "x"
+    )
+    assert str(err) == (
+        "permission denied: these NATS credentials lack publish permission on "
+        "$JS.API.DIRECT.GET.OBJ_b"
+    )
+    err = _fastwire._server_error(
+        b'-ERR \'Permissions Violation for Publish with Reply of "_R_.A\\"b"\'', "api.s"
+    )
+    assert 'publish to api.s: its reply subject _R_.A"b is one the server reserves' in str(err)
+    err = _fastwire._server_error(b"-ERR 'Authorization Violation'", "x")
+    assert str(err) == "server error: 'Authorization Violation'"

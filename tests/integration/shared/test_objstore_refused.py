@@ -1,0 +1,148 @@
+"""Reads that wait on an inbox of their own (no request future), whose asking publish
+nats-server refuses, fail at once naming the refused subject, instead of waiting out
+their stall or fetch timeout: the object reader's batched direct gets (nats-py path and
+:mod:`shared._fastwire`'s own connection), the version listing's direct gets, and the
+auto-update's pull fetch (``$JS.API.CONSUMER.MSG.NEXT``). Real nats-server, with the
+generated auth.conf where one role lost one grant (an auth.conf edited by hand, or one
+older than the code).
+
+Without the fix: the nats-py read ends "no data for 20s", the listing "no answer to a
+direct get within 20s", the fetch returns [] ("nothing new") after 20 s, and the fast
+path ended at once but as "protocol error: server error: '...'"; the assertions on the
+error's text refuse each."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from shared import objstore
+from shared.bus import Bus
+from shared.errors import FORBIDDEN, PublishDenied
+from shared.messages import VersionPublished
+from shared.subjects import CKPT_STREAM
+from tests import natsconf
+
+BUCKET = "rollbus_ckpt"
+OBJ = f"OBJ_{BUCKET}"
+WAIT_S = 20.0  # each read's own timeout: what it would wait without the fix
+MIB = 1 << 20
+# the grants taken away: the worker's batched direct get of the bucket (its metas are
+# still read, through $JS.API.STREAM.MSG.GET), the trainer's of the version stream (its
+# info still allowed), the engine's pull of the version stream (its durable's creation
+# still allowed)
+CHUNKS_API = f"$JS.API.DIRECT.GET.{OBJ}"
+VERSIONS_API = f"$JS.API.DIRECT.GET.{CKPT_STREAM}"
+PULL_API = f"$JS.API.CONSUMER.MSG.NEXT.{CKPT_STREAM}.>"
+
+
+@pytest.fixture
+async def roles(tmp_path: Path) -> AsyncIterator[dict[str, Bus]]:
+    passwords = natsconf.role_passwords()
+    perms = {
+        "worker": natsconf.without("worker", CHUNKS_API),
+        "trainer": natsconf.without("trainer", VERSIONS_API),
+        "engine": natsconf.without("engine", PULL_API),
+    }
+    node = natsconf.single_with_perms(tmp_path, passwords, perms)
+    node.start()
+    buses: dict[str, Bus] = {}
+    try:
+        for role in ("engine", "trainer", "worker"):
+            url = f"nats://{role}:{passwords[role]}@127.0.0.1:{node.port}"
+            buses[role] = await Bus.connect(url, f"test-{role}")
+        await objstore.ensure_bucket(buses["engine"].nc, BUCKET)
+        await objstore.ensure_ckpt_stream(buses["engine"].nc, "m")
+        yield buses
+    finally:
+        for b in buses.values():
+            await b.close()
+        node.stop()
+
+
+def _no_watch_left(bus: Bus) -> bool:
+    return not bus.nc._asked  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("fast", [False, True])
+async def test_a_refused_chunk_direct_get_fails_the_read_at_once(
+    roles: dict[str, Bus], fast: bool
+) -> None:
+    name = "m/v1/rank0-of-1.safetensors"
+    data = os.urandom(objstore.FAST_READ_MIN + MIB + 5 if fast else 2 * MIB + 5)
+    await objstore.put_object(roles["trainer"].nc, BUCKET, name, data)
+    worker = roles["worker"]
+    t0 = time.monotonic()
+    with pytest.raises(objstore.ObjectReadError) as err:
+        await objstore.read_object(worker.nc, BUCKET, name, stall_timeout=WAIT_S, fast=fast)
+    assert time.monotonic() - t0 < WAIT_S
+    msg = str(err.value)
+    assert msg.startswith(f"{name}: permission denied: "), msg
+    assert f"lack publish permission on {CHUNKS_API}" in msg, msg
+    assert "pass" not in msg.lower() and "@" not in msg  # no credentials in it
+    assert _no_watch_left(worker)
+
+
+async def test_a_refused_version_listing_fails_at_once(roles: dict[str, Bus]) -> None:
+    await objstore.publish_version(roles["trainer"].nc, VersionPublished("m", "v1", 1))
+    trainer = roles["trainer"]
+    with pytest.raises(objstore.ObjectReadError) as err:
+        await objstore._direct_all(trainer.nc, CKPT_STREAM, "rollbus.ckpt.m.published", WAIT_S)
+    assert f"lack publish permission on {VERSIONS_API}" in str(err.value), err.value
+    with pytest.raises(objstore.ObjectReadError):  # as the trainer's SDK lists them
+        await objstore.list_versions(trainer.nc, "m")
+    assert _no_watch_left(trainer)
+
+
+async def test_a_refused_pull_fails_the_fetch_at_once(roles: dict[str, Bus]) -> None:
+    await objstore.publish_version(roles["trainer"].nc, VersionPublished("m", "v1", 1))
+    engine = roles["engine"]
+    feed = objstore.VersionFeed(engine.nc, "m", "rollbus_au_test")
+    await feed.start()  # the durable's creation is allowed: only its pulls are refused
+    with pytest.raises(PublishDenied) as denied:
+        await feed.fetch(timeout=WAIT_S)
+    assert denied.value.code == FORBIDDEN
+    assert denied.value.subject == f"$JS.API.CONSUMER.MSG.NEXT.{CKPT_STREAM}.rollbus_au_test"
+    assert _no_watch_left(engine)
+    # the engine's other waits are untouched: a JetStream API call still answers
+    assert (await engine.nc.jetstream().stream_info(CKPT_STREAM)).state.messages == 1
+    await asyncio.sleep(0)
+
+
+@pytest.mark.parametrize("fast", [False, True])
+async def test_a_refused_chunk_publish_fails_the_put_at_once(tmp_path: Path, fast: bool) -> None:
+    """The writer waits for its chunks' acks on an inbox of its own: a trainer that may
+    write metas but not chunks failed its put only after ``ack_timeout`` (nats-py path:
+    past the 16-chunk window, after it); now at once, naming the chunk subject. The fast
+    path's own connection read the -ERR itself already (now worded the same)."""
+    passwords = natsconf.role_passwords()
+    trainer_perms = natsconf.without("trainer", f"$O.{BUCKET}.>")
+    trainer_perms["publish"].append(f"$O.{BUCKET}.M.>")
+    node = natsconf.single_with_perms(tmp_path, passwords, {"trainer": trainer_perms})
+    node.start()
+    buses: list[Bus] = []
+    try:
+        for role in ("engine", "trainer"):
+            url = f"nats://{role}:{passwords[role]}@127.0.0.1:{node.port}"
+            buses.append(await Bus.connect(url, f"test-{role}"))
+        engine, trainer = buses
+        await objstore.ensure_bucket(engine.nc, BUCKET)
+        data = os.urandom((objstore.PUT_WINDOW + 1) * MIB + 5 if not fast else 5 * MIB)
+        t0 = time.monotonic()
+        with pytest.raises(objstore.ObjectReadError) as err:
+            await objstore.put_object(
+                trainer.nc, BUCKET, "m/v1/x", data, ack_timeout=WAIT_S, fast=fast
+            )
+        assert time.monotonic() - t0 < WAIT_S
+        msg = str(err.value)
+        assert f"lack publish permission on $O.{BUCKET}.C." in msg, msg
+        assert _no_watch_left(trainer)
+    finally:
+        for b in buses:
+            await b.close()
+        node.stop()
