@@ -183,8 +183,9 @@ class Generation:
 
     async def start(self, svc: Service) -> None:
         subj = self.engine.subjects.gen
-        # a step's sample specs get half of what one message may carry (Scheduler.schedule)
-        self.sched.max_spec_bytes = getattr(self.engine.bus, "max_payload", NATS_MAX_PAYLOAD) // 2
+        # a step message (its rows' block tables, token ids and sample specs) must fit what
+        # one message may carry (Scheduler.fit)
+        self.sched.fit(getattr(self.engine.bus, "max_payload", NATS_MAX_PAYLOAD))
         # a request its API stopped waiting for (Rollbus-Deadline) is not queued
         await self.engine.bus.subscribe(subj, self.on_gen, queue="engine", deadline=True)
         await self.engine.bus.subscribe(subj + ".cancel", self.on_cancel)
