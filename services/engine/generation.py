@@ -46,6 +46,7 @@ from nats.micro.service import Service
 
 from services.engine import autoupdate, orphans, staleness
 from services.engine.scheduler import Output, Plan, Request, Scheduler, Seq
+from shared import jsonkeys
 from shared import messages as m
 from shared.bus import (
     DEADLINE,
@@ -236,6 +237,14 @@ class Generation:
 
     def admit_request(self, data: bytes) -> m.GenRequest:
         """Decode and check one ``gen`` message against every limit; raises ``Refused``."""
+        if not is_msgpack_map(data) and (dup := jsonkeys.duplicate_in(data)):
+            # which of the two counts is undefined (RFC 8259 §4): never the last, silently
+            refused = Refused(
+                BAD_REQUEST, f"bad request: '{dup}' is given more than once (duplicate key)",
+                dup[:256],
+            )  # fmt: skip
+            refused.request_id = peek_request_id(data)
+            raise refused
         try:
             gen = decode_gen(data)
         except msgspec.ValidationError as e:
