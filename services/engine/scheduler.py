@@ -267,7 +267,10 @@ class Scheduler:
     @property
     def max_row_bytes(self) -> int:
         """The most a row may take: what a step has left once a quarter is kept for its
-        block copies and finished ids (a row this large always fits a step alone)."""
+        block copies and finished ids, so that a row this large always fits a step alone.
+        Finished ids take at most an eighth (``_step_extras``); a copy (at most 11 bytes)
+        is one choice forked from a row whose sample specs (73 bytes each at least) took at
+        most half of the step before: less than 8% of a message."""
         return self.max_step_bytes * 3 // 4
 
     def row_bytes(self, tokens: int, blocks: int, specs: int) -> int:
