@@ -312,6 +312,8 @@ class Generation:
 
     async def on_cancel(self, msg: Msg) -> None:
         try:
+            if jsonkeys.duplicate_in(msg.data):  # which request? none is cancelled
+                raise msgspec.ValidationError("a key given twice")
             rid = m.json_decode(msg.data, type=m.GenCancel).request_id
         except msgspec.MsgspecError:
             _flood.warning(

@@ -13,6 +13,7 @@ import nats
 
 from tests.e2e.stack import Stack
 
+RID = "Rollbus-Request-Id"
 TWICE = b'{"mode": "abort", "mode": "keep"}'  # json / msgspec keep the last: a keeping pause
 
 
@@ -133,3 +134,32 @@ def test_a_generation_body_naming_a_key_twice_is_400_naming_it(stack: Stack) -> 
     assert chunk["error_code"] == 400 and chunk["error_param"] == "max_tokens", chunk
     assert chunk["request_id"] == "dup-1" and "more than once" in chunk["error_message"], chunk
     assert stack.status()["requests"] == 0
+
+
+def test_a_cancel_naming_its_request_twice_cancels_none(stack: Stack) -> None:
+    """``gen.cancel`` has no reply: ``{"request_id": "x", "request_id": "dup-2"}`` cancelled
+    ``dup-2`` (the last wins); which one was meant is unknown, so none is cancelled (the
+    message is dropped as malformed). The same cancel naming it once ends it."""
+
+    async def run(cancel: bytes) -> dict[str, Any]:
+        nc = await nats.connect(stack.nats_url)
+        try:
+            inbox = nc.new_inbox()
+            sub = await nc.subscribe(inbox)
+            gen = {"request_id": "dup-2", "prompt_token_ids": [1, 2, 3], "max_tokens": 200}
+            await nc.publish(f"rollbus.{stack.instance}.gen", json.dumps(gen).encode(), inbox)
+            chunks = [json.loads((await sub.next_msg(timeout=30)).data)]
+            assert chunks[0].get("heartbeat"), chunks  # queued
+            # a notice (no reply) names its request in a header, or it is dropped unread
+            await nc.publish(f"rollbus.{stack.instance}.gen.cancel", cancel, headers={RID: "dup-2"})
+            while chunks[-1].get("finish_reason") is None:
+                chunks.append(json.loads((await sub.next_msg(timeout=30)).data))
+            return {"reason": chunks[-1]["finish_reason"],
+                    "tokens": sum(len(c.get("token_ids") or ()) for c in chunks)}  # fmt: skip
+        finally:
+            await nc.close()
+
+    twice = asyncio.run(run(b'{"request_id": "other", "request_id": "dup-2"}'))
+    assert twice == {"reason": "length", "tokens": 200}, twice
+    once = asyncio.run(run(b'{"request_id": "dup-2"}'))
+    assert once["reason"] == "abort" and once["tokens"] < 200, once
