@@ -11,10 +11,11 @@ import re
 import struct
 import sys
 import time
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import msgspec
 
+from shared import jsonkeys
 from shared.errors import BAD_REQUEST, ControlError
 
 T = TypeVar("T")
@@ -55,6 +56,9 @@ class ControlReply(msgspec.Struct, omit_defaults=False):
 
 
 class PauseArgs(msgspec.Struct, forbid_unknown_fields=True):
+    # ``{"mode": ""}`` is the default too, as ``?mode=`` is (see ``decode_args``)
+    blank_absent: ClassVar[frozenset[str]] = frozenset({"mode"})
+
     mode: PauseMode = "abort"
 
 
@@ -136,11 +140,47 @@ def error_text(err: msgspec.ValidationError) -> str:
     return _AT.sub("", str(err))
 
 
+def duplicate_key_error(path: str) -> ControlError:
+    """The 400 for a JSON body that names a key twice (:mod:`shared.jsonkeys`)."""
+    path = clip(path, 256)  # the client's to choose
+    return ControlError(
+        BAD_REQUEST,
+        f"bad argument '{path}': given more than once in one JSON object (duplicate key)",
+        {"param": path},
+    )
+
+
+def _nulls_absent(data: bytes, kind: type) -> bytes:
+    """``data`` without the fields of ``kind`` given ``null`` (absent: their default, as
+    OpenAI clients send unset fields), nor those its ``blank_absent`` names given ``""``.
+    An unknown field stays, whatever its value: ``kind`` refuses it (400 naming it)."""
+    if b"null" not in data and b'""' not in data:
+        return data
+    try:
+        doc = msgspec.json.decode(data)
+    except msgspec.DecodeError:
+        return data  # the typed decode says what is wrong with it
+    if not isinstance(doc, dict):
+        return data
+    fields = getattr(kind, "__struct_encode_fields__", ())
+    blank = getattr(kind, "blank_absent", ())
+    kept = {
+        k: v
+        for k, v in doc.items()
+        if not ((v is None and k in fields) or (v == "" and k in blank))
+    }
+    return data if len(kept) == len(doc) else msgspec.json.encode(kept)
+
+
 def decode_args(data: bytes, kind: type[T]) -> T:
-    """Decode control arguments strictly; a wrong type or field is a 400 naming it
-    (in the message and as ``result.param``)."""
+    """Decode control arguments strictly; a wrong type or field, or a key given twice, is
+    a 400 naming it (in the message and as ``result.param``). A known field given ``null``
+    is absent (its default), over HTTP and NATS alike (README "Limits")."""
     if not data.strip():
         data = b"{}"
+    if dup := jsonkeys.duplicate_in(data):
+        raise duplicate_key_error(dup)
+    data = _nulls_absent(data, kind)
     try:
         return msgspec.json.decode(data, type=kind)
     except msgspec.ValidationError as e:

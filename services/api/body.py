@@ -4,7 +4,8 @@ JSON, nesting depth, finite numbers, no lone surrogates. Every failure is a
 
 JSON is parsed by Python's ``json`` on purpose: it reads ``NaN`` / ``Infinity`` as
 Python writes them, so such a value is refused naming its field rather than as
-"malformed JSON".
+"malformed JSON". An object that names a key twice is refused naming it
+(:mod:`shared.jsonkeys`): which of the two counts is undefined (RFC 8259 §4).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 from starlette.requests import Request
 
 from services.api.schema import MAX_JSON_DEPTH
+from shared import jsonkeys
 
 
 class BadRequest(Exception):
@@ -68,7 +70,7 @@ def parse_json(raw: bytes, *, empty: Any = None) -> Any:
     if not text.strip():
         return empty
     try:
-        doc = json.loads(text)
+        doc = json.loads(text, object_pairs_hook=jsonkeys.pairs)
     except RecursionError:
         raise BadRequest(f"body nests deeper than {MAX_JSON_DEPTH} levels", "body") from None
     except ValueError as e:
@@ -77,14 +79,12 @@ def parse_json(raw: bytes, *, empty: Any = None) -> Any:
     return doc
 
 
-def _name(path: str, key: object) -> str:
-    if isinstance(key, int):
-        return f"{path}[{key}]"
-    return f"{path}.{key}" if path else str(key)
+_name = jsonkeys.name
 
 
 def check_tree(doc: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
-    """Depth, finite numbers and valid unicode everywhere in a parsed JSON document."""
+    """Depth, finite numbers, valid unicode and no key given twice in an object, everywhere
+    in a parsed JSON document."""
     todo: list[tuple[Any, str, int]] = [(doc, "", 1)]
     while todo:
         node, path, depth = todo.pop()
@@ -96,6 +96,12 @@ def check_tree(doc: Any, max_depth: int = MAX_JSON_DEPTH) -> None:
         elif isinstance(node, dict | list):
             if depth > max_depth:
                 raise BadRequest(f"body nests deeper than {max_depth} levels", "body")
+            if isinstance(node, jsonkeys.Duplicated):
+                where = _name(path, node.key)[:256]  # the client's to choose
+                raise BadRequest(
+                    f"'{where}' is given more than once in one JSON object (duplicate key)",
+                    where,
+                )
             if isinstance(node, list) and all(type(v) is int for v in node):
                 continue  # token ids: nothing to look at, and often long
             items = node.items() if isinstance(node, dict) else enumerate(node)

@@ -224,8 +224,9 @@ async def _query_or_body(deps: Deps, request: Request, method: str, name: str) -
         if isinstance(doc, dict):
             # the whole body goes on: the engine's argument struct names a wrong or
             # unknown field (400), as it does over NATS; only the call's own argument may
-            # be null or "" (= absent, as `mode=` in the query) — an unknown `{"mod": null}`
-            # dropped here let the call run with its defaults (a pause that aborts)
+            # be null or "" (= absent, as `mode=` in the query; the engine reads a NATS
+            # caller's so too: ``m.decode_args``) — an unknown `{"mod": null}` dropped here
+            # let the call run with its defaults (a pause that aborts)
             args = {k: v for k, v in doc.items() if not name or k != name or v not in (None, "")}
             value = args.get(name)
             if isinstance(value, list) and all(isinstance(v, str) for v in value):

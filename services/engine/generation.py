@@ -46,6 +46,7 @@ from nats.micro.service import Service
 
 from services.engine import autoupdate, orphans, staleness
 from services.engine.scheduler import Output, Plan, Request, Scheduler, Seq
+from shared import jsonkeys
 from shared import messages as m
 from shared.bus import (
     DEADLINE,
@@ -183,8 +184,9 @@ class Generation:
 
     async def start(self, svc: Service) -> None:
         subj = self.engine.subjects.gen
-        # a step's sample specs get half of what one message may carry (Scheduler.schedule)
-        self.sched.max_spec_bytes = getattr(self.engine.bus, "max_payload", NATS_MAX_PAYLOAD) // 2
+        # a step message (its rows' block tables, token ids and sample specs) must fit what
+        # one message may carry (Scheduler.fit)
+        self.sched.fit(getattr(self.engine.bus, "max_payload", NATS_MAX_PAYLOAD))
         # a request its API stopped waiting for (Rollbus-Deadline) is not queued
         await self.engine.bus.subscribe(subj, self.on_gen, queue="engine", deadline=True)
         await self.engine.bus.subscribe(subj + ".cancel", self.on_cancel)
@@ -235,6 +237,14 @@ class Generation:
 
     def admit_request(self, data: bytes) -> m.GenRequest:
         """Decode and check one ``gen`` message against every limit; raises ``Refused``."""
+        if not is_msgpack_map(data) and (dup := jsonkeys.duplicate_in(data)):
+            # which of the two counts is undefined (RFC 8259 §4): never the last, silently
+            refused = Refused(
+                BAD_REQUEST, f"bad request: '{dup}' is given more than once (duplicate key)",
+                dup[:256],
+            )  # fmt: skip
+            refused.request_id = peek_request_id(data)
+            raise refused
         try:
             gen = decode_gen(data)
         except msgspec.ValidationError as e:
@@ -302,6 +312,8 @@ class Generation:
 
     async def on_cancel(self, msg: Msg) -> None:
         try:
+            if jsonkeys.duplicate_in(msg.data):  # which request? none is cancelled
+                raise msgspec.ValidationError("a key given twice")
             rid = m.json_decode(msg.data, type=m.GenCancel).request_id
         except msgspec.MsgspecError:
             _flood.warning(

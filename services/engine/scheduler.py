@@ -77,6 +77,22 @@ def bad_words(gen: m.GenRequest) -> BadWords | None:
 # fails and every request in the step with it: the sample specs (which repeat a request's
 # logit_bias, allowed ids and bad words once per choice) get at most half of it per step
 SPEC_BYTES = 512 * 1024
+# ... and the whole message counts: each row's block table (one id per KV block, up to
+# 3 msgpack bytes below 65536 blocks: a 32k-token context in blocks of 1 is 96 KiB per
+# row, of every choice), its token ids, the step's block copies and finished ids
+MAX_PAYLOAD = 1 << 20  # nats-server's default, until the engine sets the server's own
+STEP_HEADROOM = 2048  # the step's own fields (a version of up to 1 KiB) and its headers
+ROW_BYTES = 32  # a row's fields but its lists' items, at most (msgpack)
+TOKEN_BYTES = 5  # a token id's msgpack bytes, at most (ids < 2**31)
+
+
+def uint_bytes(largest: int) -> int:
+    """The msgpack bytes of any int in [0, ``largest``]."""
+    if largest < 128:
+        return 1
+    if largest < 256:
+        return 2
+    return 3 if largest < 65536 else 5 if largest < 2**32 else 9
 
 
 def spec_bytes(gen: m.GenRequest, bad: BadWords | None) -> int:
@@ -231,7 +247,9 @@ class Scheduler:
         self.max_batch = max_batch
         self.max_step_tokens = max_step_tokens
         self.max_model_len = max_model_len
-        self.max_spec_bytes = SPEC_BYTES  # per step (the engine sets it from max_payload)
+        self.max_spec_bytes = SPEC_BYTES  # per step (``fit``: from the server's max_payload)
+        self.max_step_bytes = MAX_PAYLOAD - STEP_HEADROOM  # a step message's, all in
+        self.id_bytes = uint_bytes(num_blocks - 1)  # of a block id in a block table
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
         self.requests: dict[str, Request] = {}
@@ -240,6 +258,25 @@ class Scheduler:
         self._copies: list[tuple[int, int]] = []
         self._finished_ids: list[int] = []
         self.preemptions = 0
+
+    def fit(self, max_payload: int) -> None:
+        """Plan steps for a server whose messages carry at most ``max_payload`` bytes."""
+        self.max_spec_bytes = max_payload // 2
+        self.max_step_bytes = max_payload - STEP_HEADROOM
+
+    @property
+    def max_row_bytes(self) -> int:
+        """The most a row may take: what a step has left once a quarter is kept for its
+        block copies and finished ids, so that a row this large always fits a step alone.
+        Finished ids take at most an eighth (``_step_extras``); a copy (at most 11 bytes)
+        is one choice forked from a row whose sample specs (73 bytes each at least) took at
+        most half of the step before: less than 8% of a message."""
+        return self.max_step_bytes * 3 // 4
+
+    def row_bytes(self, tokens: int, blocks: int, specs: int) -> int:
+        """An upper bound of a step row's msgpack bytes: ``tokens`` new token ids, a block
+        table of ``blocks`` ids, ``specs`` bytes of sample specs."""
+        return ROW_BYTES + TOKEN_BYTES * tokens + self.id_bytes * blocks + specs
 
     # ------------------------------------------------------------------ admission
 
@@ -275,7 +312,33 @@ class Scheduler:
                 f"than a step message carries ({self.max_spec_bytes}): ask fewer choices or "
                 "less data"
             ), heavy
-        return None
+        return self._check_rows(gen, spec_bytes(gen, bad))
+
+    def _check_rows(self, gen: m.GenRequest, spec: int) -> tuple[str, str] | None:
+        """``(why, param)`` when a row of ``gen`` alone would not fit a step message: its
+        block table (a KV block id per ``KV_BLOCK_SIZE`` tokens of its context) with its
+        token ids and sample specs. The largest rows: the prompt's last chunk, which
+        samples for all ``n`` choices, and a choice's recompute at its longest."""
+        prompt = len(gen.prompt_token_ids)
+        total = prompt + gen.max_tokens
+        chunk = min(prompt, self.max_step_tokens)
+        first = self.row_bytes(chunk, self.blocks_for(prompt), gen.n * spec)
+        last = self.row_bytes(min(total, self.max_step_tokens), self.blocks_for(total), spec)
+        limit = self.max_row_bytes
+        if max(first, last) <= limit:
+            return None
+        if self.row_bytes(chunk, self.blocks_for(prompt), spec) > limit:
+            param = "prompt"
+        else:
+            param = "n" if first > limit else "max_tokens"
+        blocks = self.blocks_for(prompt if first > last else total)
+        return (
+            f"a step row of this request takes up to {max(first, last)} bytes (a block table "
+            f"of {blocks} KV block ids of {self.id_bytes} bytes, its token ids and sampling "
+            f"data), more than a step message carries ({limit} of the server's max_payload): "
+            "ask a shorter prompt, fewer max_tokens or fewer choices, or serve with a larger "
+            "ROLLBUS_KV_BLOCK_SIZE"
+        ), param
 
     def add(self, gen: m.GenRequest, reply: str) -> Request:
         bad = bad_words(gen)
@@ -366,6 +429,26 @@ class Scheduler:
         req = seq.req
         return req.spec_bytes * (len(req.seqs) if seq.index == 0 and not req.forked else 1)
 
+    def _row_cost(self, seq: Seq, budget: int) -> int:
+        """The most bytes ``seq``'s next row may take (before its blocks are taken), with
+        ``budget`` tokens left in the step."""
+        upto = min(seq.length, seq.num_computed + budget)
+        blocks = max(len(seq.blocks), self.blocks_for(upto))
+        return self.row_bytes(upto - seq.num_computed, blocks, self._spec_cost(seq))
+
+    def _sent_cost(self, row: m.StepRow, seq: Seq) -> int:
+        """The bytes ``row`` (of ``seq``) is counted for in its step."""
+        specs = len(row.sample) * seq.req.spec_bytes
+        return self.row_bytes(len(row.token_ids), len(row.block_table), specs)
+
+    def _step_extras(self) -> tuple[int, int]:
+        """``(finished ids this step carries, bytes of them and of the block copies)``:
+        finished ids past an eighth of the message wait for the next step (thousands end
+        at once on a pause that aborts; a rank only forgets their samplers later)."""
+        per = uint_bytes(self._next_seq)
+        keep = min(len(self._finished_ids), self.max_step_bytes // 8 // per)
+        return keep, per * keep + (1 + 2 * self.id_bytes) * len(self._copies)
+
     @staticmethod
     def _bad_words(spec: m.SamplingSpec, seq: Seq, bad: BadWords) -> None:
         """``spec`` (of ``seq``) with its request's bad words: the single-token ones join
@@ -441,13 +524,20 @@ class Scheduler:
             return None
         rows: list[m.StepRow] = []
         seqs: list[Seq] = []
+        costs: list[int] = []  # each row's bytes (``_sent_cost``)
         budget = self.max_step_tokens
         room = self.max_spec_bytes  # sample specs' bytes (a row that would pass it waits)
+        keep, extras = self._step_extras()
+        space = self.max_step_bytes - extras  # the whole message's bytes (rows too)
         admitting = admit and any(self._may_start(s, behind, max_staleness) for s in self.waiting)
         for seq in self._fair_order(admitting):
             if seq not in self.running or len(rows) >= self.max_batch or budget <= 0:
                 continue
-            if self._ends_ahead(seq) or (rows and self._spec_cost(seq) > room):
+            if self._ends_ahead(seq):
+                continue
+            if rows and (self._spec_cost(seq) > room or self._row_cost(seq, budget) > space):
+                # the next step: only the rows of sequences running before it, which all
+                # end, can keep taking its room (a request that starts later runs after it)
                 continue
             upto = min(seq.length, seq.num_computed + budget)
             if ahead and not self._ensure_blocks(seq, upto):
@@ -459,7 +549,8 @@ class Scheduler:
                 for i in had:  # it had a row in this step already: not any more
                     budget += rows[i].num_new
                     room += len(rows[i].sample) * victim.req.spec_bytes
-                    del rows[i], seqs[i]
+                    space += costs[i]
+                    del rows[i], seqs[i], costs[i]
                 if victim is seq:
                     break
             if seq not in self.running:
@@ -467,14 +558,18 @@ class Scheduler:
             row = self._row(seq, budget)
             budget -= row.num_new
             room -= len(row.sample) * seq.req.spec_bytes
+            costs.append(self._sent_cost(row, seq))
+            space -= costs[-1]
             rows.append(row)
             seqs.append(seq)
         ready = [s for s in self.waiting if self._may_start(s, behind, max_staleness)]
         for seq in ready if admit else []:
             if len(rows) >= self.max_batch or budget <= 0:
                 break
-            if rows and self._spec_cost(seq) > room:
-                continue  # the next step (admission guarantees a row of it fits alone)
+            if rows and (self._spec_cost(seq) > room or self._row_cost(seq, budget) > space):
+                # the next step (``check``: a row of it fits alone); none queued behind it
+                # starts before it (a stream of smaller ones kept it waiting for ever)
+                break
             upto = min(seq.length, seq.num_computed + budget)
             if not self._ensure_blocks(seq, upto):
                 break
@@ -484,6 +579,8 @@ class Scheduler:
             row = self._row(seq, budget)
             budget -= row.num_new
             room -= len(row.sample) * seq.req.spec_bytes
+            costs.append(self._sent_cost(row, seq))
+            space -= costs[-1]
             rows.append(row)
             seqs.append(seq)
         # finished ids alone are no step: they go with the next one (a rank only drops
@@ -496,8 +593,8 @@ class Scheduler:
             seq.num_computed += row.num_new  # sent: the next row starts after it
             if row.sample:
                 seq.pending += 1
-        step = m.StepRequest(self._step, rows, self._copies, self._finished_ids)
-        self._copies, self._finished_ids = [], []
+        step = m.StepRequest(self._step, rows, self._copies, self._finished_ids[:keep])
+        self._copies, self._finished_ids = [], self._finished_ids[keep:]
         return Plan(step, seqs)
 
     # ------------------------------------------------------------------ results

@@ -109,3 +109,93 @@ def test_stop_ids_held_by_min_tokens_count_against_the_admission_bound() -> None
     why = s.check(gen)
     assert why is not None and why[1] == "stop_token_ids", why
 
+
+# A long context in small KV blocks: every row carries its sequence's whole block table, a
+# block id per token here (up to 3 msgpack bytes each), and n choices are n rows
+SMALL = 32 * 1024  # a server's max_payload
+
+
+def long_context() -> Scheduler:
+    s = Scheduler(16384, 1, 64, 2048, max_model_len=16384)
+    s.fit(SMALL)
+    return s
+
+
+def test_block_tables_count_against_the_step_message() -> None:
+    """n=16 choices of a 1000-token prompt decode as 16 rows of 1000 block ids (~2.7 KB
+    each): one step of them is 43 KB, past a 32 KiB max_payload (its publish failed, and
+    every live request with it, 503). Now the rows share steps within the bound, and every
+    choice ends."""
+    s = long_context()
+    assert s.check(m.GenRequest("a", list(range(1000)), 4, n=16)) is None
+    s.add(m.GenRequest("a", list(range(1000)), 4, n=16), "inbox")
+    s.add(m.GenRequest("b", [1, 2, 3], 4), "inbox")
+    ended: set[tuple[str, int]] = set()
+    steps = 0
+    while s.requests:
+        plan = s.schedule()
+        assert plan is not None
+        size = len(msgspec.msgpack.encode(plan.step))
+        assert size <= SMALL - 2048, (plan.step.step, size, len(plan.step.rows))
+        outs = s.apply(plan, fake_reply(plan), "v0")
+        ended |= {(o.seq.req.request_id, o.seq.index) for o in outs if o.finish_reason}
+        steps += 1
+        assert steps < 100
+    assert ended == {("a", i) for i in range(16)} | {("b", 0)}
+
+
+def test_a_request_whose_row_alone_would_not_fit_a_step_is_refused_naming_the_cause() -> None:
+    """A row that fits no step message could never be sent: a 400 at admission naming the
+    field that makes its block table that long, and the block table in its message."""
+    s = long_context()
+    why = s.check(m.GenRequest("a", list(range(12000)), 4))  # 36 KB of block ids
+    assert why is not None and why[1] == "prompt" and "block table" in why[0], why
+    why = s.check(m.GenRequest("a", list(range(1000)), 11000))  # its last rows: 36 KB
+    assert why is not None and why[1] == "max_tokens" and "block table" in why[0], why
+    assert s.check(m.GenRequest("a", list(range(1000)), 3000)) is None
+
+
+def test_a_request_waiting_for_room_in_the_step_is_not_overtaken() -> None:
+    """``a`` decodes 8 rows of 1000 block ids (24 KB); ``b``'s first row (8 KB) does not fit
+    beside them and waits. Small requests arriving every step do fit: started before ``b``,
+    a stream of them kept it waiting as long as they came. Now none queued behind ``b``
+    starts before it."""
+    s = long_context()
+    s.add(m.GenRequest("a", list(range(1000)), 6, n=8), "inbox")
+    plan = s.schedule()  # its prefill: its 8 choices fork
+    assert plan is not None
+    s.apply(plan, fake_reply(plan), "v0")
+    s.add(m.GenRequest("b", list(range(1000)), 2), "inbox")
+    started = ["a"]
+    for i in range(40):
+        s.add(m.GenRequest(f"s{i}", [1, 2, 3], 2), "inbox")
+        plan = s.schedule()
+        if plan is None:
+            break
+        assert len(msgspec.msgpack.encode(plan.step)) <= SMALL - 2048
+        for seq in plan.seqs:
+            rid = seq.req.request_id
+            if rid not in started:
+                started.append(rid)
+        s.apply(plan, fake_reply(plan), "v0")
+    assert "b" in started, started
+    assert started.index("b") == 1, started  # right after "a", before every small one
+
+
+def test_finished_ids_past_the_bound_go_with_later_steps() -> None:
+    """A pause that aborts ends every live choice at once: their ids go with the next step
+    for rank 0 to forget. 12000 of them (three bytes each) are 36 KB, past a 32 KiB message;
+    an eighth of the message goes per step, the rest with the next ones."""
+    s = long_context()
+    for i in range(4):
+        s.add(m.GenRequest(f"a{i}", [1, 2, 3], 4, n=3000), "inbox")
+    assert len(s.abort()) == 12000
+    s.add(m.GenRequest("b", [1, 2, 3], 40), "inbox")
+    forgotten: list[int] = []
+    while s.requests:
+        plan = s.schedule()
+        assert plan is not None
+        assert len(msgspec.msgpack.encode(plan.step)) <= SMALL - 2048
+        forgotten += plan.step.finished
+        s.apply(plan, fake_reply(plan), "v0")
+    assert sorted(forgotten) == list(range(12000))  # ("b"'s own goes with the next step)
