@@ -6,9 +6,13 @@ set shell := ["bash", "-cu"]
 setup:
     python -m pip install -e '.[dev]'
 
+# Quiet (`@`, no-exit-message): the output is exactly `rollbus serve`'s, so a start-up
+# error stays its one line (just would add `rollbus serve` and `error: recipe … failed`).
+
 # start nats-server (embedded), engine, ROLLBUS_TP ranks and the API on the defaults
+[no-exit-message]
 run *ARGS:
-    rollbus serve {{ARGS}}
+    @rollbus serve {{ARGS}}
 
 # the full test suite (unit, integration, e2e) against a real nats-server
 test *ARGS:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from shared import sharding
 from shared.model_config import ModelConfig
@@ -78,6 +80,34 @@ def test_bad_setting_is_one_line(tmp_path: Path) -> None:
     assert code == 2
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert len(lines) == 1 and "ROLLBUS_TP" in lines[0] and "ROLLBUS_LOAD_STRATEGY" in lines[0]
+
+
+def test_just_run_config_error_is_the_launchers_one_line(tmp_path: Path) -> None:
+    """`just run` is `rollbus serve`, output included: an unsupported model config is the
+    launcher's one line and exit 2 — `just` adds neither its echo of the recipe
+    (`rollbus serve `) nor its `error: recipe `run` failed …` line."""
+    just = shutil.which("just")
+    if just is None:
+        pytest.skip("`just` is not installed (pip install -e '.[dev]' brings rust-just)")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64}))
+    env = _env(ROLLBUS_MODEL=str(model), ROLLBUS_DATA_DIR=str(tmp_path / "data"))
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")]
+    )
+    r = subprocess.run(
+        [just, "run"],
+        cwd=Path(__file__).resolve().parents[2],  # the repository's justfile
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if ln.strip()]
+    assert len(lines) == 1, lines
+    assert "model_type='gpt2' is not supported" in lines[0] and "Traceback" not in r.stderr
 
 
 def test_busy_api_port_is_one_clear_line(tmp_path: Path, nats_url: str) -> None:
