@@ -171,7 +171,7 @@ class Seq:
     spans: list[m.VersionSpan] = field(default_factory=list)
     finish_reason: str | None = None
     last_step: int = 0
-    pending: int = 0  # tokens sampled by steps in flight, not yet applied (0 or 1)
+    pending: int = 0  # tokens sampled by steps in flight, not yet applied
     # (min_tokens' ban on, the spec) of its last decode row: sent again while the same
     # (never changed once built: a step in flight may still hold it)
     spec: tuple[bool, m.SamplingSpec] | None = None
@@ -426,6 +426,7 @@ class Scheduler:
         behind: int = 0,
         max_staleness: int | None = None,
         ahead: bool = False,
+        steps: int = 1,
     ) -> Plan | None:
         """The next step, or None when there is nothing to do.
 
@@ -436,7 +437,11 @@ class Scheduler:
         over its bound stays in the queue (see :mod:`services.engine.staleness`).
 
         ``ahead``: a step is in flight and this one follows it (see the module doc); None
-        also when it would have to preempt or has no row."""
+        also when it would have to preempt or has no row.
+
+        ``steps``: decode iterations the step may ask for (``ROLLBUS_DECODE_STEPS``; the
+        caller passes 1 while a control call waits for the step lock); see
+        :meth:`decode_iters` for how many it gets."""
         if not run:
             return None
         rows: list[m.StepRow] = []
@@ -490,15 +495,53 @@ class Scheduler:
         # their samplers), so the end of a batch costs no round trip of its own
         if not rows and (ahead or not self._copies):
             return None
+        iters = self.decode_iters(rows, seqs, steps) if steps > 1 else 1
         self._step += 1
         for row, seq in zip(rows, seqs, strict=True):
             seq.last_step = self._step
-            seq.num_computed += row.num_new  # sent: the next row starts after it
+            # sent: the next row starts after it (and the positions the later iterations
+            # feed: the tokens the iterations before them sampled)
+            seq.num_computed += row.num_new + iters - 1
             if row.sample:
-                seq.pending += 1
-        step = m.StepRequest(self._step, rows, self._copies, self._finished_ids)
+                seq.pending += iters
+        step = m.StepRequest(self._step, rows, self._copies, self._finished_ids, iters=iters)
         self._copies, self._finished_ids = [], []
         return Plan(step, seqs)
+
+    def decode_iters(self, rows: list[m.StepRow], seqs: list[Seq], most: int) -> int:
+        """How many decode iterations (1..``most``) a step of ``rows`` runs; the KV blocks
+        of the positions they add are taken here. More than 1 only when every row is a
+        decode row (one new token, one sample spec: its own) whose spec stays the same
+        token after token: no ``bad_words`` (their tail changes), and a ``min_tokens``
+        ban only while it lasts through the window. No row's iterations go past its
+        ``max_tokens`` or the context length, so the fewest tokens any row has left bound
+        all; and the iterations are cut to what the free blocks hold (never a
+        preemption for them)."""
+        k = most
+        for row, seq in zip(rows, seqs, strict=True):
+            spec = row.sample[0] if len(row.sample) == 1 else None
+            if spec is None or row.num_new != 1 or spec.seq_id != seq.seq_id:
+                return 1  # a prefill (chunk), a mid-prefill row, a prompt sampled for n
+            if seq.req.bad is not None:
+                return 1
+            g = seq.req.gen
+            out = seq.length - seq.prompt_len  # the output index iteration 0 samples
+            k = min(k, g.max_tokens - out, self.max_model_len - seq.length)
+            if out < g.min_tokens:  # banned: the ban must hold for every iteration
+                k = min(k, g.min_tokens - out)
+            elif spec.ban:
+                return 1
+        while k > 1:
+            need = sum(
+                max(0, self.blocks_for(seq.length + k - 1) - len(seq.blocks)) for seq in seqs
+            )
+            if need <= self.alloc.num_free:
+                for row, seq in zip(rows, seqs, strict=True):
+                    if self._ensure_blocks(seq, seq.length + k - 1):
+                        row.block_table = list(seq.blocks)
+                return k
+            k -= 1
+        return 1
 
     # ------------------------------------------------------------------ results
 
@@ -507,7 +550,7 @@ class Scheduler:
         ``version``: the weights it ran on."""
         for row, seq in zip(plan.step.rows, plan.seqs, strict=True):
             if row.sample:
-                seq.pending -= 1
+                seq.pending -= plan.step.iters
         by_id = {s.seq_id: s for row_seq in plan.seqs for s in row_seq.req.seqs}
         tops: list[m.TopLogprobs | None] = list(reply.top) or [None] * len(reply.seq_ids)
         samples = [
