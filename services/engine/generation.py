@@ -17,7 +17,11 @@ The step loop holds ``step_lock`` while steps are in flight; every scheduler cha
 while a step is in flight. Decode steps are pipelined (``ROLLBUS_STEP_PIPELINE``): the
 next step goes out before the reply of the one in flight; a control call waiting for
 the lock ends such a run after the steps already sent (see :meth:`Generation._one`).
-When a step fails, the lock is held until the steps sent after it are settled too
+A decode step may run several iterations (``ROLLBUS_DECODE_STEPS``: see the scheduler):
+a cancel or control call arriving meanwhile takes effect after it, and while a control
+call waits for the lock every step planned is one iteration; a choice's tokens of one
+step go out in one chunk (the API splits it per token for streams). When a step fails,
+the lock is held until the steps sent after it are settled too
 (answered, their ranks known gone, or ``CONTROL_TIMEOUT_S`` after the failure: see
 :meth:`Generation._settle`); the requests hear of the failure before that. Only a
 cancelled loop (a restart of a wedged loop, shutdown) releases it without settling.

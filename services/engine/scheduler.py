@@ -20,6 +20,16 @@ a stop token has computed one row too many, whose sample :meth:`apply` drops. An
 plan never preempts: when blocks run short it returns None and the caller runs the
 next step after N's reply instead.
 
+Multi-step decode (``ROLLBUS_DECODE_STEPS``): a step of pure decode rows may ask the
+ranks for ``iters`` decode iterations (:meth:`Scheduler.decode_iters` says when, and how
+many). Each row then computes ``iters`` positions and samples ``iters`` tokens, so
+``num_computed`` advances by ``iters`` at planning and ``pending`` counts all the tokens
+the step samples; :meth:`apply` takes them in iteration order, exactly as ``iters``
+one-token steps, and a sequence that ends mid-step drops the tokens after its end (its
+KV past it is freed with its blocks, never read). Pipelining combines with it unchanged:
+the ahead step's ``prev`` row continues after every token the step in flight leaves (the
+ranks keep its last iteration's), and ``_ends_ahead`` counts them all.
+
 Fairness: a step's rows are shared among the running requests round-robin, and while
 requests wait for admission one request may take at most ``max_batch // (running
 requests + 1)`` rows, so one large-``n`` request cannot starve small ones. Within a

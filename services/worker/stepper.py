@@ -7,6 +7,13 @@ So does each penalised sequence's :class:`TokenHistory` (its rows carry ``histor
 rank 0 records their tokens as the rows bring them — the only rank that samples, so the
 only one that needs them; the other ranks get the sampled tokens, never the logits.
 
+A step of ``iters`` > 1 runs that many decode iterations: each feeds every row the token
+the iteration before sampled for it, shared from rank 0 in the same small all-reduce as
+the kept tokens of pipelined steps (with rank 0's "sampling raised" flag last, so that no
+rank goes on to a forward pass alone); rank 0 samples each iteration with the same
+generators and penalty records as one-token steps, and replies once with every
+iteration's samples in order.
+
 A step only some ranks received must not hang the others: steps are numbered 1, 2, ...
 by the engine, so a rank that sees a gap (it missed a step its peers may be running)
 refuses the step without entering a collective and replies with the error — any rank
