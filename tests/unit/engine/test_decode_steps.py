@@ -143,3 +143,22 @@ async def test_k_step_runs_give_what_one_token_steps_give(pipeline: bool) -> Non
     # c ends on its stop token 40 mid-window: nothing after it was sent
     out = outputs(many)
     assert out[("c", 0)][1] == "stop" and out[("c", 0)][0][-1] == 40
+
+
+async def test_a_step_of_k_iterations_is_not_a_stall_before_k_stall_bounds() -> None:
+    """``STALL_S`` bounds one iteration: a step of 4 in flight may take 4 times that
+    (stall_s is 5 s here) before the loop counts as stalled."""
+    import time
+
+    from tests.unit.engine.test_step_lock import engine
+
+    gen = engine().scheduler
+    gen.active, gen.in_step = True, 3
+    gen.last_progress = time.monotonic() - 6.0
+    gen._iters = [4]
+    assert gen.stall() is None
+    gen.last_progress = time.monotonic() - 21.0
+    assert "no progress for 21s" in (gen.stall() or "")
+    gen._iters = [1]
+    gen.last_progress = time.monotonic() - 6.0
+    assert gen.stall()
