@@ -82,6 +82,10 @@ NATS_MAX_PAYLOAD = 1 << 20  # nats-server's default, when the bus cannot tell it
 # its host slows, and so do the steps (a busy shared host: 16 httpx requests over ≈ 40 ms
 # against 3 ms), while a group that misses the first step costs the batch a whole step
 QUIET_STEP_SHARE = 0.05
+# a step's later decode iterations each get this many times a recent iteration's time on
+# top of a step's bounds (Generation._bound): a slow iteration (a busy host, a longer
+# batch) is no stall, a stopped rank is named about as soon as with one-token steps
+ITER_MARGIN = 10.0
 
 T = TypeVar("T")
 
@@ -180,7 +184,7 @@ class Generation:
         self.iterations = 0  # decode iterations (forward passes), summed over steps
         self._last_reply = 0.0  # when the last reply came (0: the loop went idle since)
         self._sent_at: list[float] = []  # when each step in flight was sent, oldest first
-        self._iters: list[int] = []  # and its decode iterations (its bounds scale by them)
+        self._iters: list[int] = []  # and its decode iterations (its bounds: _bound)
         self._lock_wanted = 0  # control calls waiting for the step lock (ends a pipeline)
         # progress watermark: set when the loop takes the step lock and after each step
         self.active = False  # the loop holds the step lock (a step may be in flight)
@@ -190,6 +194,7 @@ class Generation:
         self.last_arrival = 0.0  # monotonic time the last request was queued
         self.arrived = asyncio.Event()  # set on each queued request (wakes gather)
         self.step_avg = 0.0  # moving average of a step's round trip (0: none yet)
+        self.iter_avg = 0.0  # ... and of a decode iteration's share of it
         self.gathered = 0.0  # seconds idle starts waited for more requests (summed)
         # sender -> (requests it said it still holds, when): ``GenRequest.more``
         self._coming: dict[str, tuple[int, float]] = {}
@@ -531,10 +536,20 @@ class Generation:
             steps=steps,
         )  # fmt: skip
 
-    def _scale(self) -> int:
-        """How many steps' time the steps in flight may take: the most decode iterations
-        of one (a step's bounds, ``STALL_S`` and the reply wait, are per iteration)."""
+    def _most_iters(self) -> int:
+        """The most decode iterations of a step in flight (1 when none is)."""
         return max(self._iters, default=1)
+
+    def _bound(self, base: float, iters: int) -> float:
+        """``base``, a bound of one step (the reply wait, ``STALL_S``), for a step of
+        ``iters`` decode iterations: each later iteration adds ``ITER_MARGIN`` times a
+        recent iteration's time (``iter_avg``), and at most ``base``. A step of several
+        is never taken for stalled while its iterations are as quick as steps, and a
+        stopped rank is still named within about ``base``, not ``iters`` times it."""
+        if iters <= 1:
+            return base
+        each = min(base, ITER_MARGIN * self.iter_avg) if self.iter_avg else base
+        return base + (iters - 1) * each
 
     def _may_pipeline(self) -> bool:
         """Send the next step before this one's reply: the setting is on, the gates are
@@ -623,7 +638,7 @@ class Generation:
             return
         self.last_progress = time.monotonic()  # the failure was handled; this is bounded
         futs = [s.fut for s in flying]
-        t = self.engine.settings.control_timeout_s * self._scale()
+        t = self._bound(self.engine.settings.control_timeout_s, self._most_iters())
         deadline = time.monotonic() + t
         view = getattr(getattr(self.engine, "ranks", None), "view", None)
         while True:
@@ -729,6 +744,8 @@ class Generation:
         took = self._last_reply - t0
         self.step_seconds += took
         self.step_avg = took if not self.step_avg else 0.8 * self.step_avg + 0.2 * took
+        per = took / plan.step.iters
+        self.iter_avg = per if not self.iter_avg else 0.8 * self.iter_avg + 0.2 * per
         self.rank_seconds += reply.seconds
         self.steps += 1
         self.rows += len(plan.step.rows)
@@ -736,13 +753,13 @@ class Generation:
         return self.sched.apply(plan, reply, plan.step.version)
 
     async def _reply(self, sent: Sent, step: int, pids: dict[int, int], iters: int = 1) -> Reply:
-        """The reply of a step in flight within ``CONTROL_TIMEOUT_S`` (times its decode
-        ``iters``: each may take a step's time); once it is late
+        """The reply of a step in flight within ``CONTROL_TIMEOUT_S`` (for a step of
+        several decode ``iters``: :meth:`_bound`); once it is late
         (``GONE_POLL_S``), a rank it was sent to that is known gone (its process exited,
         or it was restarted: ``pids`` are the processes it went to, alive when the run
         started) fails it at once, naming the rank, instead of at the timeout: no reply
         can come (rank 0 would wait in the all-reduce for a dead peer)."""
-        t = self.engine.settings.control_timeout_s * iters
+        t = self._bound(self.engine.settings.control_timeout_s, iters)
         view = getattr(getattr(self.engine, "ranks", None), "view", None)
         if view is None or not pids:
             return await sent.reply(t)
@@ -785,7 +802,8 @@ class Generation:
         it sits idle that long while requests wait and the gates are open (nothing it
         can schedule: e.g. KV blocks lost)."""
         age = time.monotonic() - self.last_progress
-        if age < self.engine.settings.stall_s * (self._scale() if self.active else 1):
+        limit = self.engine.settings.stall_s
+        if age < (self._bound(limit, self._most_iters()) if self.active else limit):
             return None
         if not self.active:
             # requests held by the staleness bound wait by design, like those of a pause
@@ -833,7 +851,7 @@ class Generation:
             # the API gives a request up after CONTROL_TIMEOUT_S of silence
             await asyncio.sleep(min(HEARTBEAT_S, s.stall_s, s.control_timeout_s / 3))
             if self.active and time.monotonic() - self.last_progress > (
-                (s.stall_s + s.control_timeout_s) * self._scale()
+                self._bound(s.stall_s + s.control_timeout_s, self._most_iters())
             ):
                 why = self.stall() or "step loop stalled"
                 if self.supervisor and self.supervisor.restart("step_loop", why):

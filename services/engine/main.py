@@ -468,8 +468,7 @@ class Engine:
         limit = self.settings.stall_s
         for r, p in sorted(self.rank_pings.items()):
             job, busy = str(p.get("busy", "")), float(p.get("busy_s", 0.0))
-            # a step of several decode iterations may run that many times longer
-            if job.startswith("step") and busy >= limit * float(p.get("busy_iters", 1)):
+            if job.startswith("step") and busy >= limit:
                 out.append(f"rank {r}: compute thread stuck in {job} for {busy:.0f}s")
         if self.version_mismatch:
             ranks = ", ".join(f"rank {r} serves {v!r}" for r, v in self.version_mismatch.items())

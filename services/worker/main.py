@@ -337,7 +337,7 @@ async def step_watchdog(
     while True:
         await asyncio.sleep(min(1.0, bound / 4))
         where = ""
-        if mark.job.startswith("step") and mark.busy_s() > bound * mark.scale:
+        if mark.job.startswith("step") and mark.busy_s() > bound:
             where = f"{mark.job} blocked for {mark.busy_s():.0f}s"
         since = state.collective_since if state is not None else None
         if since is not None and time.monotonic() - since > bound:

@@ -70,29 +70,27 @@ class Watermark:
         self.job = ""
         self.since = 0.0
         self.done = 0
-        # how many steps' worth the job is (a step of ``iters`` decode iterations): the
-        # bounds of a stuck step (the watchdog's, the engine's) scale by it
-        self.scale = 1
 
     def run(self, job: str, fn: Callable[..., T], *args: Any) -> T:
-        return self.run_scaled(job, 1, fn, *args)
-
-    def run_scaled(self, job: str, scale: int, fn: Callable[..., T], *args: Any) -> T:
-        self.job, self.since, self.scale = job, time.monotonic(), scale
+        self.job, self.since = job, time.monotonic()
         try:
             return fn(*args)
         finally:
-            self.job, self.scale = "", 1
+            self.job = ""
             self.done += 1
+
+    def progress(self) -> None:
+        """The job made progress (a step's next decode iteration begins): ``busy_s``
+        counts from now, so the bounds of a stuck step (the watchdog's, the engine's
+        health check) hold per iteration, and a step of several is never taken for
+        stuck while each of its iterations is as quick as a step."""
+        self.since = time.monotonic()
 
     def busy_s(self) -> float:
         return time.monotonic() - self.since if self.job else 0.0
 
     def report(self) -> dict[str, Any]:
-        out = {"busy": self.job, "busy_s": round(self.busy_s(), 3), "jobs_done": self.done}
-        if self.scale != 1:
-            out["busy_iters"] = self.scale
-        return out
+        return {"busy": self.job, "busy_s": round(self.busy_s(), 3), "jobs_done": self.done}
 
 
 def _extend(reply: m.StepReply, more: m.StepReply) -> None:
@@ -205,7 +203,7 @@ class Stepper:
         while len(self._replying) >= QUEUED_STEPS:  # bounded (the engine sends 2 at most)
             await asyncio.wait(self._replying, return_when=asyncio.FIRST_COMPLETED)
         fut = asyncio.get_running_loop().run_in_executor(
-            self.pool, self.watermark.run_scaled, f"step {req.step}", req.iters, self.run, req
+            self.pool, self.watermark.run, f"step {req.step}", self.run, req
         )
         task = asyncio.ensure_future(self._reply_when_done(msg, req, fut))
         self._replying.add(task)
@@ -288,6 +286,7 @@ class Stepper:
                 for r, t in zip(rows, new, strict=True)
             ]  # fmt: skip
             last = it == req.iters - 1
+            self.watermark.progress()
             more = self._iteration(req, rows, new, last and req.keep, not last, failed)
             _extend(reply, more)
             failed.update(f[0] for f in more.failed)

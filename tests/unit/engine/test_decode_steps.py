@@ -145,20 +145,29 @@ async def test_k_step_runs_give_what_one_token_steps_give(pipeline: bool) -> Non
     assert out[("c", 0)][1] == "stop" and out[("c", 0)][0][-1] == 40
 
 
-async def test_a_step_of_k_iterations_is_not_a_stall_before_k_stall_bounds() -> None:
-    """``STALL_S`` bounds one iteration: a step of 4 in flight may take 4 times that
-    (stall_s is 5 s here) before the loop counts as stalled."""
+async def test_a_step_of_k_iterations_gets_time_for_its_iterations_not_k_bounds() -> None:
+    """``STALL_S`` (5 s here) and the reply wait bound one step; a step of 4 iterations
+    gets ``ITER_MARGIN`` times a recent iteration's time for each of the 3 more (at most
+    the bound each): never a stall while its iterations are as quick as steps, and a
+    stopped rank is named about as soon as with one-token steps."""
     import time
 
+    from services.engine.generation import ITER_MARGIN
     from tests.unit.engine.test_step_lock import engine
 
     gen = engine().scheduler
     gen.active, gen.in_step = True, 3
-    gen.last_progress = time.monotonic() - 6.0
     gen._iters = [4]
+    gen.iter_avg = 0.1  # 100 ms per iteration lately: 3 x 1 s more
+    assert gen._bound(5.0, 4) == 5.0 + 3 * ITER_MARGIN * 0.1
+    gen.last_progress = time.monotonic() - 7.0
     assert gen.stall() is None
-    gen.last_progress = time.monotonic() - 21.0
-    assert "no progress for 21s" in (gen.stall() or "")
-    gen._iters = [1]
+    gen.last_progress = time.monotonic() - 8.5
+    assert "no progress for" in (gen.stall() or "")
+    gen.iter_avg = 10.0  # slow iterations: at most the bound each (4 x 5 s in all)
+    assert gen._bound(5.0, 4) == 20.0
+    gen.iter_avg = 0.0  # no iteration seen yet: the bound each
+    assert gen._bound(5.0, 4) == 20.0
+    gen._iters = [1]  # a step of one iteration: the bound, as before
     gen.last_progress = time.monotonic() - 6.0
     assert gen.stall()
