@@ -505,7 +505,7 @@ class Scheduler:
         # their samplers), so the end of a batch costs no round trip of its own
         if not rows and (ahead or not self._copies):
             return None
-        iters = self.decode_iters(rows, seqs, steps) if steps > 1 else 1
+        iters = self.decode_iters(rows, seqs, steps) if steps > 1 and rows else 1
         self._step += 1
         for row, seq in zip(rows, seqs, strict=True):
             seq.last_step = self._step

@@ -52,8 +52,23 @@ def test_one_iteration_is_todays_step() -> None:
     decoding(s, gen("a", prompt=5, max_tokens=20))
     plan = s.schedule()
     assert plan is not None and plan.step.iters == 1
-    assert m.pack(plan.step) == m.pack(m.StepRequest(plan.step.step, plan.step.rows))[:-1] + b"\x01"
     assert plan.seqs[0].num_computed == 6 and plan.seqs[0].pending == 1
+    # a message without ``iters`` (today's, a raw client's) is a step of one iteration
+    today = m.pack(plan.step)
+    assert today[-1:] == b"\x01"  # iters, the last array item
+    old = bytes([today[0] - 1]) + today[1:-1]  # the array one item shorter, without it
+    assert m.unpack(old, type=m.StepRequest) == plan.step
+
+
+def test_a_step_of_block_copies_alone_is_one_iteration() -> None:
+    s = sched()
+    s.add(gen("n", prompt=5, max_tokens=1, n=2), "i")  # prompt 5: its last block is copied
+    p = s.schedule(steps=4)
+    assert p is not None
+    ids = [sp.seq_id for row in p.step.rows for sp in row.sample]
+    s.apply(p, m.StepReply(p.step.step, ids, [7] * len(ids), [-0.5] * len(ids)), "v0")
+    copies = s.schedule(steps=4)  # both ended (max_tokens 1): the fork's copy goes alone
+    assert copies is not None and not copies.step.rows and copies.step.iters == 1
 
 
 @pytest.mark.parametrize(
