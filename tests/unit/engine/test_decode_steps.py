@@ -186,3 +186,26 @@ async def test_a_step_of_k_iterations_gets_time_for_its_iterations_not_k_bounds(
     gen._iters = [1]  # a step of one iteration: the bound, as before
     gen.last_progress = time.monotonic() - 6.0
     assert gen.stall()
+
+
+async def test_a_cancel_during_k_step_runs_takes_effect_after_the_steps_in_flight() -> None:
+    """A cancel that comes while steps of 4 iterations run ends the request after the
+    steps in flight (README: up to ``DECODE_STEPS`` tokens later, twice that pipelined):
+    their tokens for it are dropped, never sent; the other requests go on unchanged."""
+    from tests.unit.engine.test_pipeline import Ranks
+
+    def during(eng: Any, ranks: Ranks) -> None:
+        def on_chunk(rid: str, c: m.GenChunk) -> None:
+            if rid == "a" and len(ranks.chunks["a"]) == 2:
+                eng.scheduler._cancels.append("a")
+
+        ranks.on_chunk = on_chunk
+
+    _, many = await run(True, during, decode_steps=4)
+    a = many.chunks["a"]
+    assert [c.finish_reason for c in a] == [None, None, "abort"]
+    assert 1 < sum(len(c.token_ids) for c in a) <= 1 + 4  # the prefill's, then one step's
+    _, one = await run(False)
+    assert {k: v for k, v in outputs(many).items() if k[0] != "a"} == {
+        k: v for k, v in outputs(one).items() if k[0] != "a"
+    }
