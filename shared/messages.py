@@ -35,6 +35,7 @@ MAX_BAD_WORD_TOKENS = 64  # tokens of one of them
 FLOAT_MAX = sys.float_info.max  # ``le=FLOAT_MAX`` rejects inf; every bound rejects NaN
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 TOKEN_LIMIT = 2**31 - 1
+MAX_STEP_ITERS = 32  # decode iterations of one step message (ROLLBUS_DECODE_STEPS' bound)
 
 PauseMode = Literal["abort", "wait", "keep"]
 SLEEP_TAGS = ("weight", "kv_cache")
@@ -498,10 +499,16 @@ class StepRequest(msgspec.Struct, array_like=True):
     finished: list[int] = msgspec.field(default_factory=list)  # seq ids rank 0 may forget
     version: str = ""  # the engine's weight version: a rank serving another refuses the step
     keep: bool = False  # every rank keeps the tokens sampled here: the next step may use them
+    # decode iterations (1..MAX_STEP_ITERS): each row is one decode row (one token, one
+    # sample spec of its own sequence); iteration i + 1 feeds every row the token
+    # iteration i sampled for it. The reply's lists hold iteration 0's samples, then
+    # iteration 1's, ...; ``keep`` keeps the last iteration's
+    iters: int = 1
 
 
 class StepReply(msgspec.Struct, array_like=True):
-    """Rank 0's answer: one (seq_id, token, logprob) per sampling spec, in order.
+    """Rank 0's answer: one (seq_id, token, logprob) per sampling spec, in order (a step
+    of ``iters`` > 1: per spec and iteration, iteration by iteration).
 
     ``error`` fails the whole step; ``failed`` names sequences whose sampling alone
     failed (``(seq_id, code, why)``): only their requests end, the others go on.

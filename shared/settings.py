@@ -16,9 +16,11 @@ from urllib.parse import urlsplit
 from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.messages import MAX_STEP_ITERS
 from shared.versions import check_model_name
 
 LoadStrategy = Literal["object_store", "snapshot", "ipc"]
+
 
 # FastDeploy's names for the same strategies.
 LOAD_STRATEGY_ALIASES = {"rsync": "object_store", "ipc_snapshot": "snapshot"}
@@ -111,6 +113,13 @@ class Settings(BaseSettings):
         True,
         description="send the next decode step before the last one's reply (README "
         "'Pipelined steps'); false = one step at a time",
+    )
+    decode_steps: int = Field(
+        4,
+        ge=1,
+        le=MAX_STEP_ITERS,
+        description="decode iterations one step message may ask the ranks for (README "
+        "'Multi-step decode'); 1 = one token per step message",
     )
     generation_config: Literal["auto", "none"] = Field(
         "auto",

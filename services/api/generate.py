@@ -43,6 +43,30 @@ def decode_chunk(data: bytes) -> m.GenChunk:
     return chunk
 
 
+def split_chunk(chunk: m.GenChunk) -> list[m.GenChunk]:
+    """A chunk of several tokens (a step of several decode iterations) as one chunk per
+    token, as one-token steps send them: a stream gets one event per token, and a stop
+    string ends the choice at the token that completes it (no token after it is kept).
+    ``finish_reason`` and ``spans`` go with the last."""
+    n = len(chunk.token_ids)
+    if n <= 1:
+        return [chunk]
+    lps, top = chunk.logprobs, chunk.top
+    return [
+        m.GenChunk(
+            chunk.request_id,
+            chunk.index,
+            [tok],
+            None if lps is None else lps[i : i + 1],
+            chunk.version,
+            chunk.finish_reason if i == n - 1 else None,
+            chunk.spans if i == n - 1 else None,
+            top=None if top is None else top[i : i + 1],
+        )
+        for i, tok in enumerate(chunk.token_ids)
+    ]
+
+
 def eos_ids_of(tokenizer: Tokenizer) -> frozenset[int]:
     """The stop ids that end a choice as *eos* (``stop_reason`` null): the tokenizer's own
     eos id only. The other eos ids the model names (``generation_config.json``'s,
@@ -250,9 +274,13 @@ class GenCall:
                     self.engine_done.add(chunk.index)
                 if not 0 <= chunk.index < self.gen.n:
                     continue
-                delta = self.choices[chunk.index].push(chunk)
-                if delta is not None and (delta.text or delta.token_ids or delta.finish_reason):
-                    yield delta
+                choice = self.choices[chunk.index]
+                # a coalesced request's tokens are read at the end only: taken whole
+                parts = [chunk] if self.gen.coalesce else split_chunk(chunk)
+                for part in parts:
+                    delta = choice.push(part)
+                    if delta is not None and (delta.text or delta.token_ids or delta.finish_reason):
+                        yield delta
                 if all(c.finish_reason is not None for c in self.choices):
                     self._finished_cleanly = len(self.engine_done) == self.gen.n
                     return

@@ -17,7 +17,11 @@ The step loop holds ``step_lock`` while steps are in flight; every scheduler cha
 while a step is in flight. Decode steps are pipelined (``ROLLBUS_STEP_PIPELINE``): the
 next step goes out before the reply of the one in flight; a control call waiting for
 the lock ends such a run after the steps already sent (see :meth:`Generation._one`).
-When a step fails, the lock is held until the steps sent after it are settled too
+A decode step may run several iterations (``ROLLBUS_DECODE_STEPS``: see the scheduler):
+a cancel or control call arriving meanwhile takes effect after it, and while a control
+call waits for the lock every step planned is one iteration; a choice's tokens of one
+step go out in one chunk (the API splits it per token for streams). When a step fails,
+the lock is held until the steps sent after it are settled too
 (answered, their ranks known gone, or ``CONTROL_TIMEOUT_S`` after the failure: see
 :meth:`Generation._settle`); the requests hear of the failure before that. Only a
 cancelled loop (a restart of a wedged loop, shutdown) releases it without settling.
@@ -79,12 +83,33 @@ NATS_MAX_PAYLOAD = 1 << 20  # nats-server's default, when the bus cannot tell it
 # its host slows, and so do the steps (a busy shared host: 16 httpx requests over ≈ 40 ms
 # against 3 ms), while a group that misses the first step costs the batch a whole step
 QUIET_STEP_SHARE = 0.05
+# a step's later decode iterations each get this many times a recent iteration's time on
+# top of a step's bounds (Generation._bound): a slow iteration (a busy host, a longer
+# batch) is no stall, a stopped rank is named about as soon as with one-token steps
+ITER_MARGIN = 10.0
 
 T = TypeVar("T")
 
 
 def _cat(a: list[T] | None, b: list[T] | None) -> list[T] | None:
     return b if a is None else a if b is None else a + b
+
+
+def _merge(held: m.GenChunk, chunk: m.GenChunk) -> None:
+    """``held`` followed by ``chunk`` (of the same choice and version), as one chunk."""
+    held.token_ids += chunk.token_ids
+    held.logprobs = _cat(held.logprobs, chunk.logprobs)
+    held.top = _cat(held.top, chunk.top)
+    held.finish_reason, held.spans = chunk.finish_reason, chunk.spans
+
+
+def _mergeable(held: m.GenChunk, chunk: m.GenChunk) -> bool:
+    return (
+        held.finish_reason is None
+        and not held.error_code
+        and not chunk.error_code
+        and held.version == chunk.version
+    )
 
 
 class Refused(Exception):
@@ -157,8 +182,10 @@ class Generation:
         self.between_seconds = 0.0  # reply received -> next step sent, back-to-back steps
         self.steps = 0
         self.rows = 0  # rows stepped, summed over steps
+        self.iterations = 0  # decode iterations (forward passes), summed over steps
         self._last_reply = 0.0  # when the last reply came (0: the loop went idle since)
         self._sent_at: list[float] = []  # when each step in flight was sent, oldest first
+        self._iters: list[int] = []  # and its decode iterations (its bounds: _bound)
         self._lock_wanted = 0  # control calls waiting for the step lock (ends a pipeline)
         # progress watermark: set when the loop takes the step lock and after each step
         self.active = False  # the loop holds the step lock (a step may be in flight)
@@ -168,6 +195,7 @@ class Generation:
         self.last_arrival = 0.0  # monotonic time the last request was queued
         self.arrived = asyncio.Event()  # set on each queued request (wakes gather)
         self.step_avg = 0.0  # moving average of a step's round trip (0: none yet)
+        self.iter_avg = 0.0  # ... and of a decode iteration's share of it
         self.gathered = 0.0  # seconds idle starts waited for more requests (summed)
         # sender -> (requests it said it still holds, when): ``GenRequest.more``
         self._coming: dict[str, tuple[int, float]] = {}
@@ -374,9 +402,7 @@ class Generation:
         asked ``coalesce`` has its tokens held and sent every ``COALESCE_STEPS`` steps
         (the first and the last at once); any other gets one message per chunk."""
         batches: dict[str, list[BatchItem]] = {}
-        for out in outputs:
-            req = out.seq.req
-            chunk = self._chunk(out)
+        for req, chunk in self._chunks(outputs):
             chunks = self._coalesce(chunk) if req.gen.coalesce else [chunk]
             if not chunks:
                 continue  # held
@@ -393,6 +419,23 @@ class Generation:
         for subject, items in batches.items():
             for data in pack_batches(items, limit):
                 await self.engine.bus.publish(subject, data)
+
+    def _chunks(self, outputs: list[Output]) -> list[tuple[Request, m.GenChunk]]:
+        """The chunks of ``outputs``: one per choice, with every token a step of several
+        decode iterations gave it (in order), the way one-token steps would have sent
+        them one by one."""
+        chunks: list[tuple[Request, m.GenChunk]] = []
+        last: dict[tuple[str, int], m.GenChunk] = {}  # each choice's chunk so far
+        for out in outputs:
+            chunk = self._chunk(out)
+            key = (chunk.request_id, chunk.index)
+            held = last.get(key)
+            if held is not None and _mergeable(held, chunk):
+                _merge(held, chunk)
+                continue
+            last[key] = chunk
+            chunks.append((out.seq.req, chunk))
+        return chunks
 
     def _coalesce(self, chunk: m.GenChunk) -> list[m.GenChunk]:
         """What to send now of a coalesced request's choice, given its new ``chunk``:
@@ -415,10 +458,7 @@ class Generation:
         if held is None:
             held = chunk
         else:
-            held.token_ids += chunk.token_ids
-            held.logprobs = _cat(held.logprobs, chunk.logprobs)
-            held.top = _cat(held.top, chunk.top)
-            held.finish_reason, held.spans = chunk.finish_reason, chunk.spans
+            _merge(held, chunk)
         entry[0] += 1
         if held.finish_reason is not None:
             del self._held[key]
@@ -500,9 +540,28 @@ class Generation:
 
     def _plan(self, ahead: bool = False) -> Plan | None:
         bound, behind = self._staleness_gate()
+        # several decode iterations per step unless a control call waits for the lock:
+        # it gets it after one iteration of each step in flight
+        steps = 1 if self._lock_wanted else getattr(self.engine.settings, "decode_steps", 1)
         return self.sched.schedule(
-            admit=self.admit, run=self.run, behind=behind, max_staleness=bound, ahead=ahead
-        )
+            admit=self.admit, run=self.run, behind=behind, max_staleness=bound, ahead=ahead,
+            steps=steps,
+        )  # fmt: skip
+
+    def _most_iters(self) -> int:
+        """The most decode iterations of a step in flight (1 when none is)."""
+        return max(self._iters, default=1)
+
+    def _bound(self, base: float, iters: int) -> float:
+        """``base``, a bound of one step (the reply wait, ``STALL_S``), for a step of
+        ``iters`` decode iterations: each later iteration adds ``ITER_MARGIN`` times a
+        recent iteration's time (``iter_avg``), and at most ``base``. A step of several
+        is never taken for stalled while its iterations are as quick as steps, and a
+        stopped rank is still named within about ``base``, not ``iters`` times it."""
+        if iters <= 1:
+            return base
+        each = min(base, ITER_MARGIN * self.iter_avg) if self.iter_avg else base
+        return base + (iters - 1) * each
 
     def _may_pipeline(self) -> bool:
         """Send the next step before this one's reply: the setting is on, the gates are
@@ -570,6 +629,7 @@ class Generation:
             for left in flying:  # not settled (cancelled, or past the bound): dropped
                 left.drop()
             self._sent_at.clear()
+            self._iters.clear()
 
     async def _failed(self, err: ControlError, flying: list[Sent], pids: dict[int, int]) -> None:
         """A step failed: end every live request with ``err``, then settle the steps
@@ -590,7 +650,7 @@ class Generation:
             return
         self.last_progress = time.monotonic()  # the failure was handled; this is bounded
         futs = [s.fut for s in flying]
-        t = self.engine.settings.control_timeout_s
+        t = self._bound(self.engine.settings.control_timeout_s, self._most_iters())
         deadline = time.monotonic() + t
         view = getattr(getattr(self.engine, "ranks", None), "view", None)
         while True:
@@ -670,6 +730,7 @@ class Generation:
         self.in_step = self.in_step or plan.step.step
         sent = await eng.bus.send(eng.subjects.worker_step, m.pack(plan.step))
         self._sent_at.append(now)
+        self._iters.append(plan.step.iters)
         return sent
 
     async def _step_reply(self, plan: Plan, sent: Sent, pids: dict[int, int]) -> list[Output]:
@@ -677,8 +738,9 @@ class Generation:
         it went to known gone, or no reply within CONTROL_TIMEOUT_S (from when the step
         before it answered) raises 503."""
         try:
-            rep = await self._reply(sent, plan.step.step, pids)
+            rep = await self._reply(sent, plan.step.step, pids, plan.step.iters)
         finally:
+            self._iters.pop(0)
             t0 = max(self._sent_at.pop(0), self._last_reply)
             self._last_reply = time.perf_counter()
             self.in_step = plan.step.step + 1 if self._sent_at else 0
@@ -694,18 +756,22 @@ class Generation:
         took = self._last_reply - t0
         self.step_seconds += took
         self.step_avg = took if not self.step_avg else 0.8 * self.step_avg + 0.2 * took
+        per = took / plan.step.iters
+        self.iter_avg = per if not self.iter_avg else 0.8 * self.iter_avg + 0.2 * per
         self.rank_seconds += reply.seconds
         self.steps += 1
         self.rows += len(plan.step.rows)
+        self.iterations += plan.step.iters
         return self.sched.apply(plan, reply, plan.step.version)
 
-    async def _reply(self, sent: Sent, step: int, pids: dict[int, int]) -> Reply:
-        """The reply of a step in flight within ``CONTROL_TIMEOUT_S``; once it is late
+    async def _reply(self, sent: Sent, step: int, pids: dict[int, int], iters: int = 1) -> Reply:
+        """The reply of a step in flight within ``CONTROL_TIMEOUT_S`` (for a step of
+        several decode ``iters``: :meth:`_bound`); once it is late
         (``GONE_POLL_S``), a rank it was sent to that is known gone (its process exited,
         or it was restarted: ``pids`` are the processes it went to, alive when the run
         started) fails it at once, naming the rank, instead of at the timeout: no reply
         can come (rank 0 would wait in the all-reduce for a dead peer)."""
-        t = self.engine.settings.control_timeout_s
+        t = self._bound(self.engine.settings.control_timeout_s, iters)
         view = getattr(getattr(self.engine, "ranks", None), "view", None)
         if view is None or not pids:
             return await sent.reply(t)
@@ -748,7 +814,8 @@ class Generation:
         it sits idle that long while requests wait and the gates are open (nothing it
         can schedule: e.g. KV blocks lost)."""
         age = time.monotonic() - self.last_progress
-        if age < self.engine.settings.stall_s:
+        limit = self.engine.settings.stall_s
+        if age < (self._bound(limit, self._most_iters()) if self.active else limit):
             return None
         if not self.active:
             # requests held by the staleness bound wait by design, like those of a pause
@@ -796,7 +863,7 @@ class Generation:
             # the API gives a request up after CONTROL_TIMEOUT_S of silence
             await asyncio.sleep(min(HEARTBEAT_S, s.stall_s, s.control_timeout_s / 3))
             if self.active and time.monotonic() - self.last_progress > (
-                s.stall_s + s.control_timeout_s
+                self._bound(s.stall_s + s.control_timeout_s, self._most_iters())
             ):
                 why = self.stall() or "step loop stalled"
                 if self.supervisor and self.supervisor.restart("step_loop", why):
@@ -914,6 +981,7 @@ class Generation:
             # where the step loop's time goes (seconds, cumulative since the engine started)
             "step_time": {
                 "rows": self.rows,
+                "iterations": self.iterations,
                 "in_step_s": round(self.step_seconds, 4),
                 "rank_s": round(self.rank_seconds, 4),
                 "between_steps_s": round(self.between_seconds, 4),

@@ -20,6 +20,16 @@ a stop token has computed one row too many, whose sample :meth:`apply` drops. An
 plan never preempts: when blocks run short it returns None and the caller runs the
 next step after N's reply instead.
 
+Multi-step decode (``ROLLBUS_DECODE_STEPS``): a step of pure decode rows may ask the
+ranks for ``iters`` decode iterations (:meth:`Scheduler.decode_iters` says when, and how
+many). Each row then computes ``iters`` positions and samples ``iters`` tokens, so
+``num_computed`` advances by ``iters`` at planning and ``pending`` counts all the tokens
+the step samples; :meth:`apply` takes them in iteration order, exactly as ``iters``
+one-token steps, and a sequence that ends mid-step drops the tokens after its end (its
+KV past it is freed with its blocks, never read). Pipelining combines with it unchanged:
+the ahead step's ``prev`` row continues after every token the step in flight leaves (the
+ranks keep its last iteration's), and ``_ends_ahead`` counts them all.
+
 Fairness: a step's rows are shared among the running requests round-robin, and while
 requests wait for admission one request may take at most ``max_batch // (running
 requests + 1)`` rows, so one large-``n`` request cannot starve small ones. Within a
@@ -187,7 +197,7 @@ class Seq:
     spans: list[m.VersionSpan] = field(default_factory=list)
     finish_reason: str | None = None
     last_step: int = 0
-    pending: int = 0  # tokens sampled by steps in flight, not yet applied (0 or 1)
+    pending: int = 0  # tokens sampled by steps in flight, not yet applied
     # (min_tokens' ban on, the spec) of its last decode row: sent again while the same
     # (never changed once built: a step in flight may still hold it)
     spec: tuple[bool, m.SamplingSpec] | None = None
@@ -509,6 +519,7 @@ class Scheduler:
         behind: int = 0,
         max_staleness: int | None = None,
         ahead: bool = False,
+        steps: int = 1,
     ) -> Plan | None:
         """The next step, or None when there is nothing to do.
 
@@ -519,7 +530,11 @@ class Scheduler:
         over its bound stays in the queue (see :mod:`services.engine.staleness`).
 
         ``ahead``: a step is in flight and this one follows it (see the module doc); None
-        also when it would have to preempt or has no row."""
+        also when it would have to preempt or has no row.
+
+        ``steps``: decode iterations the step may ask for (``ROLLBUS_DECODE_STEPS``; the
+        caller passes 1 while a control call waits for the step lock); see
+        :meth:`decode_iters` for how many it gets."""
         if not run:
             return None
         rows: list[m.StepRow] = []
@@ -587,15 +602,60 @@ class Scheduler:
         # their samplers), so the end of a batch costs no round trip of its own
         if not rows and (ahead or not self._copies):
             return None
+        iters = self.decode_iters(rows, seqs, steps, space) if steps > 1 and rows else 1
         self._step += 1
         for row, seq in zip(rows, seqs, strict=True):
             seq.last_step = self._step
-            seq.num_computed += row.num_new  # sent: the next row starts after it
+            # sent: the next row starts after it (and the positions the later iterations
+            # feed: the tokens the iterations before them sampled)
+            seq.num_computed += row.num_new + iters - 1
             if row.sample:
-                seq.pending += 1
-        step = m.StepRequest(self._step, rows, self._copies, self._finished_ids[:keep])
+                seq.pending += iters
+        step = m.StepRequest(
+            self._step, rows, self._copies, self._finished_ids[:keep], iters=iters
+        )
         self._copies, self._finished_ids = [], self._finished_ids[keep:]
         return Plan(step, seqs)
+
+    def decode_iters(
+        self, rows: list[m.StepRow], seqs: list[Seq], most: int, space: int = 1 << 62
+    ) -> int:
+        """How many decode iterations (1..``most``) a step of ``rows`` runs; the KV blocks
+        of the positions they add are taken here. More than 1 only when every row is a
+        decode row (one new token, one sample spec: its own) whose spec stays the same
+        token after token: no ``bad_words`` (their tail changes), and a ``min_tokens``
+        ban only while it lasts through the window. No row's iterations go past its
+        ``max_tokens`` or the context length, so the fewest tokens any row has left bound
+        all; and the iterations are cut to what the free blocks hold (never a
+        preemption for them), and to what the step message has ``space`` for: every block
+        added to a row's table is at most 5 more bytes (a msgpack uint32), and its
+        array header at most 4 more."""
+        k = most
+        for row, seq in zip(rows, seqs, strict=True):
+            spec = row.sample[0] if len(row.sample) == 1 else None
+            if spec is None or row.num_new != 1 or spec.seq_id != seq.seq_id:
+                return 1  # a prefill (chunk), a mid-prefill row, a prompt sampled for n
+            if seq.req.bad is not None:
+                return 1
+            g = seq.req.gen
+            out = seq.length - seq.prompt_len  # the output index iteration 0 samples
+            k = min(k, g.max_tokens - out, self.max_model_len - seq.length)
+            if out < g.min_tokens:  # banned: the ban must hold for every iteration
+                k = min(k, g.min_tokens - out)
+            elif spec.ban:
+                return 1
+        while k > 1:
+            need = sum(
+                max(0, self.blocks_for(seq.length + k - 1) - len(seq.blocks)) for seq in seqs
+            )
+            grown = 5 * need + 4 * len(rows)
+            if need <= self.alloc.num_free and (need == 0 or grown <= space):
+                for row, seq in zip(rows, seqs, strict=True):
+                    if self._ensure_blocks(seq, seq.length + k - 1):
+                        row.block_table = list(seq.blocks)
+                return k
+            k -= 1
+        return 1
 
     # ------------------------------------------------------------------ results
 
@@ -604,7 +664,7 @@ class Scheduler:
         ``version``: the weights it ran on."""
         for row, seq in zip(plan.step.rows, plan.seqs, strict=True):
             if row.sample:
-                seq.pending -= 1
+                seq.pending -= plan.step.iters
         by_id = {s.seq_id: s for row_seq in plan.seqs for s in row_seq.req.seqs}
         tops: list[m.TopLogprobs | None] = list(reply.top) or [None] * len(reply.seq_ids)
         samples = [

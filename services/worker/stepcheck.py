@@ -33,6 +33,10 @@ def check_step(req: m.StepRequest, lim: StepLimits) -> str | None:
     for src, dst in req.copies:
         if not (0 <= src < lim.num_blocks and 0 <= dst < lim.num_blocks):
             return f"block copy {src}->{dst} outside 0..{lim.num_blocks - 1}"
+    iters = req.iters
+    if not 1 <= iters <= m.MAX_STEP_ITERS:
+        return f"iters {iters} outside 1..{m.MAX_STEP_ITERS}"
+    more = iters - 1  # positions the later iterations add after a row's new tokens
     samples = 0
     seen: set[int] = set()
     # min/max over a row's ids, and its message named only once it fails: checked on
@@ -40,7 +44,7 @@ def check_step(req: m.StepRequest, lim: StepLimits) -> str | None:
     for i, row in enumerate(req.rows):
         ids, table = row.token_ids, row.block_table
         new = len(ids) + row.prev
-        end = row.start_pos + new
+        end = row.start_pos + new + more
         if (
             not new
             or row.seq_id in seen
@@ -50,7 +54,12 @@ def check_step(req: m.StepRequest, lim: StepLimits) -> str | None:
             or len(table) * lim.block_size < end
             or (table and (min(table) < 0 or max(table) >= lim.num_blocks))
         ):
-            return _bad_row(i, row, seen, lim)
+            return _bad_row(i, row, seen, lim, iters)
+        if more and not _one_decode_spec(row):
+            return (
+                f"row {i} (seq {row.seq_id}): iters {iters} needs one sample spec of its own "
+                "sequence, without bad_words (their tail changes with every token)"
+            )
         seen.add(row.seq_id)
         samples += len(row.sample)
     if samples > lim.max_samples:
@@ -58,8 +67,17 @@ def check_step(req: m.StepRequest, lim: StepLimits) -> str | None:
     return None
 
 
-def _bad_row(i: int, row: m.StepRow, seen: set[int], lim: StepLimits) -> str:
-    """Why row ``i`` fails :func:`check_step` (``seen``: the sequences of the rows before)."""
+def _one_decode_spec(row: m.StepRow) -> bool:
+    """``row`` may run several iterations: one spec, its own, the same at every token."""
+    if len(row.sample) != 1:
+        return False
+    spec = row.sample[0]
+    return spec.seq_id == row.seq_id and not (spec.limits and spec.limits.bad_words)
+
+
+def _bad_row(i: int, row: m.StepRow, seen: set[int], lim: StepLimits, iters: int) -> str:
+    """Why row ``i`` fails :func:`check_step` (``seen``: the sequences of the rows before;
+    ``iters``: the step's iterations, whose positions the row's block table must hold)."""
     where = f"row {i} (seq {row.seq_id})"
     if not row.num_new:
         return f"{where}: no tokens"
@@ -67,7 +85,7 @@ def _bad_row(i: int, row: m.StepRow, seen: set[int], lim: StepLimits) -> str:
         return f"{where}: sequence twice in one step"
     if any(not 0 <= t < lim.vocab_size for t in row.token_ids):
         return f"{where}: token id outside 0..{lim.vocab_size - 1}"
-    end = row.start_pos + row.num_new
+    end = row.start_pos + row.num_new + iters - 1
     if row.start_pos < 0 or end > lim.max_model_len:
         return f"{where}: positions {row.start_pos}..{end} outside 0..{lim.max_model_len}"
     if len(row.block_table) * lim.block_size < end:

@@ -7,6 +7,13 @@ So does each penalised sequence's :class:`TokenHistory` (its rows carry ``histor
 rank 0 records their tokens as the rows bring them — the only rank that samples, so the
 only one that needs them; the other ranks get the sampled tokens, never the logits.
 
+A step of ``iters`` > 1 runs that many decode iterations: each feeds every row the token
+the iteration before sampled for it, shared from rank 0 in the same small all-reduce as
+the kept tokens of pipelined steps (with rank 0's "sampling raised" flag last, so that no
+rank goes on to a forward pass alone); rank 0 samples each iteration with the same
+generators and penalty records as one-token steps, and replies once with every
+iteration's samples in order.
+
 A step only some ranks received must not hang the others: steps are numbered 1, 2, ...
 by the engine, so a rank that sees a gap (it missed a step its peers may be running)
 refuses the step without entering a collective and replies with the error — any rank
@@ -72,11 +79,32 @@ class Watermark:
             self.job = ""
             self.done += 1
 
+    def progress(self) -> None:
+        """The job made progress (a step's next decode iteration begins): ``busy_s``
+        counts from now, so the bounds of a stuck step (the watchdog's, the engine's
+        health check) hold per iteration, and a step of several is never taken for
+        stuck while each of its iterations is as quick as a step."""
+        self.since = time.monotonic()
+
     def busy_s(self) -> float:
         return time.monotonic() - self.since if self.job else 0.0
 
     def report(self) -> dict[str, Any]:
         return {"busy": self.job, "busy_s": round(self.busy_s(), 3), "jobs_done": self.done}
+
+
+def _extend(reply: m.StepReply, more: m.StepReply) -> None:
+    """``reply`` followed by ``more``'s samples (the next iteration's): ``top`` is empty
+    or has one entry per sample, so the side without it gets empty entries."""
+    if more.top and not reply.top:
+        reply.top = [m.TopLogprobs([]) for _ in reply.seq_ids]
+    elif reply.top and not more.top:
+        more.top = [m.TopLogprobs([]) for _ in more.seq_ids]
+    reply.seq_ids += more.seq_ids
+    reply.tokens += more.tokens
+    reply.logprobs += more.logprobs
+    reply.top += more.top
+    reply.failed += more.failed
 
 
 class Stepper:
@@ -98,6 +126,7 @@ class Stepper:
         # pipelined step's ``prev`` rows continue with them (every rank has them)
         self.kept: dict[int, int] = {}
         self.kept_step = -1  # the step those come from
+        self._last: list[int] = []  # the last iteration's tokens per spec (run's scratch)
         self._replying: set[asyncio.Future[None]] = set()  # steps queued, reply to come
         self.last_step = 0  # last step number received (0: none yet)
         self.missed: list[tuple[int, int]] = []  # [lo, hi) ranges of steps never received
@@ -242,9 +271,48 @@ class Stepper:
                 t[dst] = t[src]
         if not req.rows:
             return m.StepReply(req.step, [], [], [], seconds=time.perf_counter() - t0)
-        new = [self._tokens(r, kept) for r in req.rows]
+        rows = req.rows
+        new = [self._tokens(r, kept) for r in rows]
+        reply = self._iteration(req, rows, new, req.iters == 1 and req.keep, req.iters > 1)
+        failed = {f[0] for f in reply.failed}
+        for it in range(1, req.iters):
+            # the next iteration's rows: each continues with the token the last one
+            # sampled for it (every rank has it: shared at the end of the iteration); a
+            # failed sample's -1 becomes 0, its sequence is not sampled again
+            new = [[max(t, 0)] for t in self._last]
+            rows = [
+                m.StepRow(r.seq_id, t, r.start_pos + r.num_new, r.block_table, r.sample,
+                          history=r.history)
+                for r, t in zip(rows, new, strict=True)
+            ]  # fmt: skip
+            last = it == req.iters - 1
+            self.watermark.progress()
+            more = self._iteration(req, rows, new, last and req.keep, not last, failed)
+            _extend(reply, more)
+            failed.update(f[0] for f in more.failed)
         if self.rank == 0:
-            for r, toks in zip(req.rows, new, strict=True):
+            reply.seconds = time.perf_counter() - t0
+        return reply
+
+    def _iteration(
+        self,
+        req: m.StepRequest,
+        rows: list[m.StepRow],
+        new: list[list[int]],
+        keep: bool,
+        more: bool,
+        skip: set[int] | frozenset[int] = frozenset(),
+    ) -> m.StepReply:
+        """One forward pass of ``rows`` (their new tokens ``new``) and rank 0's samples;
+        ``self._last``: the token sampled per row's spec, on every rank when shared (``more``:
+        another iteration of the step follows, or ``keep``: the next step continues with
+        them, and they are kept). ``skip``: sequences not sampled (their sampling failed
+        before). When rank 0's sampling raises and ``more``, every rank learns it in the
+        share and stops: none goes on to a forward pass its peers do not run."""
+        st = self.state
+        assert st.model is not None
+        if self.rank == 0:
+            for r, toks in zip(rows, new, strict=True):
                 if r.history:  # the penalised sequences only: nothing for the others
                     h = self.histories.get(r.seq_id)
                     if h is None:
@@ -252,24 +320,46 @@ class Stepper:
                     h.record(r.start_pos, toks)
         batch = mdl.Batch(
             token_ids=new,
-            start_pos=[r.start_pos for r in req.rows],
-            block_tables=[r.block_table for r in req.rows],
+            start_pos=[r.start_pos for r in rows],
+            block_tables=[r.block_table for r in rows],
         )
         logits = st.model.forward(st.weights.current, st.kv, batch)
-        specs = [(i, spec) for i, r in enumerate(req.rows) for spec in r.sample]
+        specs = [(i, spec) for i, r in enumerate(rows) for spec in r.sample]
         reply = m.StepReply(req.step, [], [], [])
         tokens = [0] * len(specs)  # what rank 0 sampled, per spec (-1: its sampling failed)
+        raised = True
         try:
             if self.rank == 0 and specs:
-                reply, tokens = self._sample(req, logits, specs, new)
+                todo = [(i, s) for i, s in specs if s.seq_id not in skip] if skip else specs
+                reply, got = self._sample(req, rows, logits, todo, new)
+                tokens = got if todo is specs else self._by_spec(specs, todo, got)
+            raised = False
         finally:
-            if req.keep and specs:  # every rank, even when sampling raised: no rank waits alone
-                shared = st.model.share_tokens(tokens)
-                self.kept = {s.seq_id: t for (_, s), t in zip(specs, shared, strict=True)}
+            # every rank, even when sampling raised: no rank waits alone
+            if more and specs:  # rank 0's "stop" rides last (the others add 0)
+                out = st.model.share_tokens([*tokens, int(raised and self.rank == 0)])
+                tokens, stop = out[:-1], out[-1]
+            elif keep and specs:
+                tokens, stop = st.model.share_tokens(tokens), 0
+            else:
+                stop = 0
+            self._last = tokens
+            if keep and specs:
+                self.kept = {s.seq_id: t for (_, s), t in zip(specs, tokens, strict=True)}
                 self.kept_step = req.step
-        if self.rank == 0:
-            reply.seconds = time.perf_counter() - t0
+        if stop:  # rank 0 raised (and replies with its error); its peers stop here too
+            raise RuntimeError(f"step {req.step}: rank 0's sampling failed: not run further")
         return reply
+
+    @staticmethod
+    def _by_spec(
+        specs: list[tuple[int, m.SamplingSpec]],
+        todo: list[tuple[int, m.SamplingSpec]],
+        got: list[int],
+    ) -> list[int]:
+        """``got`` (per spec of ``todo``) per spec of ``specs``; -1 for the others."""
+        by_seq = {s.seq_id: t for (_, s), t in zip(todo, got, strict=True)}
+        return [by_seq.get(s.seq_id, -1) for _, s in specs]
 
     @staticmethod
     def _tokens(row: m.StepRow, kept: dict[int, int]) -> list[int]:
@@ -288,6 +378,7 @@ class Stepper:
     def _sample(
         self,
         req: m.StepRequest,
+        rows: list[m.StepRow],
         logits: Any,
         specs: list[tuple[int, m.SamplingSpec]],
         new: list[list[int]] | None = None,
@@ -303,7 +394,7 @@ class Stepper:
                 if bias and bias.ids and max(bias.ids) >= host.shape[-1]:
                     raise ValueError(f"logit_bias: token id beyond the logits ({host.shape[-1]})")
                 pen = s.penalties
-                seen, counts = self._penalty_view(req.rows[row], s) if pen else ((), ())
+                seen, counts = self._penalty_view(rows[row], s) if pen else ((), ())
                 p = SamplingParams(
                     s.temperature,
                     s.top_p,
@@ -313,7 +404,7 @@ class Stepper:
                     s.top_logprobs,
                     bias_ids=bias.ids if bias else (),
                     bias_values=bias.values if bias else (),
-                    ban_ids=self._bans(req.rows[row], s, new[row] if new else None),
+                    ban_ids=self._bans(rows[row], s, new[row] if new else None),
                     presence_penalty=pen.presence if pen else 0.0,
                     frequency_penalty=pen.frequency if pen else 0.0,
                     repetition_penalty=pen.repetition if pen else 1.0,

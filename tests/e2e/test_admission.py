@@ -2,7 +2,8 @@
 ``ROLLBUS_ADMIT_QUIET_MS``, ``GenRequest.more``), through a real stack over HTTP.
 
 Counted in engine steps, not seconds (robust on a busy host): ``BATCH`` requests of
-``MAX_TOKENS`` tokens that share their first step take exactly ``MAX_TOKENS`` steps
+``MAX_TOKENS`` tokens that share their first step take exactly ``MAX_TOKENS`` decode
+iterations (``step_time.iterations``: a step message may carry several)
 (the prefill samples the first token; the end of the batch sends no step of its own).
 Each group that joins later costs the batch its own steps: sent ``GAP_S`` apart to a
 tiny model (a step of a few ms), the requests would run one after the other without
@@ -60,9 +61,12 @@ def test_a_burst_of_requests_starts_in_one_step(fresh: Stack) -> None:
     tokens = asyncio.run(_burst(fresh, GAP_S))
     after = fresh.status()
     assert tokens == [MAX_TOKENS] * BATCH
-    assert after["step_time"]["rows"] - before["step_time"]["rows"] == BATCH * MAX_TOKENS
-    # one prefill step for all, then MAX_TOKENS - 1 decode steps: nothing else
-    assert after["steps"] - before["steps"] == MAX_TOKENS, after
+    steps = after["steps"] - before["steps"]
+    assert after["step_time"]["rows"] - before["step_time"]["rows"] == BATCH * steps
+    # one prefill step for all, then MAX_TOKENS - 1 decode iterations: nothing else
+    # (ROLLBUS_DECODE_STEPS: a step message may carry several of them)
+    iters = after["step_time"]["iterations"] - before["step_time"]["iterations"]
+    assert iters == MAX_TOKENS, after
     assert after["step_time"]["admit_wait_s"] > (BATCH - 1) * GAP_S * 0.5
 
 

@@ -35,7 +35,7 @@ def stack(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S
         nats_url,
         tp=2,
         env={
-            "ROLLBUS_KV_CACHE_BLOCKS": "2048",
+            "ROLLBUS_KV_CACHE_BLOCKS": "4096",
             "ROLLBUS_MAX_WAITING": str(MAX_WAITING),
             "ROLLBUS_STREAM_BUFFER": str(STREAM_BUFFER),
             "ROLLBUS_BODY_TIMEOUT_S": str(BODY_TIMEOUT_S),
@@ -571,15 +571,16 @@ def test_a_non_streaming_client_that_leaves_frees_its_request(stack: Stack) -> N
 
 
 def test_a_slow_stream_reader_loses_only_its_own_stream(stack: Stack) -> None:
-    """64 choices x 400 tokens of SSE (~10 MB) to a reader that never reads: past the
-    kernel's socket buffers (a few MB on loopback) and ``STREAM_BUFFER`` chunks per choice,
-    the API gives up on it; a stream running beside it (fair rows) completes."""
+    """64 choices x 800 tokens of SSE (~20 MB) to a reader that never reads: past the
+    kernel's socket buffers (a few MB on loopback) and ``STREAM_BUFFER`` chunks per choice
+    (of up to ``ROLLBUS_DECODE_STEPS`` = 4 tokens each), the API gives up on it; a stream
+    running beside it (fair rows) completes."""
     other = LongStream(stack, tokens=100)
     body = json.dumps(
         {
             "prompt": "slow reader",
             "n": 64,
-            "max_tokens": 400,
+            "max_tokens": 800,
             "ignore_eos": True,
             "stream": True,
             "logprobs": 1,

@@ -63,17 +63,21 @@ class Ranks:
     def run(self, req: m.StepRequest) -> m.StepReply:
         kept, self.kept = self.kept, {}
         ids, tokens = [], []
-        for row in req.rows:
-            if row.prev:
-                assert row.seq_id in kept, f"step {req.step}: no kept token for {row.seq_id}"
-            last = kept[row.seq_id] if row.prev else row.token_ids[-1]
-            pos = row.start_pos + row.num_new - 1
-            for spec in row.sample:
-                tok = VERSIONS[req.version] + (last * 31 + pos * 7 + spec.salt * 13) % 97 + 1
-                ids.append(spec.seq_id)
-                tokens.append(tok)
+        lasts = {}  # a step of several decode iterations: each row's token so far
+        for it in range(req.iters):
+            for row in req.rows:
+                if row.prev:
+                    assert row.seq_id in kept, f"step {req.step}: no kept token for {row.seq_id}"
+                last = kept[row.seq_id] if row.prev else row.token_ids[-1]
+                last = lasts.get(row.seq_id, last)
+                pos = row.start_pos + row.num_new - 1 + it
+                for spec in row.sample:
+                    tok = VERSIONS[req.version] + (last * 31 + pos * 7 + spec.salt * 13) % 97 + 1
+                    ids.append(spec.seq_id)
+                    tokens.append(tok)
+                    lasts[spec.seq_id] = tok
         if req.keep:
-            self.kept = dict(zip(ids, tokens, strict=True))
+            self.kept = dict(zip(ids, tokens, strict=False))  # the last iteration's
         return m.StepReply(req.step, ids, tokens, [-0.5] * len(ids))
 
 
@@ -86,9 +90,12 @@ def requests() -> list[m.GenRequest]:
     ]
 
 
-async def run(pipeline: bool, during: Callable[[Any, Ranks], None] | None = None) -> Any:
+async def run(
+    pipeline: bool, during: Callable[[Any, Ranks], None] | None = None, decode_steps: int = 1
+) -> Any:
     eng = engine()
     eng.settings.step_pipeline = pipeline
+    eng.settings.decode_steps = decode_steps
     eng.subjects = SimpleNamespace(worker_step="step", gen="gen")
     eng.bus = ranks = Ranks()
     gen = eng.scheduler
