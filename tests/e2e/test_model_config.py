@@ -124,3 +124,35 @@ def test_rank_exits_2_on_unsupported_config(tmp_path: Path, nats_url: str) -> No
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "rope_parameters.rope_type='yarn'" in proc.stderr.splitlines()[-1]
+
+
+@pytest.mark.parametrize("strategy", ["snapshot", "ipc"])
+def test_rank_exits_2_on_a_fifo_named_like_a_weight_file(
+    tmp_path: Path, nats_url: str, strategy: str
+) -> None:
+    """A FIFO named ``*.safetensors`` in the model dir: the rank's start opened it to read
+    its dtype and waited for a writer for good (the start hung, under every strategy:
+    the launcher checks the weight files only for ``snapshot``). Now it is refused at
+    once: one line naming the file, exit 2 (never retried), within seconds."""
+    from services.tiny_model import create_model_dir
+
+    model = create_model_dir(tmp_path / "m", seed=0)
+    os.mkfifo(model / "extra.safetensors")
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.worker", "--rank", "0"],
+        env=_env(
+            ROLLBUS_MODEL=str(model),
+            ROLLBUS_TP="1",
+            ROLLBUS_NATS_URL=nats_url,
+            ROLLBUS_LOAD_STRATEGY=strategy,
+            ROLLBUS_IPC_DIR=str(tmp_path / "ipc"),
+            ROLLBUS_INSTANCE=f"fifo{os.getpid()}{strategy}",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.splitlines()[-1]
+    assert "cannot start: rank 0: extra.safetensors: a FIFO, not a regular file" in last, last
+    assert str(model) not in last, last
