@@ -331,10 +331,9 @@ class SnapshotSource:
                 arrays.update(part)
                 taken.update(dict.fromkeys(part, self._rel(f)))
                 nbytes += nread
-            except (OSError, ValueError) as e:
-                raise ControlError(
-                    UNPROCESSABLE, f"{where}: cannot read: {_no_paths(e, f)}"
-                ) from None
+            except (OSError, ValueError) as e:  # the parser's text names the file too
+                why = _no_paths(e, f).removeprefix(f"{where}: ")
+                raise ControlError(UNPROCESSABLE, f"{where}: cannot read: {why}") from None
         missing = sorted(wanted - set(arrays))
         if missing:
             raise ControlError(

@@ -93,17 +93,22 @@ INDEX = b'{"weight_map": {"a": "model-00001-of-00002.safetensors"}}'
          "no *.safetensors (pytorch_model.bin is not read: save with safetensors)"),
         ({"model.safetensors.index.json": INDEX},
          "model.safetensors.index.json names missing model-00001-of-00002.safetensors"),
+        # a FIFO (no index): was "model.safetensors.index.json names missing model.safetensors"
+        ({"model.safetensors": "fifo"}, "model.safetensors is not a regular file"),
     ],
 )  # fmt: skip
 def test_serve_refuses_a_dir_without_safetensors(
-    tmp_path: Path, files: dict[str, bytes], needle: str
+    tmp_path: Path, files: dict[str, bytes | str], needle: str
 ) -> None:
     """A servable config but no weights a rank can read (a torch ``.bin`` checkpoint, an
     index naming a file that is not there): one line at once, before anything starts —
     not each rank failing after the stack came up."""
     model = _model(tmp_path, {})
     for name, data in files.items():
-        (model / name).write_bytes(data)
+        if isinstance(data, str):  # "fifo"
+            os.mkfifo(model / name)
+        else:
+            (model / name).write_bytes(data)
     proc = _serve(model, tmp_path, timeout=120)
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 2, proc.stderr[-2000:]

@@ -308,3 +308,15 @@ def test_a_refused_ipc_load_keeps_no_descriptor_nor_buffer(
     store = WeightStore(0, ipc_source(ipc_dir))
     store.spec = man.shards[0].tensors
     released(monkeypatch, lambda: store.stage("s1", verify, "u1"))
+
+
+def test_an_unreadable_hf_file_is_named_once(model_dir: Path) -> None:
+    """The parser's message names the file itself: the load's prefix is not said twice
+    (it read ``rank 0: versions/hf/m.safetensors: cannot read: rank 0: versions/hf/...``)."""
+    d = model_dir / "versions" / "hf"
+    d.mkdir()
+    (d / "model.safetensors").write_bytes(b"\xff" * 16)
+    src = SnapshotSource(CFG, model_dir, 0, 2)
+    msg = refusal(lambda: src("hf", None, None), [])
+    assert msg.startswith("rank 0: versions/hf/model.safetensors: cannot read: "), msg
+    assert msg.count("rank 0") == 1, msg
