@@ -361,7 +361,10 @@ def checkpoint_files(d: Path) -> list[Path]:
         raise ValueError(f"{INDEX_FILE}: no valid weight_map ({e})") from None
     for n in names:
         if not isinstance(n, str) or "/" in n or "\\" in n or n in ("", ".", ".."):
-            raise ValueError(f"{INDEX_FILE}: {str(n)[:80]!r} is not a file name inside the dir")
+            # an absolute path is not echoed (a load's 422 names no absolute path)
+            absolute = isinstance(n, str) and n.startswith(("/", "\\"))
+            shown = f"an absolute path to {Path(n).name!r}" if absolute else f"{str(n)[:80]!r}"
+            raise ValueError(f"{INDEX_FILE}: {shown} is not a file name inside the dir")
     return sorted(d / n for n in names)
 
 

@@ -320,3 +320,24 @@ def test_an_unreadable_hf_file_is_named_once(model_dir: Path) -> None:
     msg = refusal(lambda: src("hf", None, None), [])
     assert msg.startswith("rank 0: versions/hf/model.safetensors: cannot read: "), msg
     assert msg.count("rank 0") == 1, msg
+
+
+def test_an_hf_index_naming_an_absolute_path_is_refused_without_echoing_it(
+    model_dir: Path,
+) -> None:
+    """An index entry ``/abs/dir/model.safetensors`` was quoted whole in the 422 (the
+    one way an absolute path of the host reached a reply); ``../x`` is still quoted."""
+    import json
+
+    d = model_dir / "versions" / "hf"
+    d.mkdir()
+    (d / "model.safetensors").write_bytes((model_dir / "model.safetensors").read_bytes())
+    for target, shown in [
+        (str(model_dir / "model.safetensors"), "an absolute path to 'model.safetensors'"),
+        ("../model.safetensors", "'../model.safetensors'"),
+    ]:
+        (d / st.INDEX_FILE).write_text(json.dumps({"weight_map": {"a": target}}))
+        src = SnapshotSource(CFG, model_dir, 0, 2)
+        msg = refusal(lambda: src("hf", None, None), [])  # noqa: B023 - called at once
+        want = f"rank 0: versions/hf/{st.INDEX_FILE}: {shown} is not a file name inside"
+        assert msg.startswith(want), msg
