@@ -617,6 +617,9 @@ def check_model(
             files = checkpoint_files(Path(model_dir))
         except ValueError as e:
             raise LaunchError(f"ROLLBUS_MODEL={model_dir}: {e}") from None
+        odd = [f.name for f in files if f.exists() and not f.is_file()]
+        if odd:  # a FIFO, a directory: no rank can read it (never "missing")
+            raise LaunchError(f"ROLLBUS_MODEL={model_dir}: {odd[0]} is not a regular file")
         missing = [f.name for f in files if not f.is_file()]
         if not files or missing:
             bins = sorted(f.name for f in Path(model_dir).glob("*.bin"))

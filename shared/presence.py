@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -51,7 +52,10 @@ def short_file(path: Path, name: str, want: int | None = None) -> str | None:
     except OSError:
         return None  # unreadable for another reason: the load names it (422)
     try:
-        size = os.fstat(fd).st_size
+        fst = os.fstat(fd)
+        if not stat.S_ISREG(fst.st_mode):
+            return None  # a FIFO, a directory, a device: never filled by a copy; broken
+        size = fst.st_size
         if want is not None:
             return f"{name} has {size} of {want} bytes" if size < want else None
         need = st.min_size(fd, size)
@@ -83,13 +87,17 @@ def cut_json(data: bytes) -> bool:
 
 def _read_json(path: Path, limit: int) -> bytes | None:
     """The bytes of a small JSON file, or None (unreadable, larger than ``limit``)."""
-    try:
-        with open(path, "rb") as f:
-            if os.fstat(f.fileno()).st_size > limit:
+    try:  # never waited on: a FIFO of that name is not read (st.open_regular)
+        fd = st.open_regular(path, path.name)
+    except (OSError, ValueError):
+        return None
+    with os.fdopen(fd, "rb") as f:
+        try:
+            if os.fstat(fd).st_size > limit:
                 return None
             return f.read(limit)
-    except OSError:
-        return None
+        except OSError:
+            return None
 
 
 def _manifest(data: bytes | None) -> mf.Manifest | None:

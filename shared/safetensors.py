@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -202,10 +203,47 @@ def parse(buf: Any, where: str) -> Header:
     return parse_header(bytes(view[8 : 8 + n]), len(view), where)
 
 
+class NotRegularFile(ValueError):
+    """A weight file's name given to a FIFO, directory, device or socket."""
+
+
+_KINDS = (
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def open_regular(path: Path | str, where: str) -> int:
+    """A descriptor open for reading on the regular file at ``path`` (a symlink is
+    followed: an HF cache's snapshot files are links into its blobs), else
+    :class:`NotRegularFile` naming ``where`` (``OSError`` when it cannot be opened).
+    Opened ``O_NONBLOCK`` and checked with ``fstat``: a plain open of a FIFO named like a
+    weight file waits for a writer for good (a rank's start hung in
+    :func:`checkpoint_dtype`); the flag changes nothing for a regular file's reads."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = next((k for test, k in _KINDS if test(mode)), "special")
+            raise NotRegularFile(f"{where}: {kind}, not a regular file: refused")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def read_header(path: Path | str, where: str | None = None) -> Header:
-    """The header of the file at ``path``, reading only the header's bytes."""
-    with open(path, "rb") as f:
-        return read_header_fd(f.fileno(), where or Path(path).name)
+    """The header of the file at ``path``, reading only the header's bytes;
+    :class:`NotRegularFile` unless it is a regular file (see :func:`open_regular`)."""
+    where = where or Path(path).name
+    fd = open_regular(path, where)
+    try:
+        return read_header_fd(fd, where)
+    finally:
+        os.close(fd)
 
 
 def read_header_fd(fd: int, where: str) -> Header:
@@ -307,18 +345,26 @@ def checkpoint_files(d: Path) -> list[Path]:
     """The safetensors files of an HF checkpoint dir: those its
     ``model.safetensors.index.json`` names (plain file names inside ``d``), else every
     ``*.safetensors``. ``ValueError`` on a bad index."""
-    index = d / INDEX_FILE
-    if not index.is_file():
+    try:  # never waited on: a FIFO there is refused (open_regular)
+        fd = open_regular(d / INDEX_FILE, INDEX_FILE)
+    except FileNotFoundError:
         return sorted(d.glob("*.safetensors"))
-    if index.stat().st_size > MAX_INDEX_BYTES:
-        raise ValueError(f"{INDEX_FILE} is larger than {MAX_INDEX_BYTES} bytes")
+    except OSError as e:
+        raise ValueError(f"{INDEX_FILE}: cannot open: {e.strerror or e}") from None
+    with os.fdopen(fd, "rb") as f:
+        if os.fstat(fd).st_size > MAX_INDEX_BYTES:
+            raise ValueError(f"{INDEX_FILE} is larger than {MAX_INDEX_BYTES} bytes")
+        raw = f.read(MAX_INDEX_BYTES + 1)
     try:
-        names = set(json.loads(index.read_text())["weight_map"].values())
+        names = set(json.loads(raw)["weight_map"].values())
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{INDEX_FILE}: no valid weight_map ({e})") from None
     for n in names:
         if not isinstance(n, str) or "/" in n or "\\" in n or n in ("", ".", ".."):
-            raise ValueError(f"{INDEX_FILE}: {str(n)[:80]!r} is not a file name inside the dir")
+            # an absolute path is not echoed (a load's 422 names no absolute path)
+            absolute = isinstance(n, str) and n.startswith(("/", "\\"))
+            shown = f"an absolute path to {Path(n).name!r}" if absolute else f"{str(n)[:80]!r}"
+            raise ValueError(f"{INDEX_FILE}: {shown} is not a file name inside the dir")
     return sorted(d / n for n in names)
 
 

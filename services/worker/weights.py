@@ -97,10 +97,18 @@ def bound_to_file(src: Path | int, where: str, bind: bool) -> Iterator[tuple[int
     """The descriptor to read a file through and its stat before the read (the pin's,
     see :func:`stat_pin`): both of one open file, so the bytes read are those of the
     file the pin names — a file renamed over the path meanwhile is not read in its
-    place. ``src``: a path (opened here, closed on the way out) or a descriptor already
-    open on it (left open). ``bind``: no SHA-256 will check what is read, so the stat
-    must be the same once the read is done (:func:`unchanged_while_read`)."""
-    fd = src if isinstance(src, int) else os.open(src, os.O_RDONLY | os.O_CLOEXEC)
+    place. ``src``: a path (opened here with :func:`shared.safetensors.open_regular`,
+    closed on the way out: anything but a regular file is a 422, never waited on) or a
+    descriptor already open on it (left open). ``bind``: no SHA-256 will check what is
+    read, so the stat must be the same once the read is done
+    (:func:`unchanged_while_read`)."""
+    if isinstance(src, int):
+        fd = src
+    else:
+        try:  # a FIFO named like a weight file: refused, never waited on
+            fd = st.open_regular(src, where)
+        except st.NotRegularFile as e:
+            raise ControlError(UNPROCESSABLE, str(e)) from None
     try:
         before = os.fstat(fd)
         yield fd, before
@@ -253,7 +261,7 @@ class SnapshotSource:
             raise ControlError(
                 BAD_REQUEST, f"version {version!r} has no manifest.json: cannot verify checksums"
             )
-        if not shard_file.is_file():
+        if not shard_file.exists():  # anything else that is no file: read_shard says so
             raise ControlError(UNPROCESSABLE, f"{where}: shard file is missing")
 
         def check_size(size: int) -> None:
@@ -323,10 +331,9 @@ class SnapshotSource:
                 arrays.update(part)
                 taken.update(dict.fromkeys(part, self._rel(f)))
                 nbytes += nread
-            except (OSError, ValueError) as e:
-                raise ControlError(
-                    UNPROCESSABLE, f"{where}: cannot read: {_no_paths(e, f)}"
-                ) from None
+            except (OSError, ValueError) as e:  # the parser's text names the file too
+                why = _no_paths(e, f).removeprefix(f"{where}: ")
+                raise ControlError(UNPROCESSABLE, f"{where}: cannot read: {why}") from None
         missing = sorted(wanted - set(arrays))
         if missing:
             raise ControlError(

@@ -93,17 +93,22 @@ INDEX = b'{"weight_map": {"a": "model-00001-of-00002.safetensors"}}'
          "no *.safetensors (pytorch_model.bin is not read: save with safetensors)"),
         ({"model.safetensors.index.json": INDEX},
          "model.safetensors.index.json names missing model-00001-of-00002.safetensors"),
+        # a FIFO (no index): was "model.safetensors.index.json names missing model.safetensors"
+        ({"model.safetensors": "fifo"}, "model.safetensors is not a regular file"),
     ],
 )  # fmt: skip
 def test_serve_refuses_a_dir_without_safetensors(
-    tmp_path: Path, files: dict[str, bytes], needle: str
+    tmp_path: Path, files: dict[str, bytes | str], needle: str
 ) -> None:
     """A servable config but no weights a rank can read (a torch ``.bin`` checkpoint, an
     index naming a file that is not there): one line at once, before anything starts —
     not each rank failing after the stack came up."""
     model = _model(tmp_path, {})
     for name, data in files.items():
-        (model / name).write_bytes(data)
+        if isinstance(data, str):  # "fifo"
+            os.mkfifo(model / name)
+        else:
+            (model / name).write_bytes(data)
     proc = _serve(model, tmp_path, timeout=120)
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -124,3 +129,35 @@ def test_rank_exits_2_on_unsupported_config(tmp_path: Path, nats_url: str) -> No
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "rope_parameters.rope_type='yarn'" in proc.stderr.splitlines()[-1]
+
+
+@pytest.mark.parametrize("strategy", ["snapshot", "ipc"])
+def test_rank_exits_2_on_a_fifo_named_like_a_weight_file(
+    tmp_path: Path, nats_url: str, strategy: str
+) -> None:
+    """A FIFO named ``*.safetensors`` in the model dir: the rank's start opened it to read
+    its dtype and waited for a writer for good (the start hung, under every strategy:
+    the launcher checks the weight files only for ``snapshot``). Now it is refused at
+    once: one line naming the file, exit 2 (never retried), within seconds."""
+    from services.tiny_model import create_model_dir
+
+    model = create_model_dir(tmp_path / "m", seed=0)
+    os.mkfifo(model / "extra.safetensors")
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.worker", "--rank", "0"],
+        env=_env(
+            ROLLBUS_MODEL=str(model),
+            ROLLBUS_TP="1",
+            ROLLBUS_NATS_URL=nats_url,
+            ROLLBUS_LOAD_STRATEGY=strategy,
+            ROLLBUS_IPC_DIR=str(tmp_path / "ipc"),
+            ROLLBUS_INSTANCE=f"fifo{os.getpid()}{strategy}",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.splitlines()[-1]
+    assert "cannot start: rank 0: extra.safetensors: a FIFO, not a regular file" in last, last
+    assert str(model) not in last, last
