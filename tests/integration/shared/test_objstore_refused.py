@@ -85,6 +85,8 @@ async def test_a_refused_chunk_direct_get_fails_the_read_at_once(
     assert msg.startswith(f"{name}: permission denied: "), msg
     assert f"lack publish permission on {CHUNKS_API}" in msg, msg
     assert "pass" not in msg.lower() and "@" not in msg  # no credentials in it
+    # refused, not lost: a 403 at the rank (services/worker/sources.py), not a 503
+    assert isinstance(err.value, objstore.ObjectReadDenied) and err.value.code == FORBIDDEN
     assert _no_watch_left(worker)
 
 
@@ -94,6 +96,7 @@ async def test_a_refused_version_listing_fails_at_once(roles: dict[str, Bus]) ->
     with pytest.raises(objstore.ObjectReadError) as err:
         await objstore._direct_all(trainer.nc, CKPT_STREAM, "rollbus.ckpt.m.published", WAIT_S)
     assert f"lack publish permission on {VERSIONS_API}" in str(err.value), err.value
+    assert isinstance(err.value, objstore.ObjectReadDenied)
     with pytest.raises(objstore.ObjectReadError):  # as the trainer's SDK lists them
         await objstore.list_versions(trainer.nc, "m")
     assert _no_watch_left(trainer)
@@ -141,6 +144,7 @@ async def test_a_refused_chunk_publish_fails_the_put_at_once(tmp_path: Path, fas
         assert time.monotonic() - t0 < WAIT_S
         msg = str(err.value)
         assert f"lack publish permission on $O.{BUCKET}.C." in msg, msg
+        assert isinstance(err.value, objstore.ObjectReadDenied), repr(err.value)
         assert _no_watch_left(trainer)
     finally:
         for b in buses:
