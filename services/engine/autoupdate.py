@@ -496,7 +496,13 @@ async def follow(engine: Engine) -> None:
                 "version feed: %r; subscribing again",
                 e,
             )
-            await asyncio.sleep(RETRY_S)
+            # a refused pull is not healed by a reconnect (an auth.conf reload heals it):
+            # its tries back off up to RETRY_MAX_S, not a refused fetch, a consumer
+            # re-created and a violation in nats-server's log every RETRY_S for ever
+            pause = RETRY_S
+            if isinstance(e, PublishDenied):
+                pause = min(RETRY_S * 2 ** min(feed_errors - 1, 16), RETRY_MAX_S)
+            await asyncio.sleep(pause)
             try:
                 await feed.restart()
             except asyncio.CancelledError:
