@@ -222,3 +222,58 @@ async def test_refusals_leave_no_watcher_and_fail_only_their_own_reads(tmp_path:
         for bus in buses.values():
             await bus.close()
         node.stop()
+
+
+async def test_refusals_after_a_server_restart(tmp_path: Path) -> None:
+    """A server restart leaves no stale watcher (a read cut by it unregisters), and after
+    the reconnect a refused read still fails at once, an allowed one still reads."""
+    passwords = natsconf.role_passwords()
+    other = "rollbus_other"
+    worker = natsconf.without("worker", CHUNKS_API)
+    worker["publish"] += [
+        f"$JS.API.STREAM.MSG.GET.OBJ_{other}",
+        f"$JS.API.DIRECT.GET.OBJ_{other}",
+    ]
+    engine = natsconf.without("engine")
+    engine["publish"]["allow"].append("$JS.API.STREAM.>")
+    trainer = natsconf.without("trainer")
+    trainer["publish"] += [f"$O.{other}.>", "$JS.API.STREAM.>"]
+    node = natsconf.single_with_perms(
+        tmp_path, passwords, {"worker": worker, "engine": engine, "trainer": trainer}
+    )
+    node.start()
+    buses: dict[str, Bus] = {}
+    try:
+        for role in ("engine", "trainer", "worker"):
+            url = f"nats://{role}:{passwords[role]}@127.0.0.1:{node.port}"
+            buses[role] = await Bus.connect(url, f"test-{role}")
+        nc = buses["worker"].nc
+        data = os.urandom(64 * MIB)
+        for b in (BUCKET, other):
+            await objstore.ensure_bucket(buses["engine"].nc, b)
+            await objstore.put_object(buses["trainer"].nc, b, "x", data)
+        # an allowed read cut by the restart
+        reading = asyncio.ensure_future(
+            objstore.read_object(nc, other, "x", stall_timeout=WAIT_S, fast=False)
+        )
+        await asyncio.sleep(0.05)
+        node.stop()
+        with pytest.raises(objstore.ObjectReadError):
+            await reading
+        assert not nc._asked  # type: ignore[attr-defined]
+        node.start()
+        deadline = time.monotonic() + 20
+        while not nc.is_connected and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert nc.is_connected
+        await asyncio.sleep(0.5)  # JetStream recovered its streams
+        t0 = time.monotonic()
+        with pytest.raises(objstore.ObjectReadDenied):
+            await objstore.read_object(nc, BUCKET, "x", stall_timeout=WAIT_S, fast=False)
+        assert time.monotonic() - t0 < WAIT_S / 2
+        assert bytes(await objstore.read_object(nc, other, "x", fast=False)) == data
+        assert not nc._asked  # type: ignore[attr-defined]
+    finally:
+        for bus in buses.values():
+            await bus.close()
+        node.stop()
