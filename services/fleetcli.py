@@ -20,7 +20,7 @@ import msgspec
 from shared import creds
 from shared import fleet as f
 from shared.bus import Bus
-from shared.errors import BusUnreachable
+from shared.errors import BusUnreachable, PublishDenied
 from shared.settings import Settings, nats_url_arg
 
 
@@ -124,6 +124,9 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     try:
         return asyncio.run(_run(args, settings))
     except BusUnreachable as e:
+        print(f"rollbus fleet: {e.message}", file=sys.stderr)
+        return 2
+    except PublishDenied as e:  # the discovery ping refused: these credentials, named
         print(f"rollbus fleet: {e.message}", file=sys.stderr)
         return 2
     except creds.CredsError as e:  # a bad TLS setting, named

@@ -44,7 +44,7 @@ from nats.aio.client import Client
 
 from shared.bus import REPLY, refusal
 from shared.errors import PublishDenied
-from shared.objstore import ObjectCorrupt, ObjectReadError
+from shared.objstore import ObjectCorrupt, ObjectReadDenied, ObjectReadError
 
 log = logging.getLogger("rollbus.objstore")
 
@@ -228,7 +228,7 @@ def _server_error(line: bytes, sent: str) -> ObjectReadError:
         return ObjectReadError(f"server error: {text}")
     what, subject = refused
     denied = PublishDenied(sent, subject) if what == REPLY else PublishDenied(subject)
-    return ObjectReadError(denied.message)
+    return ObjectReadDenied(denied.message)
 
 
 def _msg_line(line: bytes) -> tuple[list[bytes], int, int]:

@@ -39,7 +39,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from shared.errors import BAD_REQUEST, CONFLICT, ControlError
+from shared.bus import refusals
+from shared.errors import BAD_REQUEST, CONFLICT, ControlError, PublishDenied
 from shared.messages import PauseMode
 from shared.versions import check_version_name
 
@@ -472,9 +473,18 @@ async def discover(nc: Any, window: float = DISCOVERY_S) -> list[Instance]:
     """Every engine answering ``$SRV.PING.rollbus-engine`` within ``window`` seconds, by
     the ``instance`` of its service metadata (one per name, sorted), with its ``model``.
     An instance too slow for ``window`` is missing here: :meth:`Coordinator.fleet` adds
-    the members that did not answer."""
+    the members that did not answer. :class:`~shared.errors.PublishDenied` (403), at
+    once, when the server refuses the ping (these credentials lack ``$SRV.>``, or the
+    inbox is a reply subject it reserves): the ping reached no one, and "no instance"
+    after the window would say the fleet is empty."""
     inbox = nc.new_inbox()
+    ping = f"$SRV.PING.{SERVICE}"
     found: dict[str, Instance] = {}
+    refused: asyncio.Future[PublishDenied] = asyncio.get_running_loop().create_future()
+
+    def on_refused(e: PublishDenied) -> None:
+        if not refused.done():
+            refused.set_result(e)
 
     async def on_reply(msg: Any) -> None:
         try:
@@ -489,11 +499,14 @@ async def discover(nc: Any, window: float = DISCOVERY_S) -> list[Instance]:
 
     sub = await nc.subscribe(inbox, cb=on_reply)
     try:
-        await nc.publish(f"$SRV.PING.{SERVICE}", b"", reply=inbox)
-        await nc.flush()
-        await asyncio.sleep(window)
+        with refusals(nc, ping, inbox, on_refused):
+            await nc.publish(ping, b"", reply=inbox)
+            await nc.flush()
+            await asyncio.wait({refused}, timeout=window)
     finally:
         await sub.unsubscribe()
+    if refused.done():
+        raise refused.result()
     return [found[k] for k in sorted(found)]
 
 

@@ -64,7 +64,7 @@ from nats.js import api
 from nats.js.errors import APIError, BadRequestError, NotFoundError
 
 from shared.bus import refusals
-from shared.errors import PublishDenied
+from shared.errors import FORBIDDEN, PublishDenied
 from shared.messages import VersionPublished
 from shared.subjects import CKPT_STREAM, CKPT_WILDCARD, EVENTS_STREAM, ckpt_published
 from shared.versions import BadVersionName, check_version_name
@@ -92,6 +92,14 @@ class ObjectMissing(Exception):
 
 class ObjectReadError(Exception):
     """The transfer failed (lost chunk, stall, disconnect): nothing was returned."""
+
+
+class ObjectReadDenied(ObjectReadError):
+    """The server refused the transfer's own asking publish (a chunk's direct get or
+    publish, a listing's direct get): these credentials lack the grant. A 403 (``code``),
+    as :class:`~shared.errors.PublishDenied` is, not a failure a retry heals (503)."""
+
+    code = FORBIDDEN
 
 
 class ObjectCorrupt(Exception):
@@ -446,7 +454,9 @@ async def put_object(
 
     def on_close(exc: Exception) -> None:
         if not all_acked.done():
-            all_acked.set_exception(ObjectReadError(f"put {bucket}/{name}: {exc}"))
+            # the link's own error (ObjectReadDenied for a refused chunk: still a 403)
+            err = exc if isinstance(exc, ObjectReadError) else ObjectReadError(str(exc))
+            all_acked.set_exception(type(err)(f"put {bucket}/{name}: {exc}"))
 
     def on_refused(e: PublishDenied) -> None:
         # every chunk goes to the one refused subject: none is stored, no ack will come
@@ -454,7 +464,7 @@ async def put_object(
         inflight.clear()
         errors.append(e.message)
         if not all_acked.done():
-            all_acked.set_exception(ObjectReadError(f"put {bucket}/{name}: {e.message}"))
+            all_acked.set_exception(ObjectReadDenied(f"put {bucket}/{name}: {e.message}"))
         window.release()  # a send waiting for room goes on, sees the error and stops
 
     link: Any = None
@@ -507,8 +517,8 @@ async def put_object(
                         *parts,
                         b"\r\n",
                     )
-                except ObjectReadError as e:  # the link ended: say which put
-                    raise ObjectReadError(f"put {bucket}/{name}: {e}") from None
+                except ObjectReadError as e:  # the link ended: say which put (a 403 stays one)
+                    raise type(e)(f"put {bucket}/{name}: {e}") from None
                 continue
             w = _direct_writer(nc)
             if w is not None:  # straight from our buffer to the socket
@@ -941,7 +951,7 @@ async def _read_nats_py(
             fail(ObjectReadError(f"{name}: reader failed: {e!r}"))
 
     def refused(e: PublishDenied) -> None:  # asked of no one: no chunk will come
-        fail(ObjectReadError(f"{name}: {e.message}"))
+        fail(ObjectReadDenied(f"{name}: {e.message}"))
 
     sub = await nc.subscribe(inbox, cb=on_chunk, pending_bytes_limit=96 << 20)
     try:
@@ -1112,7 +1122,7 @@ async def _direct_all(nc: Client, stream: str, subject: str, timeout: float = 5.
                 while True:
                     msg = await asyncio.wait_for(queue.get(), timeout)
                     if isinstance(msg, PublishDenied):
-                        raise ObjectReadError(f"{stream}: {msg.message}")
+                        raise ObjectReadDenied(f"{stream}: {msg.message}")
                     hdr = msg.headers or {}
                     status = hdr.get("Status", "")
                     if status == "404":

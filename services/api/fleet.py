@@ -15,7 +15,7 @@ from services.api import control
 from services.api.deps import Deps
 from shared import fleet as f
 from shared import messages as m
-from shared.errors import INTERNAL, ControlError
+from shared.errors import INTERNAL, ControlError, PublishDenied
 
 log = logging.getLogger("rollbus.api.fleet")
 
@@ -49,6 +49,8 @@ async def update_weights(deps: Deps, request: Request) -> Response:
             model=deps.settings.served_model_name,
         )
         reply = m.ControlReply(rid, res.error_code, res.error_message, msgspec.to_builtins(res))
+    except PublishDenied as e:  # a publish refused (the discovery ping: before any write)
+        reply = m.ControlReply(rid, e.code, e.message)
     except Exception as e:  # a bug answers; the instances follow the record by themselves
         log.exception("fleet update failed")
         reply = m.ControlReply(rid, INTERNAL, f"fleet coordinator failed: {e!r}")

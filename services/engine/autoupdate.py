@@ -63,7 +63,7 @@ from services.engine import control, staleness
 from services.engine.state import State
 from shared import messages as m
 from shared import objstore, presence
-from shared.errors import BAD_REQUEST, UNPROCESSABLE, ControlError, PublishDenied
+from shared.errors import BAD_REQUEST, FORBIDDEN, UNPROCESSABLE, ControlError, PublishDenied
 from shared.messages import VersionPublished
 from shared.subjects import ckpt_object_name
 from shared.versions import check_version_name, ipc_version_dir, model_dir_version
@@ -218,15 +218,26 @@ def staleness_of(engine: Engine) -> tuple[int, str]:
 
 
 async def _until_ok(what: str, fn: Callable[[], Awaitable[T]]) -> T:
-    """``fn()`` until it succeeds: JetStream may come up after the engine."""
+    """``fn()`` until it succeeds: JetStream may come up after the engine. Each reason
+    said once (then at debug). A refusal (403: these credentials lack a grant, which an
+    auth.conf reload heals, not time) is tried again backing off up to RETRY_MAX_S: it
+    fails at once, so every RETRY_S it was a warning and a violation in the server's log
+    a second for ever."""
+    refusals, said = 0, ""
     while True:
         try:
             return await fn()
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - retried, and said so
-            log.warning("%s cannot start yet: %r", what, e)
-            await asyncio.sleep(RETRY_S)
+            level = logging.WARNING if repr(e) != said else logging.DEBUG
+            said = repr(e)
+            log.log(level, "%s cannot start yet: %r", what, e)
+            refused = getattr(e, "code", None) == FORBIDDEN  # PublishDenied, ObjectReadDenied
+            refusals = refusals + 1 if refused else 0
+            await asyncio.sleep(
+                min(RETRY_S * 2 ** min(refusals, 16) / 2, RETRY_MAX_S) if refused else RETRY_S
+            )
 
 
 async def track(engine: Engine) -> None:
@@ -496,7 +507,13 @@ async def follow(engine: Engine) -> None:
                 "version feed: %r; subscribing again",
                 e,
             )
-            await asyncio.sleep(RETRY_S)
+            # a refused pull is not healed by a reconnect (an auth.conf reload heals it):
+            # its tries back off up to RETRY_MAX_S, not a refused fetch, a consumer
+            # re-created and a violation in nats-server's log every RETRY_S for ever
+            pause = RETRY_S
+            if isinstance(e, PublishDenied):
+                pause = min(RETRY_S * 2 ** min(feed_errors - 1, 16), RETRY_MAX_S)
+            await asyncio.sleep(pause)
             try:
                 await feed.restart()
             except asyncio.CancelledError:

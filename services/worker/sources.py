@@ -61,7 +61,7 @@ from shared import manifest as mf
 from shared import objstore
 from shared import safetensors as st
 from shared.bus import Bus
-from shared.errors import NOT_FOUND, UNAVAILABLE, UNPROCESSABLE, ControlError
+from shared.errors import FORBIDDEN, NOT_FOUND, UNAVAILABLE, UNPROCESSABLE, ControlError
 from shared.model_config import ModelConfig
 from shared.settings import Settings
 from shared.subjects import ckpt_object_name
@@ -144,6 +144,8 @@ class ObjectStoreSource:
             ) from None
         except objstore.ObjectCorrupt as e:
             raise ControlError(UNPROCESSABLE, f"rank {self.rank}: {e}") from None
+        except objstore.ObjectReadDenied as e:  # as a refused meta read (PublishDenied)
+            raise ControlError(FORBIDDEN, f"rank {self.rank}: {e}") from None
         except objstore.ObjectReadError as e:
             raise ControlError(UNAVAILABLE, f"rank {self.rank}: {e}") from None
         man = mf.decode(bytes(raw), f"{prefix}/manifest.json")
@@ -173,6 +175,8 @@ class ObjectStoreSource:
             raise ControlError(UNPROCESSABLE, f"{where}: shard object is missing") from None
         except objstore.ObjectCorrupt as e:
             raise ControlError(UNPROCESSABLE, f"{where}: {_after(e, name)}") from None
+        except objstore.ObjectReadDenied as e:  # refused, not lost: no retry heals it
+            raise ControlError(FORBIDDEN, f"{where}: pull refused: {_after(e, name)}") from None
         except objstore.ObjectReadError as e:
             raise ControlError(UNAVAILABLE, f"{where}: pull failed: {_after(e, name)}") from None
         pull_s = time.perf_counter() - t1

@@ -85,6 +85,8 @@ async def test_a_refused_chunk_direct_get_fails_the_read_at_once(
     assert msg.startswith(f"{name}: permission denied: "), msg
     assert f"lack publish permission on {CHUNKS_API}" in msg, msg
     assert "pass" not in msg.lower() and "@" not in msg  # no credentials in it
+    # refused, not lost: a 403 at the rank (services/worker/sources.py), not a 503
+    assert isinstance(err.value, objstore.ObjectReadDenied) and err.value.code == FORBIDDEN
     assert _no_watch_left(worker)
 
 
@@ -94,6 +96,7 @@ async def test_a_refused_version_listing_fails_at_once(roles: dict[str, Bus]) ->
     with pytest.raises(objstore.ObjectReadError) as err:
         await objstore._direct_all(trainer.nc, CKPT_STREAM, "rollbus.ckpt.m.published", WAIT_S)
     assert f"lack publish permission on {VERSIONS_API}" in str(err.value), err.value
+    assert isinstance(err.value, objstore.ObjectReadDenied)
     with pytest.raises(objstore.ObjectReadError):  # as the trainer's SDK lists them
         await objstore.list_versions(trainer.nc, "m")
     assert _no_watch_left(trainer)
@@ -141,8 +144,136 @@ async def test_a_refused_chunk_publish_fails_the_put_at_once(tmp_path: Path, fas
         assert time.monotonic() - t0 < WAIT_S
         msg = str(err.value)
         assert f"lack publish permission on $O.{BUCKET}.C." in msg, msg
+        assert isinstance(err.value, objstore.ObjectReadDenied), repr(err.value)
         assert _no_watch_left(trainer)
     finally:
         for b in buses:
             await b.close()
+        node.stop()
+
+
+async def test_refusals_leave_no_watcher_and_fail_only_their_own_reads(tmp_path: Path) -> None:
+    """One connection reading two buckets at once, one refused (its direct gets), the
+    other allowed: every refused read fails, every allowed one returns its bytes (a
+    refusal names one subject exactly, never a sibling's), and after many refused, many
+    successful and many cancelled reads and fetches no watcher is left registered."""
+    passwords = natsconf.role_passwords()
+    other = "rollbus_other"
+    worker = natsconf.without("worker", CHUNKS_API)
+    worker["publish"] += [
+        f"$JS.API.STREAM.INFO.OBJ_{other}",
+        f"$JS.API.STREAM.MSG.GET.OBJ_{other}",
+        f"$JS.API.DIRECT.GET.OBJ_{other}",
+    ]
+    engine = natsconf.without("engine", PULL_API)
+    engine["publish"]["allow"].append("$JS.API.STREAM.>")
+    trainer = natsconf.without("trainer")
+    trainer["publish"] += [f"$O.{other}.>", "$JS.API.STREAM.>"]
+    perms = {"worker": worker, "engine": engine, "trainer": trainer}
+    node = natsconf.single_with_perms(tmp_path, passwords, perms)
+    node.start()
+    buses: dict[str, Bus] = {}
+    try:
+        for role in ("engine", "trainer", "worker"):
+            url = f"nats://{role}:{passwords[role]}@127.0.0.1:{node.port}"
+            buses[role] = await Bus.connect(url, f"test-{role}")
+        nc = buses["worker"].nc
+        await objstore.ensure_bucket(buses["engine"].nc, BUCKET)
+        await objstore.ensure_bucket(buses["engine"].nc, other)
+        await objstore.ensure_ckpt_stream(buses["engine"].nc, "m")
+        small, big = os.urandom(3 * MIB + 1), os.urandom(objstore.FAST_READ_MIN + MIB)
+        for b in (BUCKET, other):
+            await objstore.put_object(buses["trainer"].nc, b, "small", small)
+            await objstore.put_object(buses["trainer"].nc, b, "big", big)
+
+        async def read(bucket: str, name: str) -> bytes:
+            buf = await objstore.read_object(nc, bucket, name, stall_timeout=WAIT_S)
+            return bytes(buf)
+
+        for _ in range(3):
+            got = await asyncio.gather(
+                *(read(b, n) for b in (BUCKET, other) for n in ("small", "big") for _ in range(4)),
+                return_exceptions=True,
+            )
+            refused, allowed = got[:8], got[8:]
+            assert all(isinstance(e, objstore.ObjectReadDenied) for e in refused), refused
+            assert allowed == [small] * 4 + [big] * 4
+            assert not nc._asked  # type: ignore[attr-defined]
+        # reads cancelled mid-way (allowed ones: the refused end before a cancel)
+        for delay in (0.0, 0.001, 0.01, 0.05):
+            tasks = [asyncio.ensure_future(read(other, n)) for n in ("small", "big")]
+            await asyncio.sleep(delay)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            assert not nc._asked, delay  # type: ignore[attr-defined]
+        # the engine's refused fetches, and one cancelled while it waits
+        feed = objstore.VersionFeed(buses["engine"].nc, "m", "rollbus_au_leak")
+        await feed.start()
+        for _ in range(20):
+            with pytest.raises(PublishDenied):
+                await feed.fetch(timeout=WAIT_S)
+        t = asyncio.ensure_future(feed.fetch(timeout=WAIT_S))
+        t.cancel()
+        await asyncio.gather(t, return_exceptions=True)
+        assert not buses["engine"].nc._asked  # type: ignore[attr-defined]
+        assert len(buses["engine"].denied) == 1  # one subject, remembered once
+    finally:
+        for bus in buses.values():
+            await bus.close()
+        node.stop()
+
+
+async def test_refusals_after_a_server_restart(tmp_path: Path) -> None:
+    """A server restart leaves no stale watcher (a read cut by it unregisters), and after
+    the reconnect a refused read still fails at once, an allowed one still reads."""
+    passwords = natsconf.role_passwords()
+    other = "rollbus_other"
+    worker = natsconf.without("worker", CHUNKS_API)
+    worker["publish"] += [
+        f"$JS.API.STREAM.MSG.GET.OBJ_{other}",
+        f"$JS.API.DIRECT.GET.OBJ_{other}",
+    ]
+    engine = natsconf.without("engine")
+    engine["publish"]["allow"].append("$JS.API.STREAM.>")
+    trainer = natsconf.without("trainer")
+    trainer["publish"] += [f"$O.{other}.>", "$JS.API.STREAM.>"]
+    node = natsconf.single_with_perms(
+        tmp_path, passwords, {"worker": worker, "engine": engine, "trainer": trainer}
+    )
+    node.start()
+    buses: dict[str, Bus] = {}
+    try:
+        for role in ("engine", "trainer", "worker"):
+            url = f"nats://{role}:{passwords[role]}@127.0.0.1:{node.port}"
+            buses[role] = await Bus.connect(url, f"test-{role}")
+        nc = buses["worker"].nc
+        data = os.urandom(64 * MIB)
+        for b in (BUCKET, other):
+            await objstore.ensure_bucket(buses["engine"].nc, b)
+            await objstore.put_object(buses["trainer"].nc, b, "x", data)
+        # an allowed read cut by the restart
+        reading = asyncio.ensure_future(
+            objstore.read_object(nc, other, "x", stall_timeout=WAIT_S, fast=False)
+        )
+        await asyncio.sleep(0.05)
+        node.stop()
+        with pytest.raises(objstore.ObjectReadError):
+            await reading
+        assert not nc._asked  # type: ignore[attr-defined]
+        node.start()
+        deadline = time.monotonic() + 20
+        while not nc.is_connected and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert nc.is_connected
+        await asyncio.sleep(0.5)  # JetStream recovered its streams
+        t0 = time.monotonic()
+        with pytest.raises(objstore.ObjectReadDenied):
+            await objstore.read_object(nc, BUCKET, "x", stall_timeout=WAIT_S, fast=False)
+        assert time.monotonic() - t0 < WAIT_S / 2
+        assert bytes(await objstore.read_object(nc, other, "x", fast=False)) == data
+        assert not nc._asked  # type: ignore[attr-defined]
+    finally:
+        for bus in buses.values():
+            await bus.close()
         node.stop()
