@@ -266,18 +266,21 @@ class Generation:
     def admit_request(self, data: bytes) -> m.GenRequest:
         """Decode and check one ``gen`` message against every limit; raises ``Refused``."""
         if not is_msgpack_map(data) and (dup := jsonkeys.duplicate_in(data)):
-            # which of the two counts is undefined (RFC 8259 §4): never the last, silently
+            # which of the two counts is undefined (RFC 8259 §4): never the last, silently.
+            # Its path is the client's to choose (keys of any length): cut as over HTTP, not
+            # echoed whole (a reply as large as the request, near max_payload)
+            where = dup[:256]
             refused = Refused(
-                BAD_REQUEST, f"bad request: '{dup}' is given more than once (duplicate key)",
-                dup[:256],
+                BAD_REQUEST, f"bad request: '{where}' is given more than once (duplicate key)",
+                where,
             )  # fmt: skip
             refused.request_id = peek_request_id(data)
             raise refused
         try:
             gen = decode_gen(data)
         except msgspec.ValidationError as e:
-            param = m.error_param(e) or ""
-            refused = Refused(BAD_REQUEST, f"bad request: {e}", param)
+            param = (m.error_param(e) or "")[:256]  # an unknown field's name: the client's
+            refused = Refused(BAD_REQUEST, m.clip(f"bad request: {e}"), param)
             refused.request_id = peek_request_id(data)
             raise refused from None
         except Exception as e:  # noqa: BLE001 - neither msgpack nor JSON

@@ -133,6 +133,26 @@ def test_a_generation_body_naming_a_key_twice_is_400_naming_it(stack: Stack) -> 
     ))  # fmt: skip
     assert chunk["error_code"] == 400 and chunk["error_param"] == "max_tokens", chunk
     assert chunk["request_id"] == "dup-1" and "more than once" in chunk["error_message"], chunk
+    # the path is the client's: a key of 300k characters is not echoed whole (as over HTTP)
+    key = b"k" * 300_000
+    chunk = asyncio.run(raw_gen(
+        b'{"request_id": "dup-3", "prompt_token_ids": [1, 2], "max_tokens": 2, "%s": 1, '
+        b'"%s": 2}' % (key, key)
+    ))  # fmt: skip
+    assert chunk["error_code"] == 400 and chunk["request_id"] == "dup-3", chunk["error_code"]
+    assert len(chunk["error_message"]) < 400 and len(chunk["error_param"]) <= 256, (
+        len(chunk["error_message"]), len(chunk["error_param"])
+    )  # fmt: skip
+    chunk = asyncio.run(raw_gen(  # nor an unknown field's name (as it was before)
+        b'{"request_id": "dup-4", "prompt_token_ids": [1, 2], "max_tokens": 2, "%s": 1}' % key
+    ))  # fmt: skip
+    assert chunk["error_code"] == 400 and chunk["request_id"] == "dup-4", chunk["error_code"]
+    assert len(chunk["error_message"]) < 2200 and len(chunk["error_param"]) <= 256, (
+        len(chunk["error_message"]), len(chunk["error_param"])
+    )  # fmt: skip
+    r = post(stack, "/v1/completions", b'{"model": "%s", "prompt": "hi", "%s": 1, "%s": 2}'
+             % (model.encode(), key, key))  # fmt: skip
+    assert r.status_code == 400 and len(r.text) < 1000, (r.status_code, len(r.text))
     assert stack.status()["requests"] == 0
 
 
