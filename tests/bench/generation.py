@@ -239,6 +239,21 @@ def run(
                     "ROLLBUS_CONTROL_TIMEOUT_S": "120",
                 },
             )
+        # the default's effect, in the same run: the same TP=2 stack at one decode
+        # iteration a step (``ROLLBUS_DECODE_STEPS=1``, every message per token)
+        one = start_stack_retry(
+            tmp / "gen-tp2-k1",
+            nats_url,
+            tp=2,
+            model_dir=model_dir,
+            model_name="bench",
+            env={
+                "ROLLBUS_KV_CACHE_BLOCKS": "1024",
+                "ROLLBUS_CONTROL_TIMEOUT_S": "120",
+                "ROLLBUS_DECODE_STEPS": "1",
+            },
+        )
+        stacks[-1] = one
         hf = HFBaseline(model_dir, 16, tmp / "gen" / "hf.log")
         cfg = json.loads((model_dir / "config.json").read_text())
         return asyncio.run(_run(stacks, hf, cfg, runs))
@@ -264,6 +279,9 @@ def _raw_client(tp: int) -> str:
     return f"HTTP, minimal client (no httpx) tp={tp}"
 
 
+ONE_ITER = "HTTP tp=2, one decode iteration a step (`ROLLBUS_DECODE_STEPS=1`)"
+
+
 def _same_work(tp: int) -> str:
     return f"HTTP tp={tp}, against in-process prefill + decode (same work)"
 
@@ -271,6 +289,8 @@ def _same_work(tp: int) -> str:
 async def _run(
     stacks: dict[int, Stack], hf: HFBaseline, cfg: dict[str, Any], runs: int
 ) -> list[Table]:
+    stacks = dict(stacks)  # the caller's keeps every stack, to stop them
+    one = stacks.pop(-1, None)
     buses = {tp: await Bus.connect(st.nats_url, f"bench-gen-tp{tp}") for tp, st in stacks.items()}
     subj = {tp: Subjects(st.instance) for tp, st in stacks.items()}
     size = (
@@ -315,11 +335,17 @@ async def _run(
                         rows.setdefault(_raw_client(tp), []).append(
                             await via_raw_http(st.base_url, batch)
                         )
+                    if batch == 16 and tp == 2 and one is not None:
+                        rows.setdefault(ONE_ITER, []).append(
+                            await via_http(one.base_url, batch, stream=False)
+                        )
             for name, vals in rows.items():
                 base: str | None
                 target: tuple[str, float] | None = None
                 if name == HF:
                     base = None
+                elif name == ONE_ITER:
+                    base = _inproc(2)  # what the default's iterations save: no target
                 elif name.startswith("in-process") and "prefill" in name:
                     base = _inproc(int(name.split("tp=")[1][0]))  # the prefill's share; no target
                 elif name.startswith("in-process"):
@@ -346,7 +372,9 @@ async def _run(
                     "HTTP is checked against both in-process rows (>= 0.9x each). "
                     "HTTP: 16 concurrent `/v1/completions` requests (httpx), prefill included; "
                     "minimal client: the same requests written by a bare asyncio HTTP/1.1 "
-                    "client, to show httpx's own share (no target)."
+                    "client, to show httpx's own share (no target). HTTP runs at the "
+                    "default `ROLLBUS_DECODE_STEPS` (4 decode iterations a step message); "
+                    "one decode iteration a step: a third stack, TP=2, set to 1 (no target)."
                 )
             out.append(t)
             log.info("generation batch %d done", batch)
