@@ -617,9 +617,7 @@ class Scheduler:
             seq.num_computed += row.num_new + iters - 1
             if row.sample:
                 seq.pending += iters
-        step = m.StepRequest(
-            self._step, rows, self._copies, self._finished_ids[:keep], iters=iters
-        )
+        step = m.StepRequest(self._step, rows, self._copies, self._finished_ids[:keep], iters=iters)
         self._copies, self._finished_ids = [], self._finished_ids[keep:]
         return Plan(step, seqs)
 
