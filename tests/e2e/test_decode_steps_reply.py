@@ -16,7 +16,7 @@ from tests.e2e.stack import Stack, module_stack
 from tests.natsconf import Node, free_port
 
 MAX_PAYLOAD = 32 * 1024
-ENV = {"ROLLBUS_KV_CACHE_BLOCKS": "1024", "ROLLBUS_DECODE_STEPS": "8"}
+ENV = {"ROLLBUS_KV_CACHE_BLOCKS": "1024", "ROLLBUS_DECODE_STEPS": "32"}
 
 
 @pytest.fixture(scope="module")
@@ -54,4 +54,20 @@ def test_a_multi_step_reply_with_top_alternatives_fits_max_payload(small_stack: 
             assert len(top) == 17 and all(0 < len(t) <= 21 for t in top), ch
         st = small_stack.status()
         assert st["step_time"]["iterations"] > st["steps"]  # still several per step
+        assert c.get("/health").status_code == 200
+
+
+def test_a_coalesced_choice_of_many_tokens_per_step_fits_max_payload(small_stack: Stack) -> None:
+    """A non-streamed request without stop strings has its tokens held and sent every few
+    steps in one chunk: with 32 tokens per step and 20 alternatives each, 16 steps of them
+    are ~75 KB, past the server's max_payload: the chunk goes out before that."""
+    body = {"model": small_stack.model_dir.name, "prompt": [5, 6, 7], "max_tokens": 700,
+            "temperature": 1.0, "seed": 2, "logprobs": 20, "ignore_eos": True,
+            "return_token_ids": True}  # fmt: skip
+    with small_stack.client(timeout=180) as c:
+        r = c.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        (ch,) = r.json()["choices"]
+        assert ch["finish_reason"] == "length" and len(ch["token_ids"]) == 700
+        assert len(ch["logprobs"]["top_logprobs"]) == 700
         assert c.get("/health").status_code == 200
