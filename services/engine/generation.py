@@ -78,6 +78,13 @@ JSON_REPLY_TTL_S = 60.0  # a JSON client's reply subject is forgotten this long 
 SETTLE_POLL_S = 0.1  # how often a settle after a failed step looks for ranks gone
 GONE_POLL_S = 0.25  # a step not answered this long looks for ranks gone this often
 COALESCE_STEPS = 16  # a coalesced request's held tokens go out at least this often (steps)
+# ... and before they pass this share of the server's max_payload: a step may give a choice
+# up to DECODE_STEPS tokens, each with up to 20 alternatives (~200 bytes: 16 steps of 32 are
+# ~100 KB), and a chunk past max_payload failed its publish, and with it the step loop
+COALESCE_PAYLOAD_SHARE = 4
+# a held token's bytes in a chunk, at most: id and logprob (14), its ``top`` entry's own (4)
+# and per alternative an id (5) and a float32 (4)
+CHUNK_TOKEN_BYTES, CHUNK_ALT_BYTES = 18, 9
 NATS_MAX_PAYLOAD = 1 << 20  # nats-server's default, when the bus cannot tell its own
 # an idle start's quiet gap is at least this share of a step: a client's burst spreads as
 # its host slows, and so do the steps (a busy shared host: 16 httpx requests over ≈ 40 ms
@@ -101,6 +108,12 @@ def _merge(held: m.GenChunk, chunk: m.GenChunk) -> None:
     held.logprobs = _cat(held.logprobs, chunk.logprobs)
     held.top = _cat(held.top, chunk.top)
     held.finish_reason, held.spans = chunk.finish_reason, chunk.spans
+
+
+def _held_bytes(held: m.GenChunk) -> int:
+    """An upper bound of ``held``'s token bytes (its ids, logprobs and alternatives)."""
+    alts = len(held.top[-1].ids) if held.top else 0
+    return len(held.token_ids) * (CHUNK_TOKEN_BYTES + CHUNK_ALT_BYTES * alts)
 
 
 def _mergeable(held: m.GenChunk, chunk: m.GenChunk) -> bool:
@@ -207,6 +220,7 @@ class Generation:
         # coalesced requests' choices (``_coalesce``): (request id, index) -> [steps since
         # the last send, the chunk held (tokens merged) or None]
         self._held: dict[tuple[str, int], list[Any]] = {}
+        self.coalesce_bytes = NATS_MAX_PAYLOAD // COALESCE_PAYLOAD_SHARE  # (start: the server's)
 
     # ------------------------------------------------------------------ bus side
 
@@ -214,7 +228,9 @@ class Generation:
         subj = self.engine.subjects.gen
         # a step message (its rows' block tables, token ids and sample specs) must fit what
         # one message may carry (Scheduler.fit)
-        self.sched.fit(getattr(self.engine.bus, "max_payload", NATS_MAX_PAYLOAD))
+        payload = getattr(self.engine.bus, "max_payload", NATS_MAX_PAYLOAD)
+        self.sched.fit(payload)
+        self.coalesce_bytes = payload // COALESCE_PAYLOAD_SHARE
         # a request its API stopped waiting for (Rollbus-Deadline) is not queued
         await self.engine.bus.subscribe(subj, self.on_gen, queue="engine", deadline=True)
         await self.engine.bus.subscribe(subj + ".cancel", self.on_cancel)
@@ -443,8 +459,9 @@ class Generation:
     def _coalesce(self, chunk: m.GenChunk) -> list[m.GenChunk]:
         """What to send now of a coalesced request's choice, given its new ``chunk``:
         its first chunk, an end or an error at once (with every token held before it);
-        else the tokens held are merged and go out every ``COALESCE_STEPS`` steps, or
-        before a chunk of another weight version (a chunk has one version)."""
+        else the tokens held are merged and go out every ``COALESCE_STEPS`` steps (or once
+        they take ``COALESCE_PAYLOAD_SHARE``'s part of max_payload), or before a chunk of
+        another weight version (a chunk has one version)."""
         key = (chunk.request_id, chunk.index)
         entry = self._held.get(key)
         if entry is None or chunk.error_code:
@@ -466,7 +483,7 @@ class Generation:
         if held.finish_reason is not None:
             del self._held[key]
             out.append(held)
-        elif entry[0] >= COALESCE_STEPS:
+        elif entry[0] >= COALESCE_STEPS or _held_bytes(held) >= self.coalesce_bytes:
             entry[0], entry[1] = 0, None
             out.append(held)
         else:

@@ -94,6 +94,12 @@ MAX_PAYLOAD = 1 << 20  # nats-server's default, until the engine sets the server
 STEP_HEADROOM = 2048  # the step's own fields (a version of up to 1 KiB) and its headers
 ROW_BYTES = 32  # a row's fields but its lists' items, at most (msgpack)
 TOKEN_BYTES = 5  # a token id's msgpack bytes, at most (ids < 2**31)
+# rank 0's reply to a step holds every sample of every decode iteration: per sample its
+# seq id and token (up to 5 bytes each), logprob (a float64: 9), an entry of ``top``
+# (an empty one, 4 bytes, when another sample has alternatives) and per alternative up to
+# 5 bytes of id and 4 of float32: a step of K iterations answers K times the samples
+REPLY_SAMPLE_BYTES = 23
+REPLY_TOP_BYTES = 9
 
 
 def uint_bytes(largest: int) -> int:
@@ -630,9 +636,7 @@ class Scheduler:
             seq.num_computed += row.num_new + iters - 1
             if row.sample:
                 seq.pending += iters
-        step = m.StepRequest(
-            self._step, rows, self._copies, self._finished_ids[:keep], iters=iters
-        )
+        step = m.StepRequest(self._step, rows, self._copies, self._finished_ids[:keep], iters=iters)
         self._copies, self._finished_ids = [], self._finished_ids[keep:]
         return Plan(step, seqs)
 
@@ -648,7 +652,9 @@ class Scheduler:
         all; and the iterations are cut to what the free blocks hold (never a
         preemption for them), and to what the step message has ``space`` for: every block
         added to a row's table is at most 5 more bytes (a msgpack uint32), and its
-        array header at most 4 more."""
+        array header at most 4 more; and to what rank 0's reply has room for (``fit``'s
+        max_payload: a reply past it is not published, and the whole step fails), each
+        iteration adding its samples and their top alternatives (``REPLY_SAMPLE_BYTES``)."""
         k = most
         for row, seq in zip(rows, seqs, strict=True):
             spec = row.sample[0] if len(row.sample) == 1 else None
@@ -663,6 +669,9 @@ class Scheduler:
                 k = min(k, g.min_tokens - out)
             elif spec.ban:
                 return 1
+        # a quarter of the reply left for its header and ``failed`` (their messages)
+        per = sum(REPLY_SAMPLE_BYTES + REPLY_TOP_BYTES * r.sample[0].top_logprobs for r in rows)
+        k = min(k, self.max_step_bytes * 3 // 4 // per)
         while k > 1:
             need = sum(
                 max(0, self.blocks_for(seq.length + k - 1) - len(seq.blocks)) for seq in seqs

@@ -10,9 +10,10 @@ only one that needs them; the other ranks get the sampled tokens, never the logi
 A step of ``iters`` > 1 runs that many decode iterations: each feeds every row the token
 the iteration before sampled for it, shared from rank 0 in the same small all-reduce as
 the kept tokens of pipelined steps (with rank 0's "sampling raised" flag last, so that no
-rank goes on to a forward pass alone); rank 0 samples each iteration with the same
-generators and penalty records as one-token steps, and replies once with every
-iteration's samples in order.
+rank goes on to a forward pass alone; the others then stop without a reply, so that the
+engine hears rank 0's error, the cause: :class:`PeerStopped`); rank 0 samples each
+iteration with the same generators and penalty records as one-token steps, and replies
+once with every iteration's samples in order.
 
 A step only some ranks received must not hang the others: steps are numbered 1, 2, ...
 by the engine, so a rank that sees a gap (it missed a step its peers may be running)
@@ -105,6 +106,11 @@ def _extend(reply: m.StepReply, more: m.StepReply) -> None:
     reply.logprobs += more.logprobs
     reply.top += more.top
     reply.failed += more.failed
+
+
+class PeerStopped(RuntimeError):
+    """A rank other than 0 stops a step of several decode iterations because rank 0's
+    sampling raised (its flag rode the token share): rank 0 replies with the error."""
 
 
 class Stepper:
@@ -214,6 +220,11 @@ class Stepper:
     ) -> None:
         try:
             reply = await fut
+        except PeerStopped as e:
+            # rank 0 answers with its own error, the cause: this one, which says nothing of
+            # it, would race it to the engine (the first reply wins) and stand in its place
+            log.warning("rank %d: %s (rank 0 replies why)", self.rank, e)
+            return
         except Exception as e:  # the engine must learn of it, not time out
             log.exception("rank %d: step %d failed", self.rank, req.step)
             reply = m.StepReply(req.step, [], [], [], error=f"rank {self.rank}: {e!r}")
@@ -348,7 +359,7 @@ class Stepper:
                 self.kept = {s.seq_id: t for (_, s), t in zip(specs, tokens, strict=True)}
                 self.kept_step = req.step
         if stop:  # rank 0 raised (and replies with its error); its peers stop here too
-            raise RuntimeError(f"step {req.step}: rank 0's sampling failed: not run further")
+            raise PeerStopped(f"step {req.step}: rank 0's sampling failed: not run further")
         return reply
 
     @staticmethod

@@ -142,6 +142,34 @@ def test_iterations_are_cut_to_the_step_message_room_for_grown_block_tables() ->
     assert k_in(0) == 1
 
 
+@pytest.mark.parametrize("top", [0, 20])
+def test_iterations_are_cut_to_what_rank_0s_reply_has_room_for(top: int) -> None:
+    """Rank 0 answers every iteration's samples (and alternatives) in one reply: K times
+    a one-token step's bytes, past max_payload it is not published and the step fails."""
+    payload = 32 * 1024
+    s = Scheduler(4096, 4, 64, 2048, max_model_len=256)
+    s.fit(payload)
+    g = m.GenRequest("a", [1, 2, 3], 40, n=32, logprobs=True, top_logprobs=top, seed=1)
+    s.add(g, "i")
+    first = s.schedule(steps=32)
+    assert first is not None
+    ids = [sp.seq_id for row in first.step.rows for sp in row.sample]
+    s.apply(first, m.StepReply(1, ids, [7] * len(ids), [-0.5] * len(ids)), "v0")
+    plan = s.schedule(steps=32)
+    assert plan is not None and len(plan.step.rows) == 32
+    k = plan.step.iters
+    assert k > 1
+    # the largest reply those iterations may give: every token id and seq id at its
+    # widest, every alternative's id too
+    samples = 32 * k
+    alts = [m.TopLogprobs([2**31 - 1] * top, bytes(4 * top)) for _ in range(samples)]
+    reply = m.StepReply(
+        plan.step.step, [2**31 - 1] * samples, [2**31 - 1] * samples, [-0.123456789] * samples,
+        seconds=0.25, top=alts,
+    )  # fmt: skip
+    assert len(m.pack(reply)) <= payload, (k, len(m.pack(reply)))
+
+
 def test_a_control_call_waiting_for_the_lock_gets_one_iteration() -> None:
     async def check() -> None:
         from tests.unit.engine.test_step_lock import engine
