@@ -22,6 +22,7 @@ import pytest
 # free_port and wait_healthy are the tests' too (imported from here)
 from services.serveproc import free_port, serve_env, spawn, wait_healthy
 from services.serveproc import stop as stop_serve
+from tests.natsconf import Node
 
 
 @dataclass
@@ -190,6 +191,29 @@ def module_stack(
     tmp = Path(tmp_path_factory.mktemp(name))
     with running_stack(tmp, nats_url, model_name=f"{name}-{uuid.uuid4().hex[:6]}", **kw) as s:
         yield s
+
+
+@contextmanager
+def small_payload_stack(
+    tmp_path_factory: pytest.TempPathFactory, name: str, max_payload: int, **kw: Any
+) -> Iterator[Stack]:
+    """A module fixture's stack (:func:`module_stack`) on a NATS server of its own whose
+    ``max_payload`` is ``max_payload`` bytes: messages that fit the default 1 MiB but not a
+    smaller limit are what the tests of step and reply sizes need."""
+    tmp = Path(tmp_path_factory.mktemp(f"{name}-nats"))
+    port = free_port()
+    conf = tmp / "server.conf"
+    conf.write_text(
+        f"listen: 127.0.0.1:{port}\nmax_payload: {max_payload}\n"
+        f'jetstream {{ store_dir: "{tmp / "js"}" }}\n'
+    )
+    node = Node(conf, {}, port, log=tmp / "nats.log")
+    node.start()
+    try:
+        with module_stack(tmp_path_factory, node.url, name, **kw) as s:
+            yield s
+    finally:
+        node.stop()
 
 
 def model_config(model_dir: Path) -> dict[str, Any]:

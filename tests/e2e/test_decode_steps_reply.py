@@ -8,12 +8,10 @@ the same requests. Checked on a server whose max_payload is 32 KiB: 64 choices a
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from tests.e2e.stack import Stack, module_stack
-from tests.natsconf import Node, free_port
+from tests.e2e.stack import Stack, small_payload_stack
 
 MAX_PAYLOAD = 32 * 1024
 ENV = {"ROLLBUS_KV_CACHE_BLOCKS": "1024", "ROLLBUS_DECODE_STEPS": "32"}
@@ -21,20 +19,8 @@ ENV = {"ROLLBUS_KV_CACHE_BLOCKS": "1024", "ROLLBUS_DECODE_STEPS": "32"}
 
 @pytest.fixture(scope="module")
 def small_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    tmp = Path(tmp_path_factory.mktemp("small-reply"))
-    port = free_port()
-    conf = tmp / "server.conf"
-    conf.write_text(
-        f"listen: 127.0.0.1:{port}\nmax_payload: {MAX_PAYLOAD}\n"
-        f'jetstream {{ store_dir: "{tmp / "js"}" }}\n'
-    )
-    node = Node(conf, {}, port, log=tmp / "nats.log")
-    node.start()
-    try:
-        with module_stack(tmp_path_factory, node.url, "replies", tp=1, env=ENV) as s:
-            yield s
-    finally:
-        node.stop()
+    with small_payload_stack(tmp_path_factory, "replies", MAX_PAYLOAD, tp=1, env=ENV) as s:
+        yield s
 
 
 def test_a_multi_step_reply_with_top_alternatives_fits_max_payload(small_stack: Stack) -> None:

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.e2e.stack import Stack, module_stack
-from tests.natsconf import Node, free_port
+from tests.e2e.stack import Stack, small_payload_stack
 
 MAX_PAYLOAD = 32 * 1024
 # a block per token: a row's block table is a block id (up to 3 msgpack bytes) per token
@@ -25,20 +23,8 @@ ENV = {
 
 @pytest.fixture(scope="module")
 def small_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    tmp = Path(tmp_path_factory.mktemp("small-payload"))
-    port = free_port()
-    conf = tmp / "server.conf"
-    conf.write_text(
-        f"listen: 127.0.0.1:{port}\nmax_payload: {MAX_PAYLOAD}\n"
-        f'jetstream {{ store_dir: "{tmp / "js"}" }}\n'
-    )
-    node = Node(conf, {}, port, log=tmp / "nats.log")
-    node.start()
-    try:
-        with module_stack(tmp_path_factory, node.url, "tables", tp=1, env=ENV) as s:
-            yield s
-    finally:
-        node.stop()
+    with small_payload_stack(tmp_path_factory, "tables", MAX_PAYLOAD, tp=1, env=ENV) as s:
+        yield s
 
 
 def post(stack: Stack, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
