@@ -12,12 +12,15 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from services import natsd
 from shared import creds
+from shared.bus import Bus
 
 INFRA = Path(__file__).resolve().parents[1] / "infra" / "nats"
 
@@ -161,3 +164,29 @@ def without(role: str, *subjects: str) -> dict[str, Any]:
     for s in subjects:
         allow.remove(s)  # ValueError: not a grant of this role (the test is wrong)
     return perms
+
+
+@asynccontextmanager
+async def role_buses(
+    tmp: Path, roles: Sequence[str], perms: dict[str, Any] | None = None
+) -> AsyncIterator[tuple[Node, dict[str, Bus]]]:
+    """A started :func:`single_with_auth` server (:func:`single_with_perms` with ``perms``:
+    a grant taken away) and a bus connected to it as each of ``roles`` (client name
+    ``test-<role>``): ``(node, {role: bus})``. The buses closed and the server stopped at
+    the end (a test may stop and start the node meanwhile)."""
+    passwords = role_passwords()
+    if perms is None:
+        node = single_with_auth(tmp, passwords)
+    else:
+        node = single_with_perms(tmp, passwords, perms)
+    node.start()
+    buses: dict[str, Bus] = {}
+    try:
+        for role in roles:
+            url = f"nats://{role}:{passwords[role]}@127.0.0.1:{node.port}"
+            buses[role] = await Bus.connect(url, f"test-{role}")
+        yield node, buses
+    finally:
+        for b in buses.values():
+            await b.close()
+        node.stop()

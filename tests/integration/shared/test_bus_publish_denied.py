@@ -32,19 +32,8 @@ WAIT_S = 20.0  # what each call would wait without the fix
 @pytest.fixture
 async def roles(tmp_path: Path) -> AsyncIterator[tuple[Bus, Bus]]:
     """An operator's bus (the caller) and an engine's (a responder on ALLOWED)."""
-    passwords = natsconf.role_passwords()
-    node = natsconf.single_with_auth(tmp_path, passwords)
-    node.start()
-    buses: list[Bus] = []
-    try:
-        for role in ("operator", "engine"):
-            url = f"nats://{role}:{passwords[role]}@127.0.0.1:{node.port}"
-            buses.append(await Bus.connect(url, f"test-{role}"))
-        yield buses[0], buses[1]
-    finally:
-        for b in buses:
-            await b.close()
-        node.stop()
+    async with natsconf.role_buses(tmp_path, ("operator", "engine")) as (_, buses):
+        yield buses["operator"], buses["engine"]
 
 
 async def _held_responder(engine: Bus) -> tuple[asyncio.Event, asyncio.Event]:

@@ -24,20 +24,9 @@ WINDOW_S = 10.0  # the discovery window: what a refused ping waited out
 @pytest.fixture
 async def operators(tmp_path: Path) -> AsyncIterator[tuple[Bus, Bus]]:
     """(the operator without ``$SRV.>``, the api with it)"""
-    passwords = natsconf.role_passwords()
     perms = {"operator": natsconf.without("operator", "$SRV.>")}
-    node = natsconf.single_with_perms(tmp_path, passwords, perms)
-    node.start()
-    buses: list[Bus] = []
-    try:
-        for role in ("operator", "api"):
-            url = f"nats://{role}:{passwords[role]}@127.0.0.1:{node.port}"
-            buses.append(await Bus.connect(url, f"test-{role}"))
-        yield buses[0], buses[1]
-    finally:
-        for b in buses:
-            await b.close()
-        node.stop()
+    async with natsconf.role_buses(tmp_path, ("operator", "api"), perms) as (_, buses):
+        yield buses["operator"], buses["api"]
 
 
 async def test_a_refused_discovery_ping_fails_at_once(operators: tuple[Bus, Bus]) -> None:
