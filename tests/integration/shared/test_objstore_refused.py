@@ -39,30 +39,20 @@ MIB = 1 << 20
 CHUNKS_API = f"$JS.API.DIRECT.GET.{OBJ}"
 VERSIONS_API = f"$JS.API.DIRECT.GET.{CKPT_STREAM}"
 PULL_API = f"$JS.API.CONSUMER.MSG.NEXT.{CKPT_STREAM}.>"
+ROLES = ("engine", "trainer", "worker")
 
 
 @pytest.fixture
 async def roles(tmp_path: Path) -> AsyncIterator[dict[str, Bus]]:
-    passwords = natsconf.role_passwords()
     perms = {
         "worker": natsconf.without("worker", CHUNKS_API),
         "trainer": natsconf.without("trainer", VERSIONS_API),
         "engine": natsconf.without("engine", PULL_API),
     }
-    node = natsconf.single_with_perms(tmp_path, passwords, perms)
-    node.start()
-    buses: dict[str, Bus] = {}
-    try:
-        for role in ("engine", "trainer", "worker"):
-            url = f"nats://{role}:{passwords[role]}@127.0.0.1:{node.port}"
-            buses[role] = await Bus.connect(url, f"test-{role}")
+    async with natsconf.role_buses(tmp_path, ROLES, perms) as (_, buses):
         await objstore.ensure_bucket(buses["engine"].nc, BUCKET)
         await objstore.ensure_ckpt_stream(buses["engine"].nc, "m")
         yield buses
-    finally:
-        for b in buses.values():
-            await b.close()
-        node.stop()
 
 
 def _no_watch_left(bus: Bus) -> bool:
@@ -123,17 +113,11 @@ async def test_a_refused_chunk_publish_fails_the_put_at_once(tmp_path: Path, fas
     write metas but not chunks failed its put only after ``ack_timeout`` (nats-py path:
     past the 16-chunk window, after it); now at once, naming the chunk subject. The fast
     path's own connection read the -ERR itself already (now worded the same)."""
-    passwords = natsconf.role_passwords()
     trainer_perms = natsconf.without("trainer", f"$O.{BUCKET}.>")
     trainer_perms["publish"].append(f"$O.{BUCKET}.M.>")
-    node = natsconf.single_with_perms(tmp_path, passwords, {"trainer": trainer_perms})
-    node.start()
-    buses: list[Bus] = []
-    try:
-        for role in ("engine", "trainer"):
-            url = f"nats://{role}:{passwords[role]}@127.0.0.1:{node.port}"
-            buses.append(await Bus.connect(url, f"test-{role}"))
-        engine, trainer = buses
+    perms = {"trainer": trainer_perms}
+    async with natsconf.role_buses(tmp_path, ("engine", "trainer"), perms) as (_, buses):
+        engine, trainer = buses["engine"], buses["trainer"]
         await objstore.ensure_bucket(engine.nc, BUCKET)
         data = os.urandom((objstore.PUT_WINDOW + 1) * MIB + 5 if not fast else 5 * MIB)
         t0 = time.monotonic()
@@ -146,10 +130,6 @@ async def test_a_refused_chunk_publish_fails_the_put_at_once(tmp_path: Path, fas
         assert f"lack publish permission on $O.{BUCKET}.C." in msg, msg
         assert isinstance(err.value, objstore.ObjectReadDenied), repr(err.value)
         assert _no_watch_left(trainer)
-    finally:
-        for b in buses:
-            await b.close()
-        node.stop()
 
 
 async def test_refusals_leave_no_watcher_and_fail_only_their_own_reads(tmp_path: Path) -> None:
@@ -157,7 +137,6 @@ async def test_refusals_leave_no_watcher_and_fail_only_their_own_reads(tmp_path:
     other allowed: every refused read fails, every allowed one returns its bytes (a
     refusal names one subject exactly, never a sibling's), and after many refused, many
     successful and many cancelled reads and fetches no watcher is left registered."""
-    passwords = natsconf.role_passwords()
     other = "rollbus_other"
     worker = natsconf.without("worker", CHUNKS_API)
     worker["publish"] += [
@@ -170,13 +149,7 @@ async def test_refusals_leave_no_watcher_and_fail_only_their_own_reads(tmp_path:
     trainer = natsconf.without("trainer")
     trainer["publish"] += [f"$O.{other}.>", "$JS.API.STREAM.>"]
     perms = {"worker": worker, "engine": engine, "trainer": trainer}
-    node = natsconf.single_with_perms(tmp_path, passwords, perms)
-    node.start()
-    buses: dict[str, Bus] = {}
-    try:
-        for role in ("engine", "trainer", "worker"):
-            url = f"nats://{role}:{passwords[role]}@127.0.0.1:{node.port}"
-            buses[role] = await Bus.connect(url, f"test-{role}")
+    async with natsconf.role_buses(tmp_path, ROLES, perms) as (_, buses):
         nc = buses["worker"].nc
         await objstore.ensure_bucket(buses["engine"].nc, BUCKET)
         await objstore.ensure_bucket(buses["engine"].nc, other)
@@ -218,16 +191,11 @@ async def test_refusals_leave_no_watcher_and_fail_only_their_own_reads(tmp_path:
         await asyncio.gather(t, return_exceptions=True)
         assert not buses["engine"].nc._asked  # type: ignore[attr-defined]
         assert len(buses["engine"].denied) == 1  # one subject, remembered once
-    finally:
-        for bus in buses.values():
-            await bus.close()
-        node.stop()
 
 
 async def test_refusals_after_a_server_restart(tmp_path: Path) -> None:
     """A server restart leaves no stale watcher (a read cut by it unregisters), and after
     the reconnect a refused read still fails at once, an allowed one still reads."""
-    passwords = natsconf.role_passwords()
     other = "rollbus_other"
     worker = natsconf.without("worker", CHUNKS_API)
     worker["publish"] += [
@@ -238,15 +206,8 @@ async def test_refusals_after_a_server_restart(tmp_path: Path) -> None:
     engine["publish"]["allow"].append("$JS.API.STREAM.>")
     trainer = natsconf.without("trainer")
     trainer["publish"] += [f"$O.{other}.>", "$JS.API.STREAM.>"]
-    node = natsconf.single_with_perms(
-        tmp_path, passwords, {"worker": worker, "engine": engine, "trainer": trainer}
-    )
-    node.start()
-    buses: dict[str, Bus] = {}
-    try:
-        for role in ("engine", "trainer", "worker"):
-            url = f"nats://{role}:{passwords[role]}@127.0.0.1:{node.port}"
-            buses[role] = await Bus.connect(url, f"test-{role}")
+    perms = {"worker": worker, "engine": engine, "trainer": trainer}
+    async with natsconf.role_buses(tmp_path, ROLES, perms) as (node, buses):
         nc = buses["worker"].nc
         data = os.urandom(64 * MIB)
         for b in (BUCKET, other):
@@ -273,7 +234,3 @@ async def test_refusals_after_a_server_restart(tmp_path: Path) -> None:
         assert time.monotonic() - t0 < WAIT_S / 2
         assert bytes(await objstore.read_object(nc, other, "x", fast=False)) == data
         assert not nc._asked  # type: ignore[attr-defined]
-    finally:
-        for bus in buses.values():
-            await bus.close()
-        node.stop()
