@@ -28,34 +28,38 @@ PULL_API = f"$JS.API.CONSUMER.MSG.NEXT.{CKPT_STREAM}.>"
 RUN_S = 8.0
 
 
-async def test_a_refused_feed_backs_off(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    passwords = natsconf.role_passwords()
-    perms = {"engine": natsconf.without("engine", PULL_API)}
-    node = natsconf.single_with_perms(tmp_path, passwords, perms)
-    node.start()
-    bus = None
+async def follow_refused(
+    bus: Bus, subject: str, caplog: pytest.LogCaptureFixture
+) -> list[PublishDenied]:
+    """Run the loop for ``RUN_S`` on an engine (instance ``i0``, model ``m``, on ``v0``) of
+    ``bus``, still running at the end: the refusals of ``subject`` the server sent it."""
+    engine = SimpleNamespace(
+        bus=bus,
+        state=SimpleNamespace(weight_version="v0"),
+        settings=SimpleNamespace(served_model_name="m", instance="i0"),
+        auto_update_waiting=None,
+        latest_published="",
+    )
+    refused: list[PublishDenied] = []
+    bus.nc.watch_refusal(subject, "", refused.append)  # type: ignore[attr-defined]
+    caplog.set_level(logging.DEBUG, logger="rollbus")
+    task = asyncio.ensure_future(autoupdate.follow(engine))  # type: ignore[arg-type]
     try:
-        url = f"nats://engine:{passwords['engine']}@127.0.0.1:{node.port}"
-        bus = await Bus.connect(url, "test-engine")
-        engine = SimpleNamespace(
-            bus=bus,
-            state=SimpleNamespace(weight_version="v0"),
-            settings=SimpleNamespace(served_model_name="m", instance="i0"),
-            auto_update_waiting=None,
-            latest_published="",
-        )
+        await asyncio.sleep(RUN_S)
+        assert not task.done()
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    return refused
+
+
+async def test_a_refused_feed_backs_off(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    perms = {"engine": natsconf.without("engine", PULL_API)}
+    async with natsconf.role_buses(tmp_path, ("engine",), perms) as (_, buses):
+        bus = buses["engine"]
         durable = autoupdate.durable_name("i0", "m")
-        refused: list[PublishDenied] = []
         subject = f"$JS.API.CONSUMER.MSG.NEXT.{CKPT_STREAM}.{durable}"
-        bus.nc.watch_refusal(subject, "", refused.append)  # type: ignore[attr-defined]
-        caplog.set_level(logging.DEBUG, logger="rollbus")
-        task = asyncio.ensure_future(autoupdate.follow(engine))  # type: ignore[arg-type]
-        try:
-            await asyncio.sleep(RUN_S)
-            assert not task.done()
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        refused = await follow_refused(bus, subject, caplog)
         # backing off 1, 2, 4 s: 4 tries in 8 s (it was 8, one a second)
         assert 2 <= len(refused) <= 5, len(refused)
         warned = [
@@ -65,10 +69,6 @@ async def test_a_refused_feed_backs_off(tmp_path: Path, caplog: pytest.LogCaptur
         ]
         assert len(warned) == 1, [r.getMessage() for r in warned]
         assert "permission denied" in warned[0].getMessage()
-    finally:
-        if bus is not None:
-            await bus.close()
-        node.stop()
 
 
 async def test_a_refused_start_backs_off_and_warns_once(
@@ -79,39 +79,14 @@ async def test_a_refused_start_backs_off_and_warns_once(
     for ever (it was one per 6 s while the refused get waited out its 5 s). Now: one
     warning, tries backing off; an error that is no refusal (JetStream not up yet) is
     still retried every ``RETRY_S``."""
-    passwords = natsconf.role_passwords()
     perms = {"engine": natsconf.without("engine", f"$JS.API.DIRECT.GET.{CKPT_STREAM}")}
-    node = natsconf.single_with_perms(tmp_path, passwords, perms)
-    node.start()
-    bus = None
-    try:
-        url = f"nats://engine:{passwords['engine']}@127.0.0.1:{node.port}"
-        bus = await Bus.connect(url, "test-engine")
+    async with natsconf.role_buses(tmp_path, ("engine", "trainer"), perms) as (_, buses):
+        bus = buses["engine"]
         await objstore.ensure_ckpt_stream(bus.nc, "m")
-        trainer_url = f"nats://trainer:{passwords['trainer']}@127.0.0.1:{node.port}"
-        trainer = await Bus.connect(trainer_url, "test-trainer")
-        try:  # a version to list (an empty stream is not read)
-            await objstore.publish_version(trainer.nc, VersionPublished("m", "v1", 1))
-        finally:
-            await trainer.close()
-        engine = SimpleNamespace(
-            bus=bus,
-            state=SimpleNamespace(weight_version="v0"),
-            settings=SimpleNamespace(served_model_name="m", instance="i0"),
-            auto_update_waiting=None,
-            latest_published="",
-        )
-        refused: list[PublishDenied] = []
+        # a version to list (an empty stream is not read)
+        await objstore.publish_version(buses["trainer"].nc, VersionPublished("m", "v1", 1))
         subject = f"$JS.API.DIRECT.GET.{CKPT_STREAM}"
-        bus.nc.watch_refusal(subject, "", refused.append)  # type: ignore[attr-defined]
-        caplog.set_level(logging.DEBUG, logger="rollbus")
-        task = asyncio.ensure_future(autoupdate.follow(engine))  # type: ignore[arg-type]
-        try:
-            await asyncio.sleep(RUN_S)
-            assert not task.done()
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        refused = await follow_refused(bus, subject, caplog)
         assert 2 <= len(refused) <= 5, len(refused)
         warned = [
             r.getMessage()
@@ -120,7 +95,3 @@ async def test_a_refused_start_backs_off_and_warns_once(
         ]
         assert len(warned) == 1, warned
         assert f"lack publish permission on {subject}" in warned[0]
-    finally:
-        if bus is not None:
-            await bus.close()
-        node.stop()
