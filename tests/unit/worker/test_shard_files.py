@@ -216,6 +216,33 @@ def rewrite_during_read(monkeypatch: pytest.MonkeyPatch, f: Path) -> None:
     monkeypatch.setattr(hf_files, "read_file", read_file)
 
 
+DAMAGES = ["size", "sha256", "changed_while_read"]  # refused by the snapshot and IPC loads
+
+
+def damage(monkeypatch: pytest.MonkeyPatch, shard: Path, how: str) -> bool | None:
+    """``shard`` damaged as ``how`` (one of :data:`DAMAGES`) says: a byte more, a byte
+    flipped, or rewritten during the read. The ``verify`` to stage it with: False for the
+    rewrite, which the stat after the read catches (no hash checked)."""
+    if how == "size":
+        with open(shard, "ab") as fh:
+            fh.write(b"x")
+    elif how == "sha256":
+        flip_last(shard)
+    elif how == "changed_while_read":
+        rewrite_during_read(monkeypatch, shard)
+        return False
+    else:
+        raise ValueError(how)
+    return None
+
+
+def bad_header(src: Path, dst: Path) -> None:
+    """``dst``: ``src`` with a header that is no JSON (the right size)."""
+    raw = bytearray(src.read_bytes())
+    raw[8:16] = b"\xff" * 8
+    dst.write_bytes(bytes(raw))
+
+
 SNAPSHOT_REFUSALS = ["size", "sha256", "changed_while_read", "bad_header", "hf_bad_header"]
 
 
@@ -227,25 +254,15 @@ def test_a_refused_snapshot_load_keeps_no_descriptor_nor_buffer(
     exp = expected(model_dir)
     shard = d / "rank0-of-2.safetensors"
     version, verify = "s1", None
-    if how == "size":
-        with open(shard, "ab") as fh:
-            fh.write(b"x")
-    elif how == "sha256":
-        flip_last(shard)
-    elif how == "changed_while_read":
-        verify = False
-        rewrite_during_read(monkeypatch, shard)
-    elif how == "bad_header":  # the right size, a header that is no JSON
+    if how in DAMAGES:
+        verify = damage(monkeypatch, shard, how)
+    elif how == "bad_header":
         (d / "manifest.json").unlink()
-        raw = bytearray(shard.read_bytes())
-        raw[8:16] = b"\xff" * 8
-        shard.write_bytes(bytes(raw))
+        bad_header(shard, shard)
     else:
         version = "hf"
         (model_dir / "versions" / "hf").mkdir()
-        raw = bytearray((model_dir / "model.safetensors").read_bytes())
-        raw[8:16] = b"\xff" * 8
-        (model_dir / "versions" / "hf" / "model.safetensors").write_bytes(bytes(raw))
+        bad_header(model_dir / "model.safetensors", model_dir / "versions/hf/model.safetensors")
     store = WeightStore(0, SnapshotSource(CFG, model_dir, 0, 2))
     store.spec = exp
     released(monkeypatch, lambda: store.stage(version, verify, "u1"))
@@ -287,14 +304,8 @@ def test_a_refused_ipc_load_keeps_no_descriptor_nor_buffer(
     ipc_dir, man = ipc
     shard = ipc_version_dir(ipc_dir, MODEL, "s1") / "rank0-of-2.safetensors"
     verify: bool | None = None
-    if how == "size":
-        with open(shard, "ab") as fh:
-            fh.write(b"x")
-    elif how == "sha256":
-        flip_last(shard)
-    elif how == "changed_while_read":
-        verify = False
-        rewrite_during_read(monkeypatch, shard)
+    if how in DAMAGES:
+        verify = damage(monkeypatch, shard, how)
     elif how == "symlink":
         target = tmp_path / "elsewhere.safetensors"
         target.write_bytes(shard.read_bytes())
@@ -302,9 +313,7 @@ def test_a_refused_ipc_load_keeps_no_descriptor_nor_buffer(
         shard.symlink_to(target)
     else:
         verify = False
-        raw = bytearray(shard.read_bytes())
-        raw[8:16] = b"\xff" * 8
-        shard.write_bytes(bytes(raw))
+        bad_header(shard, shard)
     store = WeightStore(0, ipc_source(ipc_dir))
     store.spec = man.shards[0].tensors
     released(monkeypatch, lambda: store.stage("s1", verify, "u1"))
