@@ -124,18 +124,26 @@ def test_the_initial_load_refuses_a_weight_file_that_is_no_regular_file(
     assert msg.startswith("rank 0: extra.safetensors: ") and "not a regular file" in msg, msg
 
 
+def snapshot_refuses(
+    model_dir: Path, f: Path, version: str, verify: bool | None, spec: Any
+) -> None:
+    """``f`` (in ``versions/<version>``) never waited on by the pending check (not ready:
+    None), and the version's load refused at once (422) naming it as no regular file."""
+    d = f.parent
+    assert promptly(lambda: snapshot_pending(d, 2, [0]), [f]) is None
+    src = SnapshotSource(CFG, model_dir, 0, 2)
+    msg = refusal(lambda: src(version, verify, spec), [f])
+    assert msg.startswith(f"rank 0: versions/{version}/{f.name}: "), msg
+    assert "not a regular file" in msg, msg
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_an_hf_version_whose_file_is_no_regular_file_is_refused(model_dir: Path, kind: str) -> None:
     """Not "not there yet" (404, retried for ever: a FIFO never fills) and never a wait:
     broken, 422 naming the file."""
     d = model_dir / "versions" / "hf"
     d.mkdir()
-    f = special(d / "model.safetensors", kind)
-    assert promptly(lambda: snapshot_pending(d, 2, [0]), [f]) is None
-    src = SnapshotSource(CFG, model_dir, 0, 2)
-    msg = refusal(lambda: src("hf", None, None), [f])
-    assert msg.startswith("rank 0: versions/hf/model.safetensors: "), msg
-    assert "not a regular file" in msg, msg
+    snapshot_refuses(model_dir, special(d / "model.safetensors", kind), "hf", None, None)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -156,12 +164,7 @@ def test_a_presharded_shard_that_is_no_regular_file_is_refused(
     exp = expected(model_dir)
     if not manifest:
         (d / "manifest.json").unlink()
-    f = special(d / "rank0-of-2.safetensors", kind)
-    assert promptly(lambda: snapshot_pending(d, 2, [0]), [f]) is None
-    src = SnapshotSource(CFG, model_dir, 0, 2)
-    msg = refusal(lambda: src("s1", False, exp), [f])
-    assert msg.startswith("rank 0: versions/s1/rank0-of-2.safetensors: "), msg
-    assert "not a regular file" in msg, msg
+    snapshot_refuses(model_dir, special(d / "rank0-of-2.safetensors", kind), "s1", False, exp)
 
 
 # -- ipc: the trust rules already refuse what is no regular file (kept so)
