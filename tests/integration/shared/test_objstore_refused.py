@@ -18,6 +18,7 @@ import os
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -132,23 +133,34 @@ async def test_a_refused_chunk_publish_fails_the_put_at_once(tmp_path: Path, fas
         assert _no_watch_left(trainer)
 
 
+OTHER = "rollbus_other"  # a second bucket, its direct gets allowed
+
+
+def other_bucket_perms(*engine_without: str, worker_info: bool = False) -> dict[str, Any]:
+    """The worker refused BUCKET's direct gets but allowed OTHER's (and, ``worker_info``, its
+    stream info); the engine (``engine_without`` taken away) and the trainer may call any
+    stream API, the trainer write OTHER."""
+    worker = natsconf.without("worker", CHUNKS_API)
+    if worker_info:
+        worker["publish"].append(f"$JS.API.STREAM.INFO.OBJ_{OTHER}")
+    worker["publish"] += [
+        f"$JS.API.STREAM.MSG.GET.OBJ_{OTHER}",
+        f"$JS.API.DIRECT.GET.OBJ_{OTHER}",
+    ]
+    engine = natsconf.without("engine", *engine_without)
+    engine["publish"]["allow"].append("$JS.API.STREAM.>")
+    trainer = natsconf.without("trainer")
+    trainer["publish"] += [f"$O.{OTHER}.>", "$JS.API.STREAM.>"]
+    return {"worker": worker, "engine": engine, "trainer": trainer}
+
+
 async def test_refusals_leave_no_watcher_and_fail_only_their_own_reads(tmp_path: Path) -> None:
     """One connection reading two buckets at once, one refused (its direct gets), the
     other allowed: every refused read fails, every allowed one returns its bytes (a
     refusal names one subject exactly, never a sibling's), and after many refused, many
     successful and many cancelled reads and fetches no watcher is left registered."""
-    other = "rollbus_other"
-    worker = natsconf.without("worker", CHUNKS_API)
-    worker["publish"] += [
-        f"$JS.API.STREAM.INFO.OBJ_{other}",
-        f"$JS.API.STREAM.MSG.GET.OBJ_{other}",
-        f"$JS.API.DIRECT.GET.OBJ_{other}",
-    ]
-    engine = natsconf.without("engine", PULL_API)
-    engine["publish"]["allow"].append("$JS.API.STREAM.>")
-    trainer = natsconf.without("trainer")
-    trainer["publish"] += [f"$O.{other}.>", "$JS.API.STREAM.>"]
-    perms = {"worker": worker, "engine": engine, "trainer": trainer}
+    other = OTHER
+    perms = other_bucket_perms(PULL_API, worker_info=True)
     async with natsconf.role_buses(tmp_path, ROLES, perms) as (_, buses):
         nc = buses["worker"].nc
         await objstore.ensure_bucket(buses["engine"].nc, BUCKET)
@@ -196,17 +208,8 @@ async def test_refusals_leave_no_watcher_and_fail_only_their_own_reads(tmp_path:
 async def test_refusals_after_a_server_restart(tmp_path: Path) -> None:
     """A server restart leaves no stale watcher (a read cut by it unregisters), and after
     the reconnect a refused read still fails at once, an allowed one still reads."""
-    other = "rollbus_other"
-    worker = natsconf.without("worker", CHUNKS_API)
-    worker["publish"] += [
-        f"$JS.API.STREAM.MSG.GET.OBJ_{other}",
-        f"$JS.API.DIRECT.GET.OBJ_{other}",
-    ]
-    engine = natsconf.without("engine")
-    engine["publish"]["allow"].append("$JS.API.STREAM.>")
-    trainer = natsconf.without("trainer")
-    trainer["publish"] += [f"$O.{other}.>", "$JS.API.STREAM.>"]
-    perms = {"worker": worker, "engine": engine, "trainer": trainer}
+    other = OTHER
+    perms = other_bucket_perms()
     async with natsconf.role_buses(tmp_path, ROLES, perms) as (node, buses):
         nc = buses["worker"].nc
         data = os.urandom(64 * MIB)
