@@ -435,14 +435,32 @@ class OpenAIRoutes:
         stop_ids = list(req.stop_token_ids or [])
         if any(t >= self.vocab_size for t in stop_ids):
             raise BadRequest("stop_token_ids: token id out of the vocabulary", "stop_token_ids")
-        bias_map: dict[int, float] = {}  # "7" and "07" name one token: the last one wins
+        bias_map: dict[int, float] = {}
+        bias_keys: dict[int, str] = {}  # the key that named each id
         for key, value in (req.logit_bias or {}).items():  # OpenAI's keys: ids as strings
-            if not (key.isascii() and key.isdigit() and int(key) < self.vocab_size):
+            # zeros stripped first: int() refuses a string of over 4300 digits (ValueError,
+            # a 500), and "0…07" is still token 7
+            digits = key.lstrip("0") or "0"
+            if not (
+                key.isascii()
+                and key.isdigit()
+                and len(digits) <= len(str(self.vocab_size))
+                and int(digits) < self.vocab_size
+            ):
                 raise BadRequest(
                     f"logit_bias: key {key[:32]!r} is not a token id in the vocabulary",
                     "logit_bias",
                 )
-            bias_map[int(key)] = value
+            token = int(digits)
+            # "7" and "07" name one token: which value holds would be the JSON parser's
+            # choice (ours keeps the last), so such a body is refused, as a duplicate key is
+            if (first := bias_keys.setdefault(token, key)) != key:
+                raise BadRequest(
+                    f"logit_bias: keys {first[:256]!r} and {key[:256]!r} name one token id "
+                    f"({token})",
+                    "logit_bias",
+                )
+            bias_map[token] = value
         bias = m.LogitBias(list(bias_map), list(bias_map.values())) if bias_map else None
         if not req.ignore_eos:
             stop_ids += self.tokenizer.stop_token_ids  # every eos id of the model's configs
