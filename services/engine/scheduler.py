@@ -102,6 +102,12 @@ REPLY_SAMPLE_BYTES = 23
 REPLY_TOP_BYTES = 9
 
 
+def reply_bytes(top_logprobs: int) -> int:
+    """An upper bound of the bytes one sample (of a spec asking ``top_logprobs``
+    alternatives) takes in rank 0's reply, iteration by iteration."""
+    return REPLY_SAMPLE_BYTES + REPLY_TOP_BYTES * top_logprobs
+
+
 def uint_bytes(largest: int) -> int:
     """The msgpack bytes of any int in [0, ``largest``]."""
     if largest < 128:
@@ -292,6 +298,13 @@ class Scheduler:
         most half of the step before: less than 8% of a message."""
         return self.max_step_bytes * 3 // 4
 
+    @property
+    def max_reply_bytes(self) -> int:
+        """The samples' bytes a step's reply may hold (``reply_bytes`` each): past the
+        server's max_payload rank 0 cannot publish it and the whole step fails; a quarter
+        is left for its header and ``failed`` (their messages)."""
+        return self.max_step_bytes * 3 // 4
+
     def row_bytes(self, tokens: int, blocks: int, specs: int) -> int:
         """An upper bound of a step row's msgpack bytes: ``tokens`` new token ids, a block
         table of ``blocks`` ids, ``specs`` bytes of sample specs."""
@@ -331,6 +344,13 @@ class Scheduler:
                 f"than a step message carries ({self.max_spec_bytes}): ask fewer choices or "
                 "less data"
             ), heavy
+        answer = gen.n * reply_bytes(gen.top_logprobs)
+        if answer > self.max_reply_bytes:  # its prefill row alone samples all n choices
+            return (
+                f"n ({gen.n}) x top_logprobs ({gen.top_logprobs}) alternatives is up to {answer} "
+                f"bytes of a step's reply, more than it carries ({self.max_reply_bytes} of the "
+                "server's max_payload): ask fewer choices or fewer top_logprobs"
+            ), "top_logprobs" if gen.top_logprobs else "n"
         return self._check_rows(gen, spec_bytes(gen, bad))
 
     def _check_rows(self, gen: m.GenRequest, spec: int) -> tuple[str, str] | None:
@@ -450,11 +470,19 @@ class Scheduler:
         )  # fmt: skip
 
     @staticmethod
-    def _spec_cost(seq: Seq) -> int:
-        """The most bytes of sample specs a row of ``seq`` may carry: the first sequence of
-        a request not forked yet samples for every choice."""
+    def _samples(seq: Seq) -> int:
+        """The most samples a row of ``seq`` may ask: the first sequence of a request not
+        forked yet samples for every choice."""
         req = seq.req
-        return req.spec_bytes * (len(req.seqs) if seq.index == 0 and not req.forked else 1)
+        return len(req.seqs) if seq.index == 0 and not req.forked else 1
+
+    def _spec_cost(self, seq: Seq) -> int:
+        """The most bytes of sample specs a row of ``seq`` may carry."""
+        return seq.req.spec_bytes * self._samples(seq)
+
+    def _reply_cost(self, seq: Seq) -> int:
+        """The most bytes a row of ``seq`` may add to the step's reply (one iteration)."""
+        return reply_bytes(seq.req.gen.top_logprobs) * self._samples(seq)
 
     def _row_cost(self, seq: Seq, budget: int) -> int:
         """The most bytes ``seq``'s next row may take (before its blocks are taken), with
@@ -559,6 +587,7 @@ class Scheduler:
         costs: list[int] = []  # each row's bytes (``_sent_cost``)
         budget = self.max_step_tokens
         room = self.max_spec_bytes  # sample specs' bytes (a row that would pass it waits)
+        said = self.max_reply_bytes  # rank 0's reply's bytes of samples (the same rule)
         keep, extras = self._step_extras()
         space = self.max_step_bytes - extras  # the whole message's bytes (rows too)
         admitting = admit and any(self._may_start(s, behind, max_staleness) for s in self.waiting)
@@ -569,6 +598,7 @@ class Scheduler:
                 continue
             if rows and (
                 self._spec_cost(seq) > room
+                or self._reply_cost(seq) > said
                 # its request's largest row first: a short one's costs a comparison, not
                 # ``_row_cost`` (a microsecond a row: a third of a 16-row step's planning)
                 or (seq.req.max_row > space and self._row_cost(seq, budget) > space)
@@ -586,6 +616,7 @@ class Scheduler:
                 for i in had:  # it had a row in this step already: not any more
                     budget += rows[i].num_new
                     room += len(rows[i].sample) * victim.req.spec_bytes
+                    said += len(rows[i].sample) * reply_bytes(victim.req.gen.top_logprobs)
                     space += costs[i]
                     del rows[i], seqs[i], costs[i]
                 if victim is seq:
@@ -595,6 +626,7 @@ class Scheduler:
             row = self._row(seq, budget)
             budget -= row.num_new
             room -= len(row.sample) * seq.req.spec_bytes
+            said -= len(row.sample) * reply_bytes(seq.req.gen.top_logprobs)
             costs.append(self._sent_cost(row, seq))
             space -= costs[-1]
             rows.append(row)
@@ -605,6 +637,7 @@ class Scheduler:
                 break
             if rows and (
                 self._spec_cost(seq) > room
+                or self._reply_cost(seq) > said
                 or (seq.req.max_row > space and self._row_cost(seq, budget) > space)
             ):
                 # the next step (``check``: a row of it fits alone); none queued behind it
@@ -619,6 +652,7 @@ class Scheduler:
             row = self._row(seq, budget)
             budget -= row.num_new
             room -= len(row.sample) * seq.req.spec_bytes
+            said -= len(row.sample) * reply_bytes(seq.req.gen.top_logprobs)
             costs.append(self._sent_cost(row, seq))
             space -= costs[-1]
             rows.append(row)
@@ -654,7 +688,7 @@ class Scheduler:
         added to a row's table is at most 5 more bytes (a msgpack uint32), and its
         array header at most 4 more; and to what rank 0's reply has room for (``fit``'s
         max_payload: a reply past it is not published, and the whole step fails), each
-        iteration adding its samples and their top alternatives (``REPLY_SAMPLE_BYTES``)."""
+        iteration adding its samples and their top alternatives (``reply_bytes``)."""
         k = most
         for row, seq in zip(rows, seqs, strict=True):
             spec = row.sample[0] if len(row.sample) == 1 else None
@@ -669,9 +703,8 @@ class Scheduler:
                 k = min(k, g.min_tokens - out)
             elif spec.ban:
                 return 1
-        # a quarter of the reply left for its header and ``failed`` (their messages)
-        per = sum(REPLY_SAMPLE_BYTES + REPLY_TOP_BYTES * r.sample[0].top_logprobs for r in rows)
-        k = min(k, self.max_step_bytes * 3 // 4 // per)
+        per = sum(reply_bytes(r.sample[0].top_logprobs) for r in rows)
+        k = min(k, self.max_reply_bytes // per)
         while k > 1:
             need = sum(
                 max(0, self.blocks_for(seq.length + k - 1) - len(seq.blocks)) for seq in seqs
