@@ -217,12 +217,42 @@ def staleness_of(engine: Engine) -> tuple[int, str]:
     return staleness.versions_behind(idx.seqs, serving), idx.latest
 
 
-async def _until_ok(what: str, fn: Callable[[], Awaitable[T]]) -> T:
+_USERINFO = re.compile(r"://[^/@\s]*@")  # a URL's user:password@ (dropped from reasons)
+
+
+def _why(e: BaseException) -> str:
+    """What status may show of a failure: a refusal's code and message (it names the
+    subject refused, never the credentials: PublishDenied, ObjectReadDenied), else the
+    exception's type and text; any URL's user and password dropped."""
+    if isinstance(e, ControlError):
+        why = f"{e.code}: {e.message}"
+    elif getattr(e, "code", None) == FORBIDDEN:
+        why = f"{FORBIDDEN}: {e}"
+    else:
+        why = f"{type(e).__name__}: {e}"
+    return _USERINFO.sub("://", why)
+
+
+def _failing(engine: Engine, e: BaseException) -> None:
+    """The auto-update loop cannot follow its feed: status's ``auto_update_error``
+    ({reason, since}: the last failure, since the first of this outage) says so until a
+    fetch succeeds. A refused pull or listing backs off quietly (one warning) and
+    the engine stays on its version: without it, status showed nothing amiss."""
+    prev = getattr(engine, "auto_update_error", None)
+    since = prev["since"] if prev else time.time()
+    engine.auto_update_error = {"reason": _why(e), "since": since}
+
+
+async def _until_ok(
+    what: str,
+    fn: Callable[[], Awaitable[T]],
+    on_fail: Callable[[BaseException], None] | None = None,
+) -> T:
     """``fn()`` until it succeeds: JetStream may come up after the engine. Each reason
-    said once (then at debug). A refusal (403: these credentials lack a grant, which an
-    auth.conf reload heals, not time) is tried again backing off up to RETRY_MAX_S: it
-    fails at once, so every RETRY_S it was a warning and a violation in the server's log
-    a second for ever."""
+    said once (then at debug), and handed to ``on_fail``. A refusal (403: these
+    credentials lack a grant, which an auth.conf reload heals, not time) is tried again
+    backing off up to RETRY_MAX_S: it fails at once, so every RETRY_S it was a warning
+    and a violation in the server's log a second for ever."""
     refusals, said = 0, ""
     while True:
         try:
@@ -233,6 +263,8 @@ async def _until_ok(what: str, fn: Callable[[], Awaitable[T]]) -> T:
             level = logging.WARNING if repr(e) != said else logging.DEBUG
             said = repr(e)
             log.log(level, "%s cannot start yet: %r", what, e)
+            if on_fail is not None:
+                on_fail(e)
             refused = getattr(e, "code", None) == FORBIDDEN  # PublishDenied, ObjectReadDenied
             refusals = refusals + 1 if refused else 0
             await asyncio.sleep(
@@ -457,13 +489,15 @@ async def follow(engine: Engine) -> None:
     feed = objstore.VersionFeed(nc, model, durable_name(engine.settings.instance, model))
     idx = index_of(engine)
     engine.auto_update_waiting = None  # a restarted loop looks again before saying so
+    engine.auto_update_error = None
 
     async def setup() -> list[tuple[int, VersionPublished]]:
         await objstore.ensure_ckpt_stream(nc, model)
         await feed.start()
         return await objstore.list_versions(nc, model)
 
-    past = await _until_ok("auto-update", setup)
+    past = await _until_ok("auto-update", setup, lambda e: _failing(engine, e))
+    engine.auto_update_error = None
     for seq, ev in past:
         _learn(engine, seq, ev.version)
     # the pending target (catch-up first) and the events it answers, acked once settled.
@@ -495,10 +529,12 @@ async def follow(engine: Engine) -> None:
         try:
             batch = await feed.fetch(timeout=wait)
             feed_errors = 0
+            engine.auto_update_error = None
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - reconnecting, or the durable is gone
             feed_errors += 1
+            _failing(engine, e)
             # said once per outage (a reconnect is noise); the durable is re-created: a
             # deleted one (`nats consumer rm`, JetStream state lost) otherwise fails every
             # fetch for ever and auto-update stops without a word

@@ -288,6 +288,9 @@ async def status(eng: Engine, args: m.StatusArgs | None = None) -> dict[str, Any
         # the announced version auto-update waits for the files of (no pause), or None:
         # why the engine is not on the newest although running
         "auto_update_waiting": eng.auto_update_waiting,
+        # why auto-update cannot follow its feed (refused, no JetStream), or None: the
+        # engine stays on its version while the loop backs off with a single warning
+        "auto_update_error": eng.auto_update_error,
         **eng.scheduler.counts(),
     }
 

@@ -781,7 +781,9 @@ class Generation:
         self.rank_seconds += reply.seconds
         self.steps += 1
         self.rows += len(plan.step.rows)
-        self.iterations += plan.step.iters
+        # a step of block copies alone (a fork's, its rows all finished) runs no forward
+        # pass: ``iters`` is 1 there only as the message's default
+        self.iterations += plan.step.iters if plan.step.rows else 0
         return self.sched.apply(plan, reply, plan.step.version)
 
     async def _reply(self, sent: Sent, step: int, pids: dict[int, int], iters: int = 1) -> Reply:

@@ -106,6 +106,9 @@ class Engine:
         # the version auto-update waits for the files of (no pause meanwhile): {version,
         # reason, since}, else None — /v1/status's `auto_update_waiting`
         self.auto_update_waiting: dict[str, Any] | None = None
+        # why auto-update cannot follow its feed (a refused pull or version listing, no
+        # JetStream): {reason, since}, None once a fetch succeeds — `auto_update_error`
+        self.auto_update_error: dict[str, Any] | None = None
         self.max_model_len = 0
         self.supervisor = Supervisor("engine")
         # what each rank said in the watcher's last round (version, compute-thread

@@ -91,7 +91,10 @@ def requests() -> list[m.GenRequest]:
 
 
 async def run(
-    pipeline: bool, during: Callable[[Any, Ranks], None] | None = None, decode_steps: int = 1
+    pipeline: bool,
+    during: Callable[[Any, Ranks], None] | None = None,
+    decode_steps: int = 1,
+    reqs: list[m.GenRequest] | None = None,
 ) -> Any:
     eng = engine()
     eng.settings.step_pipeline = pipeline
@@ -101,7 +104,7 @@ async def run(
     gen = eng.scheduler
     if during:
         during(eng, ranks)
-    for g in requests():
+    for g in requests() if reqs is None else reqs:
         gen.sched.add(g, f"inbox.{g.request_id}")
     gen.work.set()
     loop = asyncio.create_task(gen.loop())
@@ -218,3 +221,15 @@ def test_an_ahead_plan_never_preempts() -> None:
     s.apply(p1, m.StepReply(1, [0, 1], [7, 7], [-0.1, -0.1]), "v0")
     p2 = s.schedule()  # one step at a time: preempts as before
     assert isinstance(p2, Plan) and s.preemptions == 1
+
+
+async def test_a_step_of_block_copies_alone_counts_no_iteration() -> None:
+    """``step_time.iterations`` counts forward passes: three completions of a 19-token
+    prompt (not a whole number of 16-token blocks: the forks copy its last block), one
+    token each, end in the prompt's step; the copies go alone in the next step, which
+    runs no forward pass. It counted 1 (``iters``' default)."""
+    for pipeline in (False, True):
+        eng, ranks = await run(pipeline, reqs=[m.GenRequest("b", list(range(1, 20)), 1, n=3)])
+        assert [(len(s.rows), len(s.copies)) for s in ranks.steps] == [(1, 0), (0, 2)]
+        counts = eng.scheduler.counts()
+        assert counts["steps"] == 2 and counts["step_time"]["iterations"] == 1, counts
