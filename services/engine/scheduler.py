@@ -95,17 +95,21 @@ STEP_HEADROOM = 2048  # the step's own fields (a version of up to 1 KiB) and its
 ROW_BYTES = 32  # a row's fields but its lists' items, at most (msgpack)
 TOKEN_BYTES = 5  # a token id's msgpack bytes, at most (ids < 2**31)
 # rank 0's reply to a step holds every sample of every decode iteration: per sample its
-# seq id and token (up to 5 bytes each), logprob (a float64: 9), an entry of ``top``
-# (an empty one, 4 bytes, when another sample has alternatives) and per alternative up to
-# 5 bytes of id and 4 of float32: a step of K iterations answers K times the samples
-REPLY_SAMPLE_BYTES = 23
+# seq id and token (up to 5 bytes each below 2**32), logprob (a float64: 9), an entry of
+# ``top`` (its array header 1, its ids' array header up to 3 — 16 alternatives and more
+# are an array16 —, its bytes' header 2: 6, an empty entry 4, when another sample has
+# alternatives) and per alternative up to 5 bytes of id and 4 of float32: a step of K
+# iterations answers K times the samples
+REPLY_SAMPLE_BYTES = 25
 REPLY_TOP_BYTES = 9
 
 
-def reply_bytes(top_logprobs: int) -> int:
+def reply_bytes(top_logprobs: int, next_seq: int = 0) -> int:
     """An upper bound of the bytes one sample (of a spec asking ``top_logprobs``
-    alternatives) takes in rank 0's reply, iteration by iteration."""
-    return REPLY_SAMPLE_BYTES + REPLY_TOP_BYTES * top_logprobs
+    alternatives) takes in rank 0's reply, iteration by iteration, its seq id below
+    ``next_seq`` (past 2**32 a uint64: 4 bytes more)."""
+    wide = uint_bytes(next_seq) - 5 if next_seq >= 2**32 else 0  # a uint64 seq id
+    return REPLY_SAMPLE_BYTES + wide + REPLY_TOP_BYTES * top_logprobs
 
 
 def uint_bytes(largest: int) -> int:
@@ -344,7 +348,7 @@ class Scheduler:
                 f"than a step message carries ({self.max_spec_bytes}): ask fewer choices or "
                 "less data"
             ), heavy
-        answer = gen.n * reply_bytes(gen.top_logprobs)
+        answer = gen.n * reply_bytes(gen.top_logprobs, self._next_seq + gen.n)
         if answer > self.max_reply_bytes:  # its prefill row alone samples all n choices
             return (
                 f"n ({gen.n}) x top_logprobs ({gen.top_logprobs}) alternatives is up to {answer} "
@@ -482,7 +486,7 @@ class Scheduler:
 
     def _reply_cost(self, seq: Seq) -> int:
         """The most bytes a row of ``seq`` may add to the step's reply (one iteration)."""
-        return reply_bytes(seq.req.gen.top_logprobs) * self._samples(seq)
+        return reply_bytes(seq.req.gen.top_logprobs, self._next_seq) * self._samples(seq)
 
     def _row_cost(self, seq: Seq, budget: int) -> int:
         """The most bytes ``seq``'s next row may take (before its blocks are taken), with
@@ -616,7 +620,9 @@ class Scheduler:
                 for i in had:  # it had a row in this step already: not any more
                     budget += rows[i].num_new
                     room += len(rows[i].sample) * victim.req.spec_bytes
-                    said += len(rows[i].sample) * reply_bytes(victim.req.gen.top_logprobs)
+                    said += len(rows[i].sample) * reply_bytes(
+                        victim.req.gen.top_logprobs, self._next_seq
+                    )
                     space += costs[i]
                     del rows[i], seqs[i], costs[i]
                 if victim is seq:
@@ -626,7 +632,7 @@ class Scheduler:
             row = self._row(seq, budget)
             budget -= row.num_new
             room -= len(row.sample) * seq.req.spec_bytes
-            said -= len(row.sample) * reply_bytes(seq.req.gen.top_logprobs)
+            said -= len(row.sample) * reply_bytes(seq.req.gen.top_logprobs, self._next_seq)
             costs.append(self._sent_cost(row, seq))
             space -= costs[-1]
             rows.append(row)
@@ -652,7 +658,7 @@ class Scheduler:
             row = self._row(seq, budget)
             budget -= row.num_new
             room -= len(row.sample) * seq.req.spec_bytes
-            said -= len(row.sample) * reply_bytes(seq.req.gen.top_logprobs)
+            said -= len(row.sample) * reply_bytes(seq.req.gen.top_logprobs, self._next_seq)
             costs.append(self._sent_cost(row, seq))
             space -= costs[-1]
             rows.append(row)
@@ -703,7 +709,7 @@ class Scheduler:
                 k = min(k, g.min_tokens - out)
             elif spec.ban:
                 return 1
-        per = sum(reply_bytes(r.sample[0].top_logprobs) for r in rows)
+        per = sum(reply_bytes(r.sample[0].top_logprobs, self._next_seq) for r in rows)
         k = min(k, self.max_reply_bytes // per)
         while k > 1:
             need = sum(
