@@ -495,6 +495,18 @@ class Scheduler:
         blocks = max(len(seq.blocks), self.blocks_for(upto))
         return self.row_bytes(upto - seq.num_computed, blocks, self._spec_cost(seq))
 
+    def _no_room(self, seq: Seq, budget: int, room: int, said: int, space: int) -> bool:
+        """Whether ``seq``'s next row would pass what the step has left: ``room`` bytes of
+        sample specs, ``said`` bytes of rank 0's reply, ``space`` bytes of the message
+        (``budget`` tokens left)."""
+        return (
+            self._spec_cost(seq) > room
+            or self._reply_cost(seq) > said
+            # its request's largest row first: a short one's costs a comparison, not
+            # ``_row_cost`` (a microsecond a row: a third of a 16-row step's planning)
+            or (seq.req.max_row > space and self._row_cost(seq, budget) > space)
+        )
+
     def _sent_cost(self, row: m.StepRow, seq: Seq) -> int:
         """The bytes ``row`` (of ``seq``) is counted for in its step."""
         specs = len(row.sample) * seq.req.spec_bytes
@@ -600,13 +612,7 @@ class Scheduler:
                 continue
             if self._ends_ahead(seq):
                 continue
-            if rows and (
-                self._spec_cost(seq) > room
-                or self._reply_cost(seq) > said
-                # its request's largest row first: a short one's costs a comparison, not
-                # ``_row_cost`` (a microsecond a row: a third of a 16-row step's planning)
-                or (seq.req.max_row > space and self._row_cost(seq, budget) > space)
-            ):
+            if rows and self._no_room(seq, budget, room, said, space):
                 # the next step: only the rows of sequences running before it, which all
                 # end, can keep taking its room (a request that starts later runs after it)
                 continue
@@ -641,11 +647,7 @@ class Scheduler:
         for seq in ready if admit else []:
             if len(rows) >= self.max_batch or budget <= 0:
                 break
-            if rows and (
-                self._spec_cost(seq) > room
-                or self._reply_cost(seq) > said
-                or (seq.req.max_row > space and self._row_cost(seq, budget) > space)
-            ):
+            if rows and self._no_room(seq, budget, room, said, space):
                 # the next step (``check``: a row of it fits alone); none queued behind it
                 # starts before it (a stream of smaller ones kept it waiting for ever)
                 break
